@@ -1,0 +1,286 @@
+//! Build script: compiles `kernels/*.cu` into one fatbin embedded in the library.
+//!
+//! nvcc is looked up in this order: `KVR_NVCC` (a path, or `none` to build CPU-only),
+//! `$CUDA_HOME/bin/nvcc`, `$CUDA_PATH/bin/nvcc`, `nvcc` on `PATH`, and the pinned toolchain
+//! that `scripts/install-cuda-toolchain.sh` puts in `.cuda-toolchain/`. No GPU is probed.
+//!
+//! - No usable nvcc: the library builds CPU-only and the CUDA backend reports
+//!   `KVR_STATUS_NOT_COMPILED`, unless `KVR_REQUIRE_KERNELS=1`, which makes it an error.
+//! - nvcc found but a kernel does not compile: always an error (a broken kernel is a bug,
+//!   never a silent CPU-only build). Set `KVR_NVCC=none` to build without kernels on purpose.
+//!
+//! Targets: sm_80, sm_86, sm_89 and sm_90a machine code plus compute_80 PTX
+//! (`KVR_CUDA_ARCHS=90a` narrows the machine-code list for quick local builds).
+//! With the `header` feature and `KVR_HEADER_OUT` set, it also writes the C header there.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const DEFAULT_ARCHS: &str = "80,86,89,90a";
+const PTX_ARCH: &str = "80";
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
+    println!("cargo::rustc-check-cfg=cfg(kvr_kernels)");
+    println!("cargo::rerun-if-changed=build.rs");
+    for var in [
+        "KVR_NVCC",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "PATH",
+        "KVR_REQUIRE_KERNELS",
+        "KVR_CUDA_ARCHS",
+        "KVR_NVCC_FLAGS",
+        "KVR_PTXAS_VERBOSE",
+        "KVR_HEADER_OUT",
+    ] {
+        println!("cargo::rerun-if-env-changed={var}");
+    }
+
+    build_kernels(&manifest, &out_dir);
+
+    #[cfg(feature = "header")]
+    generate_header(&manifest);
+}
+
+fn require_kernels() -> bool {
+    matches!(
+        env::var("KVR_REQUIRE_KERNELS").as_deref(),
+        Ok("1") | Ok("true") | Ok("yes")
+    )
+}
+
+/// Writes `kernels.rs` into OUT_DIR: the embedded fatbin (or `None`) and how it was built.
+fn write_kernel_module(out_dir: &Path, fatbin: Option<&Path>, description: &str) {
+    let body = match fatbin {
+        Some(path) => format!(
+            "/// The fatbin compiled from kernels/*.cu.\npub(crate) static FATBIN: Option<&[u8]> = Some(include_bytes!({path:?}));\n/// How the kernels were built.\npub(crate) const BUILD_INFO: &str = {description:?};\n"
+        ),
+        None => format!(
+            "/// No kernels: the library was built without a usable nvcc.\npub(crate) static FATBIN: Option<&[u8]> = None;\n/// Why no kernels were built.\npub(crate) const BUILD_INFO: &str = {description:?};\n"
+        ),
+    };
+    fs::write(out_dir.join("kernels.rs"), body).expect("write kernels.rs");
+}
+
+fn build_kernels(manifest: &Path, out_dir: &Path) {
+    let kernel_dir = manifest.join("kernels");
+    println!("cargo::rerun-if-changed={}", kernel_dir.display());
+    let mut sources = Vec::new();
+    if let Ok(entries) = fs::read_dir(&kernel_dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("cu") => {
+                    println!("cargo::rerun-if-changed={}", path.display());
+                    sources.push(path);
+                }
+                Some("cuh") => println!("cargo::rerun-if-changed={}", path.display()),
+                _ => {}
+            }
+        }
+    }
+    sources.sort();
+
+    let nvcc = match find_nvcc(manifest) {
+        NvccSearch::Found(path, version) => (path, version),
+        NvccSearch::Disabled => {
+            if require_kernels() {
+                panic!("KVR_REQUIRE_KERNELS=1 but KVR_NVCC=none disables the kernel build");
+            }
+            write_kernel_module(out_dir, None, "built without kernels: KVR_NVCC=none");
+            return;
+        }
+        NvccSearch::Missing(why) => {
+            if require_kernels() {
+                panic!(
+                    "KVR_REQUIRE_KERNELS=1 but no usable nvcc was found ({why}). \
+                     Run scripts/install-cuda-toolchain.sh or set KVR_NVCC."
+                );
+            }
+            println!(
+                "cargo::warning=kvreplay: no usable nvcc ({why}); building CPU-only. \
+                 Run scripts/install-cuda-toolchain.sh (then `cargo clean -p kvreplay`) for CUDA kernels."
+            );
+            write_kernel_module(out_dir, None, &format!("built without kernels: {why}"));
+            return;
+        }
+    };
+    let (nvcc, version) = nvcc;
+    if sources.is_empty() {
+        panic!("no kernels/*.cu found in {}", kernel_dir.display());
+    }
+
+    // One translation unit that includes every kernel source, so there is one fatbin.
+    let umbrella = out_dir.join("kvreplay_kernels.cu");
+    let mut text =
+        String::from("// Generated by build.rs: every kernels/*.cu in one translation unit.\n");
+    for src in &sources {
+        text.push_str(&format!("#include \"{}\"\n", src.display()));
+    }
+    fs::write(&umbrella, text).expect("write umbrella .cu");
+
+    let archs = env::var("KVR_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+    let fatbin = out_dir.join("kvreplay.fatbin");
+    let mut cmd = Command::new(&nvcc);
+    cmd.arg("--fatbin")
+        .arg("-o")
+        .arg(&fatbin)
+        .arg(&umbrella)
+        .arg("-std=c++17")
+        .arg("-O3")
+        .arg("-lineinfo")
+        .arg("--threads")
+        .arg("0")
+        .arg("-I")
+        .arg(&kernel_dir);
+    let mut arch_list = Vec::new();
+    for arch in archs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        cmd.arg(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
+        arch_list.push(format!("sm_{arch}"));
+    }
+    cmd.arg(format!(
+        "-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
+    ));
+    arch_list.push(format!("compute_{PTX_ARCH} PTX"));
+    if matches!(env::var("KVR_PTXAS_VERBOSE").as_deref(), Ok("1")) {
+        cmd.arg("-Xptxas=-v");
+    }
+    if let Ok(extra) = env::var("KVR_NVCC_FLAGS") {
+        cmd.args(extra.split_whitespace());
+    }
+    let output = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("failed to run {}: {e}", nvcc.display()));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if matches!(env::var("KVR_PTXAS_VERBOSE").as_deref(), Ok("1")) {
+        fs::write(out_dir.join("ptxas.log"), stderr.as_bytes()).ok();
+        println!(
+            "cargo::warning=kvreplay: ptxas report in {}",
+            out_dir.join("ptxas.log").display()
+        );
+    }
+    if !output.status.success() {
+        panic!(
+            "kernel compilation failed ({}; {version}):\n{stderr}\n\
+             Set KVR_NVCC=none to build without CUDA kernels.",
+            nvcc.display()
+        );
+    }
+    let description = format!(
+        "nvcc {version} ({}), targets {}",
+        nvcc.display(),
+        arch_list.join(", ")
+    );
+    println!("cargo::rustc-cfg=kvr_kernels");
+    write_kernel_module(out_dir, Some(&fatbin), &description);
+}
+
+enum NvccSearch {
+    Found(PathBuf, String),
+    Disabled,
+    Missing(String),
+}
+
+fn find_nvcc(manifest: &Path) -> NvccSearch {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Ok(explicit) = env::var("KVR_NVCC") {
+        if matches!(explicit.as_str(), "none" | "off" | "0") {
+            return NvccSearch::Disabled;
+        }
+        // An explicit choice is the only candidate: a wrong path must not fall through.
+        let path = PathBuf::from(&explicit);
+        return match nvcc_version(&path) {
+            Ok(v) => NvccSearch::Found(path, v),
+            Err(e) => NvccSearch::Missing(format!("KVR_NVCC={explicit}: {e}")),
+        };
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(home) = env::var(var) {
+            candidates.push(Path::new(&home).join("bin").join("nvcc"));
+        }
+    }
+    if let Some(paths) = env::var_os("PATH") {
+        for dir in env::split_paths(&paths) {
+            candidates.push(dir.join("nvcc"));
+        }
+    }
+    candidates.push(manifest.join(".cuda-toolchain/nvidia/cu13/bin/nvcc"));
+    let mut rejected = Vec::new();
+    for path in candidates {
+        if !path.is_file() {
+            continue;
+        }
+        match nvcc_version(&path) {
+            Ok(v) => return NvccSearch::Found(path, v),
+            Err(e) => rejected.push(format!("{}: {e}", path.display())),
+        }
+    }
+    if rejected.is_empty() {
+        NvccSearch::Missing("nvcc not found".into())
+    } else {
+        NvccSearch::Missing(rejected.join("; "))
+    }
+}
+
+/// Runs `nvcc --version` and returns "release X.Y"; rejects releases older than 12.0
+/// (sm_90a needs 12.0).
+fn nvcc_version(path: &Path) -> Result<String, String> {
+    let out = Command::new(path)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("cannot run: {e}"))?;
+    if !out.status.success() {
+        return Err("`nvcc --version` failed".into());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let release = text
+        .split("release ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .ok_or_else(|| "cannot read the release from `nvcc --version`".to_string())?
+        .trim()
+        .to_string();
+    let major: u32 = release
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .ok_or_else(|| format!("cannot parse release {release}"))?;
+    if major < 12 {
+        return Err(format!("CUDA {release} is too old (need 12.0 or newer)"));
+    }
+    Ok(format!("release {release}"))
+}
+
+#[cfg(feature = "header")]
+fn generate_header(manifest: &Path) {
+    let Ok(dest) = env::var("KVR_HEADER_OUT") else {
+        return;
+    };
+    println!("cargo::rerun-if-changed=cbindgen.toml");
+    println!("cargo::rerun-if-changed=src/ffi");
+    let mut config =
+        cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("read cbindgen.toml");
+    let version = |name: &str| env::var(name).expect("version variable");
+    let macros = format!(
+        "#define KVR_VERSION_MAJOR {}\n#define KVR_VERSION_MINOR {}\n#define KVR_VERSION_PATCH {}\n\
+         /** The version as one number: major * 10000 + minor * 100 + patch. */\n\
+         #define KVR_VERSION_NUMBER ((KVR_VERSION_MAJOR * 10000) + (KVR_VERSION_MINOR * 100) + KVR_VERSION_PATCH)\n",
+        version("CARGO_PKG_VERSION_MAJOR"),
+        version("CARGO_PKG_VERSION_MINOR"),
+        version("CARGO_PKG_VERSION_PATCH"),
+    );
+    let existing = config.after_includes.take().unwrap_or_default();
+    config.after_includes = Some(format!("\n{macros}{existing}"));
+    // Only src/ffi (and the modules it declares) is parsed: the core's public items are
+    // not part of the C API.
+    cbindgen::Builder::new()
+        .with_src(manifest.join("src/ffi/mod.rs"))
+        .with_config(config)
+        .generate()
+        .expect("cbindgen failed")
+        .write_to_file(dest);
+}

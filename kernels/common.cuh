@@ -1,0 +1,43 @@
+// Shared device helpers for every kvreplay kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace kvr {
+
+// Element conversions: f32 <-> f16 / bf16, round-to-nearest-even (the CPU backend's `half`
+// crate rounds the same way, so conversions match the CPU bit for bit).
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename S, typename D> struct IsSame { static constexpr bool value = false; };
+template <typename T> struct IsSame<T, T> { static constexpr bool value = true; };
+
+// Converts one element; a same-type copy moves the bits unchanged (NaN payloads included).
+template <typename S, typename D> __device__ __forceinline__ D convert(S x) {
+  if constexpr (IsSame<S, D>::value) {
+    return x;
+  } else {
+    return from_float<D>(to_float(x));
+  }
+}
+
+// Eight elements moved as one aligned unit: 16 bytes for 2-byte types, 32 for f32.
+template <typename T> struct alignas(16) Pack8 {
+  T v[8];
+};
+
+// Most dimensions of a kvr_tensor (must equal MAX_DIMS in src/tensor.rs).
+constexpr int kMaxDims = 8;
+
+}  // namespace kvr

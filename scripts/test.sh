@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The test command (README): everything that runs without a GPU.
+#   1. cargo test (unit + integration tests; GPU tests skip themselves with a message)
+#   2. the release static and shared libraries, and a check that the system libraries
+#      documented for static linking still match what rustc prints
+#   3. ffi-tests: C and C++ against the header and both libraries, an ASan+UBSan build,
+#      and valgrind over the static-library test
+#   4. examples: built with Make (static and shared) and with CMake, and the demo run
+# Installs CMake into .tools/ (pip) when it is missing. Set KVR_REQUIRE_KERNELS=1 to fail
+# when the CUDA kernels cannot be compiled (CI does).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+step() { printf '\n== %s\n' "$*"; }
+
+step "cargo test"
+cargo test --all-targets
+
+step "release libraries"
+cargo build --release --lib
+test -f target/release/libkvreplay.a && test -f target/release/libkvreplay.so
+
+step "native-static-libs"
+documented="$(sed -n 's/^NATIVE_LIBS := //p' ffi-tests/Makefile)"
+printed="$(cargo rustc --release --lib --crate-type staticlib --target-dir target/native-libs \
+  -- --print native-static-libs 2>&1 | sed -n 's/.*native-static-libs: //p' | tail -n 1)"
+norm() { tr ' ' '\n' | sort -u | tr '\n' ' '; }
+if [ "$(echo "$documented" | norm)" != "$(echo "$printed" | norm)" ]; then
+  echo "static link libraries changed: rustc prints '$printed', ffi-tests/Makefile," \
+    "examples/Makefile, examples/CMakeLists.txt and README.md say '$documented'" >&2
+  exit 1
+fi
+grep -qF -- "$documented" README.md || { echo "README.md lacks '$documented'" >&2; exit 1; }
+echo "static link: $printed"
+
+step "ffi-tests (static, shared, ASan+UBSan, C++)"
+make -C ffi-tests check
+if nm ffi-tests/build/test_api_asan | grep -c __asan_init >/dev/null; then
+  echo "ASan build is instrumented"
+else
+  echo "ffi-tests/build/test_api_asan is not instrumented" >&2
+  exit 1
+fi
+if command -v valgrind >/dev/null 2>&1; then
+  step "valgrind ffi-tests/build/test_api_static"
+  valgrind --quiet --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite \
+    ffi-tests/build/test_api_static
+else
+  echo "valgrind not installed: skipping the valgrind run"
+fi
+
+step "examples (make, static and shared)"
+make -C examples run
+make -C examples clean >/dev/null
+make -C examples SHARED=1
+./examples/build/info >/dev/null
+
+step "examples (cmake)"
+if ! command -v cmake >/dev/null 2>&1; then
+  if [ ! -x .tools/cmake/bin/cmake ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target .tools/cmake-py "cmake==4.1.2"
+    mkdir -p .tools/cmake/bin
+    ln -sf "$root/.tools/cmake-py/bin/cmake" .tools/cmake/bin/cmake
+  fi
+  export PATH="$root/.tools/cmake/bin:$PATH"
+  export PYTHONPATH="$root/.tools/cmake-py${PYTHONPATH:+:$PYTHONPATH}"
+fi
+rm -rf target/cmake-examples
+cmake -S examples -B target/cmake-examples -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build target/cmake-examples -j 2 >/dev/null
+target/cmake-examples/info >/dev/null
+cmake -S examples -B target/cmake-examples-shared -DKVREPLAY_SHARED=ON >/dev/null
+cmake --build target/cmake-examples-shared -j 2 >/dev/null
+target/cmake-examples-shared/info >/dev/null
+echo "cmake examples: ok"
+
+printf '\nall tests passed\n'

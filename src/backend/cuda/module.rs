@@ -1,0 +1,139 @@
+//! The embedded fatbin and the kernels in it.
+
+use std::ffi::CString;
+
+use cudarc::driver::sys;
+
+use super::driver::check;
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+/// The fatbin built from `kernels/*.cu`, or `None` when the library was built without nvcc.
+pub(crate) fn fatbin() -> Option<&'static [u8]> {
+    embedded::FATBIN
+}
+
+/// How the kernels were built (nvcc version and targets), or why they were not.
+pub fn build_info() -> &'static str {
+    embedded::BUILD_INFO
+}
+
+/// True when the library carries CUDA kernels.
+pub fn kernels_compiled() -> bool {
+    embedded::FATBIN.is_some()
+}
+
+fn dtype_index(d: DType) -> usize {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
+}
+
+/// Every kernel the library launches. Each has a fixed slot in [`LoadedModule`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// `kvr_copy_<src>_<dst>` (kernels/copy.cu).
+    Copy { src: DType, dst: DType },
+}
+
+impl Kernel {
+    /// Every kernel, in slot order.
+    pub(crate) fn all() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        for src in DType::ALL {
+            for dst in DType::ALL {
+                v.push(Kernel::Copy { src, dst });
+            }
+        }
+        v
+    }
+
+    /// The kernel's slot.
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Kernel::Copy { src, dst } => dtype_index(src) * 3 + dtype_index(dst),
+        }
+    }
+
+    /// The `extern "C"` symbol name in the fatbin.
+    pub(crate) fn name(self) -> String {
+        match self {
+            Kernel::Copy { src, dst } => format!("kvr_copy_{}_{}", src.name(), dst.name()),
+        }
+    }
+}
+
+/// The fatbin loaded into a context, with every kernel resolved.
+pub(crate) struct LoadedModule {
+    pub(crate) handle: sys::CUmodule,
+    functions: Vec<sys::CUfunction>,
+}
+
+// SAFETY: module and function handles are plain driver handles, usable from any thread
+// that has the owning context current.
+unsafe impl Send for LoadedModule {}
+unsafe impl Sync for LoadedModule {}
+
+impl LoadedModule {
+    /// Loads `image` into the current context and resolves every kernel.
+    ///
+    /// # Safety
+    /// The owning context must be current on this thread.
+    pub(crate) unsafe fn load(image: &[u8]) -> Result<LoadedModule> {
+        // The driver wants the image 8-byte aligned; include_bytes! promises no alignment.
+        let mut aligned = vec![0u64; image.len().div_ceil(8)];
+        std::ptr::copy_nonoverlapping(image.as_ptr(), aligned.as_mut_ptr() as *mut u8, image.len());
+        let mut handle: sys::CUmodule = std::ptr::null_mut();
+        let r = sys::cuModuleLoadData(&mut handle, aligned.as_ptr() as *const std::ffi::c_void);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            let detail = match r {
+                sys::CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+                | sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => format!(
+                    " (kernels were built as: {}; this GPU or driver cannot run them)",
+                    build_info()
+                ),
+                _ => String::new(),
+            };
+            return Err(super::driver::cuda_error("cuModuleLoadData", r, detail));
+        }
+        let mut module = LoadedModule {
+            handle,
+            functions: Vec::new(),
+        };
+        for kernel in Kernel::all() {
+            debug_assert_eq!(kernel.index(), module.functions.len());
+            let name = CString::new(kernel.name()).expect("kernel names have no NUL");
+            let mut f: sys::CUfunction = std::ptr::null_mut();
+            let r = sys::cuModuleGetFunction(&mut f, handle, name.as_ptr());
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::NotCompiled(format!(
+                    "kernel {} is missing from the embedded fatbin ({}); rebuild the library",
+                    kernel.name(),
+                    build_info()
+                )));
+            }
+            module.functions.push(f);
+        }
+        Ok(module)
+    }
+
+    /// The function handle of `kernel`.
+    pub(crate) fn function(&self, kernel: Kernel) -> sys::CUfunction {
+        self.functions[kernel.index()]
+    }
+}
+
+impl Drop for LoadedModule {
+    fn drop(&mut self) {
+        // SAFETY: the owner makes its context current before dropping the module.
+        let _ = check("cuModuleUnload", unsafe {
+            sys::cuModuleUnload(self.handle)
+        });
+    }
+}
