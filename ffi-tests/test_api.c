@@ -24,7 +24,8 @@ static void test_status_strings(void) {
                         KVR_STATUS_CUDA_UNAVAILABLE, KVR_STATUS_NOT_COMPILED,
                         KVR_STATUS_CUDA_ERROR,  KVR_STATUS_UNSUPPORTED,
                         KVR_STATUS_PANIC,       KVR_STATUS_DTYPE_MISMATCH,
-                        KVR_STATUS_OUT_OF_RANGE};
+                        KVR_STATUS_OUT_OF_RANGE, KVR_STATUS_UNKNOWN_ID,
+                        KVR_STATUS_POOL_EXHAUSTED};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) {
         CHECK(kvr_status_str(all[i]) != NULL);
         CHECK(strcmp(kvr_status_str(all[i]), "unknown status") != 0);

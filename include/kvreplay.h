@@ -36,6 +36,11 @@
 
 
 /**
+ * `layer` value of `kvr_kv_pool_write` that writes every layer.
+ */
+#define KVR_ALL_LAYERS -1
+
+/**
  * Most dimensions a `kvr_tensor` can have.
  */
 #define KVR_MAX_DIMS 8
@@ -44,6 +49,11 @@
  * An execution context (opaque). Created by `kvr_context_new`, freed by `kvr_context_free`.
  */
 typedef struct kvr_context kvr_context;
+
+/**
+ * A paged KV pool (opaque). Created by `kvr_kv_pool_new`, freed by `kvr_kv_pool_free`.
+ */
+typedef struct kvr_kv_pool kvr_kv_pool;
 
 /**
  * Result of every fallible call: `KVR_STATUS_OK` (0) or a negative error code. Values are
@@ -146,6 +156,104 @@ typedef struct kvr_device_info {
 typedef int32_t kvr_dtype;
 
 /**
+ * One layer's K and V memory for a pool over caller-owned tensors. Element `d` of head `h`
+ * at slot `s` of page `p` is at `k + (p * k_stride_page + h * k_stride_head +
+ * s * k_stride_token + d) * sizeof(dtype)` (likewise V). Strides are in elements; the head
+ * dimension is contiguous. A per-sequence contiguous cache `[ctx][heads][dim]` is
+ * `page_size = ctx` with strides `{ctx * heads * dim, dim, heads * dim}`.
+ */
+typedef struct kvr_kv_layer_layout {
+    /**
+     * Page 0, head 0, slot 0 of K.
+     */
+    void *k;
+    /**
+     * Page 0, head 0, slot 0 of V.
+     */
+    void *v;
+    /**
+     * K stride between pages (elements).
+     */
+    int64_t k_stride_page;
+    /**
+     * K stride between heads (elements).
+     */
+    int64_t k_stride_head;
+    /**
+     * K stride between tokens of a page (elements).
+     */
+    int64_t k_stride_token;
+    /**
+     * V stride between pages (elements).
+     */
+    int64_t v_stride_page;
+    /**
+     * V stride between heads (elements).
+     */
+    int64_t v_stride_head;
+    /**
+     * V stride between tokens of a page (elements).
+     */
+    int64_t v_stride_token;
+} kvr_kv_layer_layout;
+
+/**
+ * Options for `kvr_kv_pool_new`; fill with `kvr_kv_pool_params_default`.
+ */
+typedef struct kvr_kv_pool_params {
+    /**
+     * `sizeof(kvr_kv_pool_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Attention layers (required, >= 1).
+     */
+    int32_t n_layers;
+    /**
+     * KV heads per layer (required, >= 1).
+     */
+    int32_t n_kv_heads;
+    /**
+     * Elements per head (required, >= 1; CUDA decode: 64, 80, 96, 128 or 256).
+     */
+    int32_t head_dim;
+    /**
+     * Tokens per page, >= 1 (default 16).
+     */
+    int32_t page_size;
+    /**
+     * K/V element type: `KVR_DTYPE_F16` (default), `_BF16` or `_F32` (CPU decode only).
+     */
+    kvr_dtype dtype;
+    /**
+     * Capacity in pages; 0 = derive it from `capacity_bytes`. Set exactly one.
+     */
+    int64_t capacity_pages;
+    /**
+     * Capacity as a byte budget for K and V (all layers); used when `capacity_pages` is 0.
+     */
+    int64_t capacity_bytes;
+    /**
+     * Sequence slots (default 256).
+     */
+    int32_t max_seqs;
+    /**
+     * Reserved, 0.
+     */
+    int32_t reserved;
+    /**
+     * Longest sequence in tokens (default 131072); sets the block-table width.
+     */
+    int64_t max_seq_len;
+    /**
+     * NULL (default): the pool allocates its memory (zeroed) in the context's memory.
+     * Otherwise `n_layers` layouts of caller-owned memory in the context's memory (host
+     * for CPU, device for CUDA); the array is copied, the memory must outlive the pool.
+     */
+    const struct kvr_kv_layer_layout *layers;
+} kvr_kv_pool_params;
+
+/**
  * Where a tensor's memory lives.
  */
 typedef int32_t kvr_device_type;
@@ -187,6 +295,85 @@ typedef struct kvr_tensor {
 } kvr_tensor;
 
 /**
+ * Admission verdict of `kvr_kv_pool_admit`.
+ */
+typedef int32_t kvr_admission;
+
+/**
+ * Pool occupancy, filled by `kvr_kv_pool_stats`.
+ */
+typedef struct kvr_kv_pool_stats {
+    /**
+     * Set to `sizeof(kvr_kv_pool_stats)` before the call.
+     */
+    uint32_t struct_size;
+    /**
+     * Reserved, 0.
+     */
+    uint32_t reserved;
+    /**
+     * Pages in the pool.
+     */
+    int64_t pages_total;
+    /**
+     * Pages referenced by a sequence.
+     */
+    int64_t pages_used;
+    /**
+     * Pages free.
+     */
+    int64_t pages_free;
+    /**
+     * Pages referenced by more than one sequence.
+     */
+    int64_t pages_shared;
+    /**
+     * Live sequences.
+     */
+    int64_t sequences;
+    /**
+     * Sum of sequence lengths (shared tokens count once per sequence).
+     */
+    int64_t tokens;
+    /**
+     * Slots of used pages holding no token of any sequence (internal fragmentation).
+     */
+    int64_t waste_slots;
+    /**
+     * Bytes of K and V per page, all layers.
+     */
+    int64_t page_bytes;
+} kvr_kv_pool_stats;
+
+/**
+ * Options for `kvr_kv_decode`; fill with `kvr_decode_params_default`.
+ */
+typedef struct kvr_decode_params {
+    /**
+     * `sizeof(kvr_decode_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Softmax scale; 0 (default) = 1 / sqrt(head_dim).
+     */
+    float scale;
+    /**
+     * Logit softcap c (scores become c * tanh(scores / c)); 0 (default) = off.
+     */
+    float softcap;
+    /**
+     * Sliding window in tokens (a query at position p sees p - window + 1 ..= p);
+     * 0 (default) = the whole sequence.
+     */
+    int32_t window;
+    /**
+     * CUDA: upper bound on CTAs (0 = one full wave); a fixed value makes the split, and so
+     * the rounding, the same from call to call.
+     */
+    int32_t max_ctas;
+} kvr_decode_params;
+
+/**
  * Only returned by `kvr_context_backend` for a NULL or dead handle.
  */
 #define KVR_BACKEND_INVALID -1
@@ -205,6 +392,21 @@ typedef struct kvr_tensor {
  * CUDA device memory and kernels on a stream.
  */
 #define KVR_BACKEND_CUDA 2
+
+/**
+ * Fits now.
+ */
+#define KVR_ADMIT_OK 0
+
+/**
+ * Does not fit now, would in a pool with enough pages / ids free.
+ */
+#define KVR_ADMIT_LATER 1
+
+/**
+ * Can never fit: longer than `max_seq_len` or more pages than the pool has.
+ */
+#define KVR_ADMIT_NEVER 2
 
 /**
  * Success.
@@ -263,6 +465,16 @@ typedef struct kvr_tensor {
 #define KVR_STATUS_OUT_OF_RANGE -10
 
 /**
+ * A sequence id that is not live in the pool.
+ */
+#define KVR_STATUS_UNKNOWN_ID -11
+
+/**
+ * The pool is full: not enough free pages, or no free sequence slot. Nothing changed.
+ */
+#define KVR_STATUS_POOL_EXHAUSTED -12
+
+/**
  * 32-bit IEEE float.
  */
 #define KVR_DTYPE_F32 0
@@ -276,6 +488,11 @@ typedef struct kvr_tensor {
  * bfloat16.
  */
 #define KVR_DTYPE_BF16 2
+
+/**
+ * 32-bit signed integer (sequence ids, counts).
+ */
+#define KVR_DTYPE_I32 3
 
 /**
  * Host memory (CPU backend).
@@ -389,6 +606,238 @@ KVR_NODISCARD kvr_status kvr_cuda_device_count(int32_t *out);
 const char *kvr_last_error_message(void);
 
 /**
+ * Fills `*params` with the defaults (page size 16, f16, 256 sequences, 131072 tokens,
+ * owned memory); the caller still sets `n_layers`, `n_kv_heads`, `head_dim` and a capacity.
+ *
+ * Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+ */
+KVR_NODISCARD kvr_status kvr_kv_pool_params_default(struct kvr_kv_pool_params *params);
+
+/**
+ * Creates a pool on `ctx` and stores it in `*out`.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, params or out, or a NULL
+ * pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
+ * neither capacity set, `struct_size` too small, overlapping or misaligned external
+ * strides, not a live context); `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
+ * `KVR_STATUS_OUT_OF_RANGE` (sizes past the 32-bit device indices, a budget smaller than a
+ * page); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_UNSUPPORTED` (CUDA shared memory too
+ * small); `KVR_STATUS_CUDA_ERROR`. `*out` is written only on success; the caller owns the
+ * pool and frees it with `kvr_kv_pool_free`. The pool keeps the context alive.
+ * Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_new(const struct kvr_context *ctx,
+                           const struct kvr_kv_pool_params *params,
+                           struct kvr_kv_pool **out);
+
+/**
+ * Frees a pool and (if it owns it) its memory. NULL is a no-op; a dead handle is ignored
+ * and recorded in `kvr_last_error_message`. On CUDA the caller must make sure no queued
+ * work still uses the pool (CUDA Graphs that contain its decodes must be destroyed first).
+ * Do not free a pool while another thread is inside a call on it.
+ */
+void kvr_kv_pool_free(struct kvr_kv_pool *pool);
+
+/**
+ * Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (dead handle);
+ * `KVR_STATUS_POOL_EXHAUSTED` (all `max_seqs` ids in use); `KVR_STATUS_CUDA_ERROR`.
+ * Device tables are patched on `stream` (NULL: the context's). Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_seq_add(struct kvr_kv_pool *pool,
+                               void *stream,
+                               int32_t *out_seq);
+
+/**
+ * Frees sequence `seq`, releasing its pages (shared pages stay with their other owners).
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID` (not a live sequence); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ */
+KVR_NODISCARD kvr_status kvr_kv_pool_seq_free(struct kvr_kv_pool *pool, int32_t seq, void *stream);
+
+/**
+ * Creates a sequence sharing all of `src`'s pages (no copy; reference counts) and stores
+ * its id in `*out_seq`. A later append into a shared, partly filled last page copies that
+ * page first (copy-on-write), on either side.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_POOL_EXHAUSTED` (no free id);
+ * `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_seq_fork(struct kvr_kv_pool *pool,
+                                int32_t src,
+                                void *stream,
+                                int32_t *out_seq);
+
+/**
+ * Shortens `seq` to `len` tokens (rejecting speculative tokens), releasing whole pages
+ * past the new end.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`len` negative or past the current
+ * length); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_seq_truncate(struct kvr_kv_pool *pool,
+                                    int32_t seq,
+                                    int64_t len,
+                                    void *stream);
+
+/**
+ * Stores the length of `seq` in `*out_len`.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
+ * `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_seq_len(const struct kvr_kv_pool *pool,
+                               int32_t seq,
+                               int64_t *out_len);
+
+/**
+ * Copies `seq`'s block table (page ids in token order) into `pages` (room for `capacity`
+ * entries; may be NULL when `capacity` is 0) and stores the number of pages in
+ * `*out_count`, also when it exceeds `capacity` (then nothing is copied and the status
+ * is `KVR_STATUS_OUT_OF_RANGE`).
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_seq_pages(const struct kvr_kv_pool *pool,
+                                 int32_t seq,
+                                 int32_t *pages,
+                                 int64_t capacity,
+                                 int64_t *out_count);
+
+/**
+ * Reserves `counts[i]` more positions in sequence `seqs[i]` for each of the `n` entries,
+ * allocating pages (and copying a shared, partly filled last page first). The lengths grow
+ * at once; fill the new positions with `kvr_kv_pool_write` (per layer or all layers)
+ * before decoding over them. All or nothing.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL arrays with n > 0);
+ * `KVR_STATUS_INVALID_ARG` (handle, negative count, a sequence listed twice);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (past `max_seq_len`);
+ * `KVR_STATUS_POOL_EXHAUSTED` (not enough free pages: nothing changed);
+ * `KVR_STATUS_CUDA_ERROR`. Thread-safe; device work on `stream`.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_extend(struct kvr_kv_pool *pool,
+                              const int32_t *seqs,
+                              const int32_t *counts,
+                              int32_t n,
+                              void *stream);
+
+/**
+ * Writes K and V into the last `counts[i]` positions of each sequence `seqs[i]`: for one
+ * layer (`layer` >= 0, `k`/`v` shaped `[tokens, n_kv_heads, head_dim]`) or all layers
+ * (`layer = KVR_ALL_LAYERS`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
+ * the sequences' new tokens in list order (`tokens = sum(counts)`). `k` and `v` may be in
+ * host memory or (CUDA) device memory, any float dtype (converted to the pool's) and any
+ * strides. The positions must not be in a page shared with another sequence (extend
+ * first). On CUDA the copy is queued on `stream`; host sources are read before return.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, shapes,
+ * shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_OUT_OF_RANGE` (layer, count past a length); `KVR_STATUS_DTYPE_MISMATCH`;
+ * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_write(struct kvr_kv_pool *pool,
+                             int32_t layer,
+                             const int32_t *seqs,
+                             const int32_t *counts,
+                             int32_t n,
+                             const struct kvr_tensor *k,
+                             const struct kvr_tensor *v,
+                             void *stream);
+
+/**
+ * Appends tokens to `seq` for all layers: `k`/`v` shaped `[n_layers, n, n_kv_heads,
+ * head_dim]` (n new tokens; host or device memory, any float dtype and strides). Equal to
+ * `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all layers, all or nothing.
+ *
+ * Returns like `kvr_kv_pool_extend` and `kvr_kv_pool_write`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_append(struct kvr_kv_pool *pool,
+                              int32_t seq,
+                              const struct kvr_tensor *k,
+                              const struct kvr_tensor *v,
+                              void *stream);
+
+/**
+ * Says whether a new sequence of `n_tokens` (`seq = -1`) or growing `seq` by `n_tokens`
+ * fits: `KVR_ADMIT_OK`, `KVR_ADMIT_LATER` (not enough free pages or ids now) or
+ * `KVR_ADMIT_NEVER`. Changes nothing.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative `n_tokens`); `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_admit(const struct kvr_kv_pool *pool,
+                             int32_t seq,
+                             int64_t n_tokens,
+                             kvr_admission *out);
+
+/**
+ * Fills `*out` with the pool's occupancy. Set `out->struct_size` first.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `struct_size` too small). Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_pool_stats(const struct kvr_kv_pool *pool,
+                             struct kvr_kv_pool_stats *out);
+
+/**
+ * Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window).
+ *
+ * Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+ */
+KVR_NODISCARD kvr_status kvr_decode_params_default(struct kvr_decode_params *params);
+
+/**
+ * Attention for a batch of sequences in one launch: `q` `[B, Hq, head_dim]` (one query
+ * token per sequence) or `[B, T, Hq, head_dim]` (T = 1..8 query tokens: the last T tokens
+ * of each sequence, causal among themselves, for speculative verification) against the K/V
+ * of `layer`, written to `out` (same shape as `q`) and, if `lse` is not NULL, the
+ * log-sum-exp of the scaled scores (natural log, f32 `[B, Hq]` / `[B, T, Hq]`).
+ * `seq_ids` is an i32 `[B]` tensor of sequence ids (-1: an unused row, which gets zeros).
+ * Hq must be a multiple of the pool's KV heads, at most 16 per KV head (GQA, MQA, MHA).
+ * q/out: f32, f16 or bf16 (converted); the pool's K/V: f16 or bf16 on CUDA (f32 too on
+ * the CPU). `params` may be NULL for the defaults.
+ *
+ * CUDA: queued on `stream`; never synchronizes or allocates. The split across the GPU is
+ * computed on the device from the lengths in device memory, so a decode captured in a CUDA
+ * Graph stays correct while sequences grow. With `seq_ids` in host memory (B <= 512) the
+ * ids travel in the launch parameters (a captured graph keeps that batch); with `seq_ids`
+ * in device memory the kernel reads them (the batch may change between replays). Decodes
+ * and pool updates of one pool must be ordered on one stream.
+ *
+ * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, memory kinds, strides); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID`
+ * (an id in host `seq_ids` that is not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8,
+ * group > 16, a sequence shorter than T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or
+ * a head dim without a kernel on CUDA); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_kv_decode(struct kvr_kv_pool *pool,
+                         int32_t layer,
+                         const struct kvr_tensor *seq_ids,
+                         const struct kvr_tensor *q,
+                         const struct kvr_tensor *out,
+                         const struct kvr_tensor *lse,
+                         const struct kvr_decode_params *params,
+                         void *stream);
+
+/**
  * Returns a static, NUL-terminated description of `status`; "unknown status" for a value
  * that is not a kvreplay status. Never NULL. Thread-safe; the string must not be freed.
  */
@@ -414,7 +863,7 @@ kvr_status kvr_tensor_init(struct kvr_tensor *tensor,
 
 /**
  * Copies `src` into `dst`, converting between f32, f16 and bf16 (round to nearest even;
- * a same-dtype copy moves the bits unchanged). Shapes must be equal; strides are free
+ * a same-dtype copy moves the bits unchanged; i32 copies only to i32). Shapes must be equal; strides are free
  * (any non-contiguous layout) except that `dst` must not hold two elements at one
  * address. Both tensors must be in the context's memory (`KVR_DEVICE_HOST` for a CPU
  * context, `KVR_DEVICE_CUDA` for a CUDA one). If `src` and `dst` share elements the result
@@ -427,8 +876,9 @@ kvr_status kvr_tensor_init(struct kvr_tensor *tensor,
  *
  * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, src, dst, or data of a
  * non-empty tensor); `KVR_STATUS_INVALID_ARG` (not a live context, malformed tensor,
- * shape mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_NOT_COMPILED` or
- * `KVR_STATUS_CUDA_ERROR` (kernels missing or the launch failed). The caller keeps
+ * shape mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_DTYPE_MISMATCH` (i32
+ * with a float type); `KVR_STATUS_NOT_COMPILED` or `KVR_STATUS_CUDA_ERROR` (kernels
+ * missing or the launch failed). The caller keeps
  * ownership of both buffers. Thread-safe: calls on one context may run concurrently.
  */
 KVR_NODISCARD

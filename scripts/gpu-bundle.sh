@@ -45,6 +45,7 @@ fi
 # Python peers / drivers for benchmarks, if any.
 if ls bench/*.py >/dev/null 2>&1; then
   cp bench/*.py "$out/scripts/"
+  rm -f "$out/scripts/selftest_cpu.py"
 fi
 cp target/release/libkvreplay.so "$out/lib/"
 # C programs: the engine-style CUDA stream test and every example.
@@ -95,6 +96,25 @@ grep -h -E "max relative error|checked|device " "$logs"/*.log 2>/dev/null | sed 
 exit $fail
 RUN
 chmod +x "$out/run-all.sh"
+
+cat >"$out/run-bench.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the benchmark drivers (scripts/bench_*.py, or the ones named) against lib/.
+# Usage: bash run-bench.sh [bench_kv_decode.py ...] [-- args]
+cd "$(dirname "${BASH_SOURCE[0]}")"
+export PYTHONUNBUFFERED=1 KVR_LIB="$PWD/lib/libkvreplay.so"
+benches=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do benches+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#benches[@]} -gt 0 ] || benches=($(cd scripts && ls bench_*.py))
+rc=0
+for b in "${benches[@]}"; do
+  echo "== $b"
+  (cd scripts && python3 "$b" "$@") || rc=1
+done
+exit $rc
+RUN
+chmod +x "$out/run-bench.sh"
 du -sh "$out"
 size=$(du -sm "$out" | cut -f1)
 if [ "$size" -ge 60 ]; then

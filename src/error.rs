@@ -15,6 +15,12 @@ pub enum Error {
     /// A size or index is outside what the object holds or supports.
     #[error("{0}")]
     OutOfRange(String),
+    /// A sequence (or other object id) that does not exist.
+    #[error("{0}")]
+    UnknownId(String),
+    /// A pool has no room: no free page or no free sequence slot.
+    #[error("{0}")]
+    PoolExhausted(String),
     /// Host or device memory could not be allocated.
     #[error("{0}")]
     OutOfMemory(String),

@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod error;
 pub mod ffi;
+pub mod kv;
 pub mod tensor;
 
 pub use backend::{BackendKind, BackendRequest, Context, ContextOptions, DeviceInfo, Stream};

@@ -14,16 +14,23 @@ pub enum DType {
     F16,
     /// bfloat16 (the upper half of a binary32).
     BF16,
+    /// 32-bit signed integer (sequence ids, lengths, accepted counts).
+    I32,
 }
 
 impl DType {
-    /// All element types, in their C enum order.
-    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+    /// The floating-point element types, in their C enum order.
+    pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// True for f32, f16 and bf16.
+    pub const fn is_float(self) -> bool {
+        !matches!(self, DType::I32)
+    }
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
         }
     }
@@ -34,6 +41,7 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::I32 => "i32",
         }
     }
 }

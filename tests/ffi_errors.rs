@@ -38,6 +38,8 @@ fn status_strings() {
         KVR_STATUS_PANIC,
         KVR_STATUS_DTYPE_MISMATCH,
         KVR_STATUS_OUT_OF_RANGE,
+        KVR_STATUS_UNKNOWN_ID,
+        KVR_STATUS_POOL_EXHAUSTED,
     ];
     let mut seen = std::collections::HashSet::new();
     for s in all {
@@ -47,7 +49,7 @@ fn status_strings() {
         assert!(s <= 0);
     }
     assert_eq!(KVR_STATUS_OK, 0);
-    for s in [1, -11, 1000, i32::MIN, i32::MAX] {
+    for s in [1, -99, 1000, i32::MIN, i32::MAX] {
         assert_eq!(status_name(s), "unknown status");
     }
     // Every status in the table is listed above (so a new code gets a string).

@@ -213,6 +213,13 @@ fn check_copy(src: &TensorView, dst: &TensorView, memory: MemoryKind) -> Result<
             dst.shape()
         )));
     }
+    if src.dtype().is_float() != dst.dtype().is_float() {
+        return Err(Error::DTypeMismatch(format!(
+            "cannot copy {} into {}: integer tensors copy only to integer tensors",
+            src.dtype(),
+            dst.dtype()
+        )));
+    }
     if !dst.is_non_overlapping() {
         return Err(Error::InvalidArgument(format!(
             "destination strides {:?} for shape {:?} make elements overlap",

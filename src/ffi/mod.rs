@@ -13,12 +13,14 @@
 pub mod context;
 pub mod guard;
 pub(crate) mod handles;
+pub mod kv_pool;
 pub mod status;
 pub mod tensor;
 pub mod version;
 
 pub use context::*;
 pub use guard::kvr_last_error_message;
+pub use kv_pool::*;
 pub use status::*;
 pub use tensor::*;
 pub use version::*;

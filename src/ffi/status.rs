@@ -31,6 +31,10 @@ pub const KVR_STATUS_PANIC: kvr_status = -8;
 pub const KVR_STATUS_DTYPE_MISMATCH: kvr_status = -9;
 /// A size or index is outside what the object holds or supports.
 pub const KVR_STATUS_OUT_OF_RANGE: kvr_status = -10;
+/// A sequence id that is not live in the pool.
+pub const KVR_STATUS_UNKNOWN_ID: kvr_status = -11;
+/// The pool is full: not enough free pages, or no free sequence slot. Nothing changed.
+pub const KVR_STATUS_POOL_EXHAUSTED: kvr_status = -12;
 
 /// The status code for a core error (the one place errors become codes).
 pub fn status_of(e: &Error) -> kvr_status {
@@ -39,6 +43,8 @@ pub fn status_of(e: &Error) -> kvr_status {
         Error::InvalidArgument(_) => KVR_STATUS_INVALID_ARG,
         Error::DTypeMismatch(_) => KVR_STATUS_DTYPE_MISMATCH,
         Error::OutOfRange(_) => KVR_STATUS_OUT_OF_RANGE,
+        Error::UnknownId(_) => KVR_STATUS_UNKNOWN_ID,
+        Error::PoolExhausted(_) => KVR_STATUS_POOL_EXHAUSTED,
         Error::OutOfMemory(_) => KVR_STATUS_OUT_OF_MEMORY,
         Error::CudaUnavailable(_) => KVR_STATUS_CUDA_UNAVAILABLE,
         Error::NotCompiled(_) => KVR_STATUS_NOT_COMPILED,
@@ -79,6 +85,8 @@ pub const STATUS_STRINGS: &[(kvr_status, &str)] = &[
         "a tensor has the wrong element type\0",
     ),
     (KVR_STATUS_OUT_OF_RANGE, "a size or index is out of range\0"),
+    (KVR_STATUS_UNKNOWN_ID, "unknown sequence id\0"),
+    (KVR_STATUS_POOL_EXHAUSTED, "the pool is full\0"),
 ];
 
 /// Returns a static, NUL-terminated description of `status`; "unknown status" for a value

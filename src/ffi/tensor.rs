@@ -17,6 +17,8 @@ pub const KVR_DTYPE_F32: kvr_dtype = 0;
 pub const KVR_DTYPE_F16: kvr_dtype = 1;
 /// bfloat16.
 pub const KVR_DTYPE_BF16: kvr_dtype = 2;
+/// 32-bit signed integer (sequence ids, counts).
+pub const KVR_DTYPE_I32: kvr_dtype = 3;
 
 /// Where a tensor's memory lives.
 pub type kvr_device_type = i32;
@@ -60,8 +62,9 @@ pub(crate) fn dtype_from_c(d: kvr_dtype) -> Result<DType> {
         KVR_DTYPE_F32 => Ok(DType::F32),
         KVR_DTYPE_F16 => Ok(DType::F16),
         KVR_DTYPE_BF16 => Ok(DType::BF16),
+        KVR_DTYPE_I32 => Ok(DType::I32),
         other => Err(Error::InvalidArgument(format!(
-            "unknown dtype {other} (expected KVR_DTYPE_F32, _F16 or _BF16)"
+            "unknown dtype {other} (expected KVR_DTYPE_F32, _F16, _BF16 or _I32)"
         ))),
     }
 }
@@ -177,7 +180,7 @@ pub extern "C" fn kvr_tensor_init(
 }
 
 /// Copies `src` into `dst`, converting between f32, f16 and bf16 (round to nearest even;
-/// a same-dtype copy moves the bits unchanged). Shapes must be equal; strides are free
+/// a same-dtype copy moves the bits unchanged; i32 copies only to i32). Shapes must be equal; strides are free
 /// (any non-contiguous layout) except that `dst` must not hold two elements at one
 /// address. Both tensors must be in the context's memory (`KVR_DEVICE_HOST` for a CPU
 /// context, `KVR_DEVICE_CUDA` for a CUDA one). If `src` and `dst` share elements the result
@@ -190,8 +193,9 @@ pub extern "C" fn kvr_tensor_init(
 ///
 /// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, src, dst, or data of a
 /// non-empty tensor); `KVR_STATUS_INVALID_ARG` (not a live context, malformed tensor,
-/// shape mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_NOT_COMPILED` or
-/// `KVR_STATUS_CUDA_ERROR` (kernels missing or the launch failed). The caller keeps
+/// shape mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_DTYPE_MISMATCH` (i32
+/// with a float type); `KVR_STATUS_NOT_COMPILED` or `KVR_STATUS_CUDA_ERROR` (kernels
+/// missing or the launch failed). The caller keeps
 /// ownership of both buffers. Thread-safe: calls on one context may run concurrently.
 #[no_mangle]
 #[must_use]

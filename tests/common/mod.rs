@@ -8,6 +8,7 @@ use half::{bf16, f16};
 use kvreplay::ffi::*;
 
 pub mod gpu;
+pub mod kv;
 
 /// SplitMix64: small, seeded, good enough for test data.
 pub struct Rng(u64);

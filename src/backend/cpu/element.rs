@@ -44,6 +44,18 @@ impl Element for bf16 {
     }
 }
 
+impl Element for i32 {
+    // Only ever copied bit for bit (i32 to i32); the conversions exist for completeness.
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x as i32
+    }
+}
+
 /// Calls `$body` with `$t` bound to the Rust element type of `$dtype`.
 #[macro_export]
 macro_rules! with_element {
@@ -59,6 +71,10 @@ macro_rules! with_element {
             }
             $crate::tensor::DType::BF16 => {
                 type $t = half::bf16;
+                $body
+            }
+            $crate::tensor::DType::I32 => {
+                type $t = i32;
                 $body
             }
         }

@@ -6,7 +6,7 @@ use super::module::Kernel;
 use super::CudaBackend;
 use crate::backend::Stream;
 use crate::error::Result;
-use crate::tensor::{StridedLoop, TensorView, MAX_DIMS};
+use crate::tensor::{DType, StridedLoop, TensorView, MAX_DIMS};
 
 /// Must match `kvr::CopyParams` in kernels/copy.cu field for field.
 #[repr(C)]
@@ -58,9 +58,18 @@ pub(super) fn launch_copy(
     let blocks = work.div_ceil(BLOCK as usize).clamp(1, max_blocks) as u32;
     let mut params = [&mut p as *mut CopyParams as *mut c_void];
     backend.launch(
+        // i32 -> i32 is a 4-byte bit copy: the f32 kernel.
         Kernel::Copy {
-            src: src.dtype(),
-            dst: dst.dtype(),
+            src: if src.dtype() == DType::I32 {
+                DType::F32
+            } else {
+                src.dtype()
+            },
+            dst: if dst.dtype() == DType::I32 {
+                DType::F32
+            } else {
+                dst.dtype()
+            },
         },
         (blocks, 1, 1),
         (BLOCK, 1, 1),

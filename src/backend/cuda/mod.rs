@@ -43,6 +43,7 @@ pub struct CudaBackend {
     /// True when `stream` was created here (and is destroyed on drop).
     owns_stream: bool,
     sm_count: u32,
+    max_shared_optin: u32,
     module: OnceLock<std::result::Result<LoadedModule, Error>>,
 }
 
@@ -110,6 +111,7 @@ impl CudaBackend {
                 stream: std::ptr::null_mut(),
                 owns_stream: false,
                 sm_count: 0,
+                max_shared_optin: 0,
                 module: OnceLock::new(),
             };
             // From here on, `backend`'s Drop releases what was taken.
@@ -117,6 +119,10 @@ impl CudaBackend {
             backend.sm_count = attribute(
                 device,
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )? as u32;
+            backend.max_shared_optin = attribute(
+                device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )? as u32;
             if stream == Stream::DEFAULT {
                 let mut s: sys::CUstream = std::ptr::null_mut();
@@ -159,6 +165,11 @@ impl CudaBackend {
     /// Streaming multiprocessors on the device.
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// Largest dynamic shared memory a block may opt in to, in bytes.
+    pub fn max_shared_per_block(&self) -> u32 {
+        self.max_shared_optin
     }
 
     /// The raw primary context.
@@ -241,6 +252,88 @@ impl CudaBackend {
             ));
         }
         Ok(())
+    }
+
+    /// Lets `kernel` use `shared_bytes` of dynamic shared memory and returns how many blocks
+    /// of `block_threads` threads fit on one multiprocessor (0: it cannot run).
+    pub(crate) fn prepare_kernel(
+        &self,
+        kernel: Kernel,
+        shared_bytes: u32,
+        block_threads: u32,
+    ) -> Result<u32> {
+        let f = self.module()?.function(kernel);
+        let _cur = self.make_current()?;
+        // SAFETY: `f` belongs to this context's module; the calls write only outputs.
+        unsafe {
+            check(
+                "cuFuncSetAttribute",
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes as i32,
+                ),
+            )?;
+            let mut blocks = 0;
+            check(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut blocks,
+                    f,
+                    block_threads as i32,
+                    shared_bytes as usize,
+                ),
+            )?;
+            Ok(blocks.max(0) as u32)
+        }
+    }
+
+    /// Queues a host-to-device copy on `stream`. `src` may be pageable: the driver has read
+    /// it by the time this returns, so the caller may reuse it at once.
+    pub(crate) fn copy_to_device_async(
+        &self,
+        dst: usize,
+        src: &[u8],
+        stream: Stream,
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let _cur = self.make_current()?;
+        // SAFETY: the caller guarantees `dst` has room for `src.len()` bytes.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst as sys::CUdeviceptr,
+                src.as_ptr() as *const c_void,
+                src.len(),
+                self.resolve_stream(stream),
+            )
+        })
+    }
+
+    /// Stream-ordered device allocation (freed with `free_async` on the same stream).
+    pub(crate) fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<usize> {
+        let _cur = self.make_current()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: writes only `ptr`.
+        let r =
+            unsafe { sys::cuMemAllocAsync(&mut ptr, bytes.max(1), self.resolve_stream(stream)) };
+        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(Error::OutOfMemory(format!(
+                "cannot allocate {bytes} bytes of device staging memory"
+            )));
+        }
+        check("cuMemAllocAsync", r)?;
+        Ok(ptr as usize)
+    }
+
+    /// Frees a `alloc_async` allocation once the work queued on `stream` so far is done.
+    pub(crate) fn free_async(&self, ptr: usize, stream: Stream) -> Result<()> {
+        let _cur = self.make_current()?;
+        // SAFETY: `ptr` came from `alloc_async`.
+        check("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(ptr as sys::CUdeviceptr, self.resolve_stream(stream))
+        })
     }
 
     /// Waits for `stream`.

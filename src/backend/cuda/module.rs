@@ -27,37 +27,79 @@ pub fn kernels_compiled() -> bool {
     embedded::FATBIN.is_some()
 }
 
+/// Index of a float dtype in kernel tables; i32 shares f32's slot (4-byte bit copies).
 fn dtype_index(d: DType) -> usize {
     match d {
-        DType::F32 => 0,
+        DType::F32 | DType::I32 => 0,
         DType::F16 => 1,
         DType::BF16 => 2,
     }
 }
+
+/// Head dimensions the CUDA decode kernel is compiled for.
+pub const DECODE_HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 
 /// Every kernel the library launches. Each has a fixed slot in [`LoadedModule`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
     /// `kvr_copy_<src>_<dst>` (kernels/copy.cu).
     Copy { src: DType, dst: DType },
+    /// `kvr_kv_patch` (kernels/kv_pool.cu).
+    KvPatch,
+    /// `kvr_kv_copy_pages` (kernels/kv_pool.cu).
+    KvCopyPages,
+    /// `kvr_kv_write_<src>_<dst>` (kernels/kv_pool.cu).
+    KvWrite { src: DType, dst: DType },
+    /// `kvr_kv_decode_<kv>_d<head_dim>` (kernels/kv_decode.cu); kv is f16 or bf16.
+    KvDecode { kv: DType, head_dim: usize },
 }
+
+const COPY_BASE: usize = 0;
+const KV_PATCH: usize = 9;
+const KV_COPY_PAGES: usize = 10;
+const KV_WRITE_BASE: usize = 11;
+const KV_DECODE_BASE: usize = 20;
+const KERNEL_COUNT: usize = 30;
 
 impl Kernel {
     /// Every kernel, in slot order.
     pub(crate) fn all() -> Vec<Kernel> {
-        let mut v = Vec::new();
-        for src in DType::ALL {
-            for dst in DType::ALL {
+        let mut v = Vec::with_capacity(KERNEL_COUNT);
+        for src in DType::FLOATS {
+            for dst in DType::FLOATS {
                 v.push(Kernel::Copy { src, dst });
             }
         }
+        v.push(Kernel::KvPatch);
+        v.push(Kernel::KvCopyPages);
+        for src in DType::FLOATS {
+            for dst in DType::FLOATS {
+                v.push(Kernel::KvWrite { src, dst });
+            }
+        }
+        for kv in [DType::F16, DType::BF16] {
+            for head_dim in DECODE_HEAD_DIMS {
+                v.push(Kernel::KvDecode { kv, head_dim });
+            }
+        }
+        debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
 
     /// The kernel's slot.
     pub(crate) fn index(self) -> usize {
         match self {
-            Kernel::Copy { src, dst } => dtype_index(src) * 3 + dtype_index(dst),
+            Kernel::Copy { src, dst } => COPY_BASE + dtype_index(src) * 3 + dtype_index(dst),
+            Kernel::KvPatch => KV_PATCH,
+            Kernel::KvCopyPages => KV_COPY_PAGES,
+            Kernel::KvWrite { src, dst } => KV_WRITE_BASE + dtype_index(src) * 3 + dtype_index(dst),
+            Kernel::KvDecode { kv, head_dim } => {
+                let d = DECODE_HEAD_DIMS
+                    .iter()
+                    .position(|&x| x == head_dim)
+                    .expect("a compiled head dim");
+                KV_DECODE_BASE + (dtype_index(kv) - 1) * DECODE_HEAD_DIMS.len() + d
+            }
         }
     }
 
@@ -65,6 +107,10 @@ impl Kernel {
     pub(crate) fn name(self) -> String {
         match self {
             Kernel::Copy { src, dst } => format!("kvr_copy_{}_{}", src.name(), dst.name()),
+            Kernel::KvPatch => "kvr_kv_patch".into(),
+            Kernel::KvCopyPages => "kvr_kv_copy_pages".into(),
+            Kernel::KvWrite { src, dst } => format!("kvr_kv_write_{}_{}", src.name(), dst.name()),
+            Kernel::KvDecode { kv, head_dim } => format!("kvr_kv_decode_{}_d{head_dim}", kv.name()),
         }
     }
 }
@@ -135,5 +181,22 @@ impl Drop for LoadedModule {
         let _ = check("cuModuleUnload", unsafe {
             sys::cuModuleUnload(self.handle)
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_slots_are_dense_and_unique() {
+        let all = Kernel::all();
+        for (i, k) in all.iter().enumerate() {
+            assert_eq!(k.index(), i, "{k:?}");
+        }
+        let mut names: Vec<String> = all.iter().map(|k| k.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
     }
 }

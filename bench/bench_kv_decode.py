@@ -1,0 +1,381 @@
+"""Paged KV decode benchmark (issue 3), one process, one run, on the device GPU.
+
+Compares, on the same data: kvreplay paged (page 16), kvreplay over a contiguous layout
+(the same kernel, page = context), and torch SDPA with its cuDNN and flash backends
+(contiguous bf16 [B, Hkv, L, D], enable_gqa=True). Layer shapes: Llama-3-8B (32 q heads,
+8 KV heads, d 128) and Qwen2.5-7B (28/4/128); B in {1, 8, 32, 64, 128} x L in {1K, 4K, 16K,
+64K} (configs over the memory cap are skipped and listed); a page-size sweep; a skewed
+batch; and a capacity table. Bandwidth counts the K and V bytes each call must read, against
+a read-only streaming ceiling measured in the same run (torch.sum over 2 GiB).
+
+Method (DESIGN.md section 4): outputs checked against SDPA before timing; inputs rotate over
+sets larger than 4x L2 (cold cache); warm-up, then the median of many calls; times are taken
+both per call with CUDA events ("eager") and under CUDA Graph replay ("graph", the headline
+number: no host launch overhead).
+
+    python3 bench_kv_decode.py [--quick]      # writes $OUT/kv_bench.json if $OUT is set
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kvr
+
+QUICK = "--quick" in sys.argv
+DEV = torch.device("cuda")
+L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
+ROTATE_BYTES = 4 * L2_BYTES
+KV_CAP = 8 << 30  # bytes of K+V per implementation
+GIB = 1 << 30
+
+lib = kvr.Lib()
+ctx = lib.context(kvr.BACKEND_CUDA, stream=torch.cuda.current_stream().cuda_stream)
+
+
+def cur_stream():
+    return torch.cuda.current_stream().cuda_stream
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def time_eager(fn, n_sets, iters):
+    """Median per-call time (us) with events around each call."""
+    for i in range(max(3, n_sets)):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (a, b) in enumerate(ev):
+        a.record()
+        fn(i % n_sets)
+        b.record()
+    torch.cuda.synchronize()
+    return median([a.elapsed_time(b) * 1000.0 for a, b in ev])
+
+
+def time_graph(fn, n_sets, calls, replays=7):
+    """Per-call time (us) under CUDA Graph replay of `calls` calls rotating over the sets."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(n_sets):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                fn(i % n_sets)
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) * 1000.0 / calls)
+        del g
+        return median(ts)
+    except Exception as e:  # noqa: BLE001 - report, do not stop the run
+        print(f"  graph capture failed: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def read_ceiling():
+    x = torch.empty((2 * GIB) // 2, dtype=torch.bfloat16, device=DEV)
+    x.normal_()
+    t = time_eager(lambda i: x.sum(), 1, 20)
+    del x
+    torch.cuda.empty_cache()
+    return 2 * GIB / (t * 1e-6) / 1e12
+
+
+class KvData:
+    """n_sets copies of random bf16 K/V [B, Hkv, L, D] plus queries [B, Hq, D]."""
+
+    def __init__(self, B, Hq, Hkv, D, lens, n_sets):
+        self.B, self.Hq, self.Hkv, self.D, self.lens, self.n_sets = B, Hq, Hkv, D, lens, n_sets
+        Lmax = max(lens)
+        self.K = [torch.randn(B, Hkv, Lmax, D, dtype=torch.bfloat16, device=DEV) for _ in range(n_sets)]
+        self.V = [torch.randn(B, Hkv, Lmax, D, dtype=torch.bfloat16, device=DEV) for _ in range(n_sets)]
+        self.q = [torch.randn(B, Hq, D, dtype=torch.bfloat16, device=DEV) for _ in range(n_sets)]
+
+
+def fill_pool(pool, data, seqs, chunk):
+    """Grows every sequence by `chunk` tokens per round (pages interleave across sequences)
+    and writes each set into its own layer."""
+    B = data.B
+    Lmax = max(data.lens)
+    for t0 in range(0, Lmax, chunk):
+        grow = [max(0, min(chunk, n - t0)) for n in data.lens]
+        live = [(s, g) for s, g in zip(seqs, grow) if g > 0]
+        ss, gg = [s for s, _ in live], [g for _, g in live]
+        lib.check(lib.extend(pool, ss, gg, cur_stream()), "extend")
+        uniform = all(g == grow[0] for g in grow)
+        for layer in range(data.n_sets):
+            if uniform:
+                c = grow[0]
+                k = data.K[layer][:, :, t0:t0 + c, :].transpose(1, 2).reshape(B * c, data.Hkv, data.D)
+                v = data.V[layer][:, :, t0:t0 + c, :].transpose(1, 2).reshape(B * c, data.Hkv, data.D)
+            else:
+                parts_k, parts_v = [], []
+                for b in range(B):
+                    if grow[b] > 0:
+                        parts_k.append(data.K[layer][b, :, t0:t0 + grow[b], :].transpose(0, 1))
+                        parts_v.append(data.V[layer][b, :, t0:t0 + grow[b], :].transpose(0, 1))
+                k = torch.cat(parts_k).contiguous()
+                v = torch.cat(parts_v).contiguous()
+            lib.write(pool, layer, ss, gg, kvr.torch_tensor(k), kvr.torch_tensor(v), cur_stream())
+            del k, v
+    torch.cuda.synchronize()
+
+
+def make_pool(data, page):
+    Lmax = max(data.lens)
+    pages = sum(math.ceil(n / page) for n in data.lens) if page < Lmax else data.B
+    pool = lib.pool(ctx, data.n_sets, data.Hkv, data.D, page, kvr.DTYPE_BF16, pages, data.B, Lmax)
+    seqs = [lib.seq_add(pool, cur_stream()) for _ in range(data.B)]
+    fill_pool(pool, data, seqs, max(page, 256) if page < Lmax else Lmax)
+    return pool, seqs
+
+
+def ours_fn(pool, data, seqs):
+    ids = torch.tensor(seqs, dtype=torch.int32)  # host: travels in the launch parameters
+    ids_t = kvr.torch_tensor(ids)
+    out = torch.empty(data.B, data.Hq, data.D, dtype=torch.bfloat16, device=DEV)
+    q_t = [kvr.torch_tensor(q) for q in data.q]
+    o_t = kvr.torch_tensor(out)
+
+    def fn(i):
+        r = lib.decode(pool, i, ids_t, q_t[i], o_t, None, None, cur_stream())
+        if r != 0:
+            lib.check(r, "decode")
+
+    return fn, out
+
+
+def sdpa_fn(data, backend):
+    qs = [q.unsqueeze(2) for q in data.q]
+
+    def fn(i):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qs[i], data.K[i], data.V[i], enable_gqa=True)
+
+    return fn
+
+
+REF_ROWS = 4  # batch rows checked against the fp32 reference (all outputs of those rows)
+
+
+def reference(data, i=0):
+    r = min(REF_ROWS, data.B)
+    q = data.q[i][:r].unsqueeze(2).float()
+    with sdpa_kernel([SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, data.K[i][:r].float(), data.V[i][:r].float(), enable_gqa=True).squeeze(2)
+
+
+def rel_err(out, ref):
+    out = out[: ref.shape[0]]
+    return float((out.float() - ref).abs().max() / ref.abs().max())
+
+
+def timing(fn, n_sets, kv_bytes):
+    iters = 30 if QUICK else 60
+    eager = time_eager(fn, n_sets, iters)
+    calls = max(n_sets, min(200, int(math.ceil(2000.0 / max(eager, 1.0)))))
+    calls = int(math.ceil(calls / n_sets) * n_sets)
+    graph = time_graph(fn, n_sets, calls)
+    return eager, graph
+
+
+def run_config(name, Hq, Hkv, D, B, L, ceiling, results):
+    kv_bytes = 2 * B * L * Hkv * D * 2
+    tag = f"{name} B={B} L={L // 1024}K"
+    if kv_bytes > KV_CAP:
+        results["skipped"].append(f"{tag}: {kv_bytes / GIB:.0f} GiB of K+V over the {KV_CAP // GIB} GiB cap")
+        return
+    n_sets = min(64, max(1, math.ceil(ROTATE_BYTES / kv_bytes)))
+    data = KvData(B, Hq, Hkv, D, [L] * B, n_sets)
+    ref = reference(data)
+    row = {"config": tag, "B": B, "L": L, "kv_mib": kv_bytes / (1 << 20), "sets": n_sets,
+           "floor_us": kv_bytes / (ceiling * 1e12) * 1e6}
+    impls = {}
+    pool_p, seqs_p = make_pool(data, 16)
+    fn_p, out_p = ours_fn(pool_p, data, seqs_p)
+    fn_p(0)
+    torch.cuda.synchronize()
+    row["err_paged"] = rel_err(out_p, ref)
+    impls["paged16"] = fn_p
+    pool_c, seqs_c = make_pool(data, L)
+    fn_c, out_c = ours_fn(pool_c, data, seqs_c)
+    fn_c(0)
+    torch.cuda.synchronize()
+    row["err_contig"] = rel_err(out_c, ref)
+    impls["contig"] = fn_c
+    for label, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        f = sdpa_fn(data, be)
+        try:
+            o = f(0)
+            torch.cuda.synchronize()
+            row[f"err_{label}"] = rel_err(o.squeeze(2), ref)
+            impls[label] = f
+        except Exception as e:  # noqa: BLE001
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    for label, f in impls.items():
+        eager, graph = timing(f, n_sets, kv_bytes)
+        row[f"{label}_eager_us"] = eager
+        row[f"{label}_graph_us"] = graph
+        best = graph if graph is not None else eager
+        row[f"{label}_us"] = best
+        row[f"{label}_tbs"] = kv_bytes / (best * 1e-6) / 1e12
+    lib.lib.kvr_kv_pool_free(pool_p)
+    lib.lib.kvr_kv_pool_free(pool_c)
+    del data, impls, fn_p, fn_c, out_p, out_c
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    results["matrix"].append(row)
+    print(
+        f"{tag:26s} {row['kv_mib']:8.0f} MiB  paged {row['paged16_us']:8.1f} us "
+        f"({row['paged16_tbs']:.2f} TB/s)  contig {row['contig_us']:8.1f}  "
+        f"cudnn {row.get('cudnn_us', float('nan')):8.1f}  flash {row.get('flash_us', float('nan')):8.1f}  "
+        f"err {row['err_paged']:.1e}",
+        flush=True,
+    )
+
+
+def page_sweep(ceiling, results):
+    Hq, Hkv, D, B, L = 32, 8, 128, 32, 8192
+    kv_bytes = 2 * B * L * Hkv * D * 2
+    n_sets = max(1, math.ceil(ROTATE_BYTES / kv_bytes))
+    data = KvData(B, Hq, Hkv, D, [L] * B, n_sets)
+    ref = reference(data)
+    for page in [1, 2, 4, 8, 16, 32, 64, 128, L]:
+        pool, seqs = make_pool(data, page)
+        fn, out = ours_fn(pool, data, seqs)
+        fn(0)
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        eager, graph = timing(fn, n_sets, kv_bytes)
+        best = graph if graph is not None else eager
+        results["page_sweep"].append({"page": page if page < L else "contiguous", "us": best,
+                                      "tbs": kv_bytes / (best * 1e-6) / 1e12, "err": err})
+        print(f"page {page if page < L else 'contig':>6}: {best:8.1f} us {kv_bytes / (best * 1e-6) / 1e12:.2f} TB/s err {err:.1e}", flush=True)
+        lib.lib.kvr_kv_pool_free(pool)
+        del fn, out
+        torch.cuda.empty_cache()
+    del data
+    torch.cuda.empty_cache()
+
+
+def skewed(ceiling, results):
+    Hq, Hkv, D = 32, 8, 128
+    for label, lens in (("skewed 1x64K + 63x1K", [65536] + [1024] * 63), ("uniform 64x2K", [2048] * 64)):
+        B = len(lens)
+        kv_bytes = 2 * sum(lens) * Hkv * D * 2
+        n_sets = max(1, math.ceil(ROTATE_BYTES / kv_bytes))
+        data = KvData(B, Hq, Hkv, D, lens, n_sets)
+        pool, seqs = make_pool(data, 16)
+        fn, out = ours_fn(pool, data, seqs)
+        fn(0)
+        torch.cuda.synchronize()
+        # Reference per sequence (lengths differ).
+        err = 0.0
+        for b in range(B):
+            n = lens[b]
+            q = data.q[0][b:b + 1].unsqueeze(2).float()
+            r = F.scaled_dot_product_attention(q, data.K[0][b:b + 1, :, :n].float(), data.V[0][b:b + 1, :, :n].float(), enable_gqa=True)
+            err = max(err, rel_err(out[b:b + 1], r.squeeze(2)))
+        eager, graph = timing(fn, n_sets, kv_bytes)
+        best = graph if graph is not None else eager
+        results["skewed"].append({"batch": label, "kv_mib": kv_bytes / (1 << 20), "us": best,
+                                  "tbs": kv_bytes / (best * 1e-6) / 1e12, "err": err})
+        print(f"{label:24s} {kv_bytes / (1 << 20):7.0f} MiB {best:8.1f} us {kv_bytes / (best * 1e-6) / 1e12:.2f} TB/s err {err:.1e}", flush=True)
+        lib.lib.kvr_kv_pool_free(pool)
+        del data, fn, out
+        torch.cuda.empty_cache()
+
+
+def capacity(results):
+    """Sequences that fit a 4 GiB K/V budget: paged (page 16, admitted until the pool says
+    LATER, lengths uniform in 1..4096 so the mean is 25 % of an 8K context) vs a contiguous
+    reservation of 8K tokens each."""
+    import random
+
+    rnd = random.Random(7)
+    for label, layers in (("Llama-3-8B, one layer", 1), ("Llama-3-8B, 32 layers", 32)):
+        bpt = 2 * layers * 8 * 128 * 2
+        budget = 4 * GIB
+        contiguous = budget // (bpt * 8192)
+        pool = lib.pool(ctx, layers, 8, 128, 16, kvr.DTYPE_BF16, 0, 4096, 8192, capacity_bytes=budget)
+        n, tokens = 0, 0
+        while True:
+            want = rnd.randint(1, 4096)
+            if lib.admit(pool, -1, want) != kvr.ADMIT_OK:
+                break
+            s = lib.seq_add(pool, cur_stream())
+            lib.check(lib.extend(pool, [s], [want], cur_stream()), "extend")
+            n, tokens = n + 1, tokens + want
+        st = lib.stats(pool)
+        results["capacity"].append({"budget": "4 GiB", "model": label, "contiguous_8k": contiguous,
+                                    "paged": n, "ratio": n / max(1, contiguous),
+                                    "mean_len": tokens / max(1, n), "waste_slots": st.waste_slots,
+                                    "pages_used": st.pages_used, "pages_total": st.pages_total})
+        print(f"capacity {label}: contiguous {contiguous}, paged {n} ({n / max(1, contiguous):.1f}x), mean length {tokens / max(1, n):.0f}", flush=True)
+        lib.lib.kvr_kv_pool_free(pool)
+        torch.cuda.synchronize()
+
+
+def main():
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    results = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": L2_BYTES,
+               "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+               "kvreplay": lib.lib.kvr_version().decode(), "matrix": [], "skipped": [],
+               "page_sweep": [], "skewed": [], "capacity": []}
+    ceiling = read_ceiling()
+    results["read_ceiling_tbs"] = ceiling
+    print(f"{props.name}: read ceiling {ceiling:.3f} TB/s (torch.sum over 2 GiB)", flush=True)
+    shapes = [("Llama-3-8B", 32, 8, 128), ("Qwen2.5-7B", 28, 4, 128)]
+    Bs = [1, 8, 32, 64, 128]
+    Ls = [1024, 4096, 16384, 65536]
+    if QUICK:
+        Bs, Ls = [1, 32], [4096, 16384]
+    t0 = time.time()
+    for name, Hq, Hkv, D in shapes:
+        for B in Bs:
+            for L in Ls:
+                run_config(name, Hq, Hkv, D, B, L, ceiling, results)
+    page_sweep(ceiling, results)
+    skewed(ceiling, results)
+    capacity(results)
+    results["seconds"] = time.time() - t0
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "kv_bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    # Short table.
+    print("\nconfig                      MiB   floor   paged  contig   cudnn   flash  paged/cudnn paged/contig  TB/s")
+    for r in results["matrix"]:
+        cud = r.get("cudnn_us")
+        print(f"{r['config']:26s} {r['kv_mib']:6.0f} {r['floor_us']:7.1f} {r['paged16_us']:7.1f} {r['contig_us']:7.1f} "
+              f"{cud if cud else float('nan'):7.1f} {r.get('flash_us', float('nan')):7.1f} "
+              f"{(r['paged16_us'] / cud) if cud else float('nan'):11.3f} {r['paged16_us'] / r['contig_us']:12.3f} {r['paged16_tbs']:5.2f}")
+    for s in results["skipped"]:
+        print("skipped:", s)
+
+
+if __name__ == "__main__":
+    main()

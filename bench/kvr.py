@@ -1,0 +1,237 @@
+"""ctypes bindings for libkvreplay.so, used by the benchmark drivers.
+
+This is also the test that the C ABI works with an engine's own memory and stream: tensors
+are passed by address (torch's data_ptr(), numpy's ctypes.data) and CUDA work goes to
+torch's current stream. The structs mirror include/kvreplay.h.
+"""
+
+import ctypes
+import os
+
+MAX_DIMS = 8
+
+STATUS_OK = 0
+BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA = 0, 1, 2
+DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_I32 = 0, 1, 2, 3
+DEVICE_HOST, DEVICE_CUDA = 0, 1
+ALL_LAYERS = -1
+ADMIT_OK, ADMIT_LATER, ADMIT_NEVER = 0, 1, 2
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+    ]
+
+
+class ContextParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("backend", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int32),
+    ]
+
+
+class LayerLayout(ctypes.Structure):
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("k_stride_page", ctypes.c_int64),
+        ("k_stride_head", ctypes.c_int64),
+        ("k_stride_token", ctypes.c_int64),
+        ("v_stride_page", ctypes.c_int64),
+        ("v_stride_head", ctypes.c_int64),
+        ("v_stride_token", ctypes.c_int64),
+    ]
+
+
+class KvPoolParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("n_layers", ctypes.c_int32),
+        ("n_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("capacity_pages", ctypes.c_int64),
+        ("capacity_bytes", ctypes.c_int64),
+        ("max_seqs", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("max_seq_len", ctypes.c_int64),
+        ("layers", ctypes.POINTER(LayerLayout)),
+    ]
+
+
+class KvPoolStats(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("reserved", ctypes.c_uint32)] + [
+        (n, ctypes.c_int64)
+        for n in (
+            "pages_total",
+            "pages_used",
+            "pages_free",
+            "pages_shared",
+            "sequences",
+            "tokens",
+            "waste_slots",
+            "page_bytes",
+        )
+    ]
+
+
+class DecodeParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int32),
+        ("max_ctas", ctypes.c_int32),
+    ]
+
+
+class KvrError(RuntimeError):
+    pass
+
+
+def load(path=None):
+    """Loads libkvreplay.so (from $KVR_LIB, the given path, or next to this bundle)."""
+    path = path or os.environ.get("KVR_LIB")
+    if path is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        for cand in (
+            os.path.join(here, "..", "lib", "libkvreplay.so"),
+            os.path.join(here, "..", "target", "release", "libkvreplay.so"),
+        ):
+            if os.path.exists(cand):
+                path = cand
+                break
+    lib = ctypes.CDLL(path)
+    lib.kvr_last_error_message.restype = ctypes.c_char_p
+    lib.kvr_status_str.restype = ctypes.c_char_p
+    lib.kvr_version.restype = ctypes.c_char_p
+    lib.kvr_build_info.restype = ctypes.c_char_p
+    return lib
+
+
+class Lib:
+    def __init__(self, path=None):
+        self.lib = load(path)
+
+    def check(self, status, what):
+        if status != STATUS_OK:
+            msg = self.lib.kvr_last_error_message().decode()
+            raise KvrError(f"{what}: {self.lib.kvr_status_str(status).decode()} ({status}): {msg}")
+
+    def context(self, backend=BACKEND_CUDA, stream=None, threads=0):
+        p = ContextParams()
+        self.check(self.lib.kvr_context_params_default(ctypes.byref(p)), "params")
+        p.backend = backend
+        p.stream = stream
+        p.n_threads = threads
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.kvr_context_new(ctypes.byref(p), ctypes.byref(ctx)), "kvr_context_new")
+        return ctx
+
+    def pool(self, ctx, layers, heads, dim, page, dtype, pages, max_seqs, max_len, layouts=None,
+             capacity_bytes=0):
+        p = KvPoolParams()
+        self.check(self.lib.kvr_kv_pool_params_default(ctypes.byref(p)), "pool params")
+        p.n_layers, p.n_kv_heads, p.head_dim, p.page_size, p.dtype = layers, heads, dim, page, dtype
+        p.capacity_pages = pages
+        p.capacity_bytes = capacity_bytes
+        p.max_seqs = max_seqs
+        p.max_seq_len = max_len
+        if layouts is not None:
+            arr = (LayerLayout * len(layouts))(*layouts)
+            p.layers = ctypes.cast(arr, ctypes.POINTER(LayerLayout))
+        pool = ctypes.c_void_p()
+        self.check(self.lib.kvr_kv_pool_new(ctx, ctypes.byref(p), ctypes.byref(pool)), "kvr_kv_pool_new")
+        return pool
+
+    def seq_add(self, pool, stream=None):
+        s = ctypes.c_int32()
+        self.check(self.lib.kvr_kv_pool_seq_add(pool, ctypes.c_void_p(stream), ctypes.byref(s)), "seq_add")
+        return s.value
+
+    def extend(self, pool, seqs, counts, stream=None):
+        n = len(seqs)
+        sa = (ctypes.c_int32 * n)(*seqs)
+        ca = (ctypes.c_int32 * n)(*counts)
+        return self.lib.kvr_kv_pool_extend(pool, sa, ca, n, ctypes.c_void_p(stream))
+
+    def write(self, pool, layer, seqs, counts, k, v, stream=None):
+        n = len(seqs)
+        sa = (ctypes.c_int32 * n)(*seqs)
+        ca = (ctypes.c_int32 * n)(*counts)
+        self.check(
+            self.lib.kvr_kv_pool_write(pool, layer, sa, ca, n, ctypes.byref(k), ctypes.byref(v),
+                                       ctypes.c_void_p(stream)),
+            "kvr_kv_pool_write",
+        )
+
+    def admit(self, pool, seq, n):
+        out = ctypes.c_int32()
+        self.check(self.lib.kvr_kv_pool_admit(pool, seq, ctypes.c_int64(n), ctypes.byref(out)), "admit")
+        return out.value
+
+    def stats(self, pool):
+        s = KvPoolStats()
+        s.struct_size = ctypes.sizeof(KvPoolStats)
+        self.check(self.lib.kvr_kv_pool_stats(pool, ctypes.byref(s)), "stats")
+        return s
+
+    def decode_params(self, scale=0.0, softcap=0.0, window=0, max_ctas=0):
+        p = DecodeParams()
+        self.check(self.lib.kvr_decode_params_default(ctypes.byref(p)), "decode params")
+        p.scale, p.softcap, p.window, p.max_ctas = scale, softcap, window, max_ctas
+        return p
+
+    def decode(self, pool, layer, ids, q, out, lse=None, params=None, stream=None):
+        return self.lib.kvr_kv_decode(
+            pool,
+            layer,
+            ctypes.byref(ids),
+            ctypes.byref(q),
+            ctypes.byref(out),
+            ctypes.byref(lse) if lse is not None else None,
+            ctypes.byref(params) if params is not None else None,
+            ctypes.c_void_p(stream),
+        )
+
+
+def tensor(ptr, dtype, device, shape, strides=None):
+    t = Tensor()
+    t.data = ptr
+    t.dtype = dtype
+    t.device = device
+    t.ndim = len(shape)
+    if strides is None:
+        strides = []
+        acc = 1
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    for i, (n, s) in enumerate(zip(shape, strides)):
+        t.shape[i] = n
+        t.strides[i] = s
+    return t
+
+
+def torch_tensor(x):
+    """A kvr_tensor over a torch tensor (device memory or host)."""
+    import torch
+
+    dt = {
+        torch.float32: DTYPE_F32,
+        torch.float16: DTYPE_F16,
+        torch.bfloat16: DTYPE_BF16,
+        torch.int32: DTYPE_I32,
+    }[x.dtype]
+    dev = DEVICE_CUDA if x.is_cuda else DEVICE_HOST
+    return tensor(x.data_ptr(), dt, dev, list(x.shape), list(x.stride()))

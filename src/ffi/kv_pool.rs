@@ -1,0 +1,740 @@
+//! `kvr_kv_pool`: the paged KV pool and batched decode.
+
+use std::ffi::c_void;
+
+use super::context::{context_from, kvr_context};
+use super::guard::{guard, non_null, read_versioned, write_versioned};
+use super::handles::Registry;
+use super::status::kvr_status;
+use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_F16};
+use crate::backend::Stream;
+use crate::error::{Error, Result};
+use crate::kv::{
+    Admission, DecodeIo, DecodeOptions, KvPool, KvPoolConfig, KvStorage, LayerLayout, SeqId,
+};
+
+/// A paged KV pool (opaque). Created by `kvr_kv_pool_new`, freed by `kvr_kv_pool_free`.
+pub struct kvr_kv_pool {
+    _private: [u8; 0],
+}
+
+pub(crate) static POOLS: Registry<KvPool> = Registry::new("kvr_kv_pool");
+
+/// `layer` value of `kvr_kv_pool_write` that writes every layer.
+pub const KVR_ALL_LAYERS: i32 = -1;
+
+/// One layer's K and V memory for a pool over caller-owned tensors. Element `d` of head `h`
+/// at slot `s` of page `p` is at `k + (p * k_stride_page + h * k_stride_head +
+/// s * k_stride_token + d) * sizeof(dtype)` (likewise V). Strides are in elements; the head
+/// dimension is contiguous. A per-sequence contiguous cache `[ctx][heads][dim]` is
+/// `page_size = ctx` with strides `{ctx * heads * dim, dim, heads * dim}`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvr_kv_layer_layout {
+    /// Page 0, head 0, slot 0 of K.
+    pub k: *mut c_void,
+    /// Page 0, head 0, slot 0 of V.
+    pub v: *mut c_void,
+    /// K stride between pages (elements).
+    pub k_stride_page: i64,
+    /// K stride between heads (elements).
+    pub k_stride_head: i64,
+    /// K stride between tokens of a page (elements).
+    pub k_stride_token: i64,
+    /// V stride between pages (elements).
+    pub v_stride_page: i64,
+    /// V stride between heads (elements).
+    pub v_stride_head: i64,
+    /// V stride between tokens of a page (elements).
+    pub v_stride_token: i64,
+}
+
+/// Options for `kvr_kv_pool_new`; fill with `kvr_kv_pool_params_default`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvr_kv_pool_params {
+    /// `sizeof(kvr_kv_pool_params)` as the caller compiled it.
+    pub struct_size: u32,
+    /// Attention layers (required, >= 1).
+    pub n_layers: i32,
+    /// KV heads per layer (required, >= 1).
+    pub n_kv_heads: i32,
+    /// Elements per head (required, >= 1; CUDA decode: 64, 80, 96, 128 or 256).
+    pub head_dim: i32,
+    /// Tokens per page, >= 1 (default 16).
+    pub page_size: i32,
+    /// K/V element type: `KVR_DTYPE_F16` (default), `_BF16` or `_F32` (CPU decode only).
+    pub dtype: kvr_dtype,
+    /// Capacity in pages; 0 = derive it from `capacity_bytes`. Set exactly one.
+    pub capacity_pages: i64,
+    /// Capacity as a byte budget for K and V (all layers); used when `capacity_pages` is 0.
+    pub capacity_bytes: i64,
+    /// Sequence slots (default 256).
+    pub max_seqs: i32,
+    /// Reserved, 0.
+    pub reserved: i32,
+    /// Longest sequence in tokens (default 131072); sets the block-table width.
+    pub max_seq_len: i64,
+    /// NULL (default): the pool allocates its memory (zeroed) in the context's memory.
+    /// Otherwise `n_layers` layouts of caller-owned memory in the context's memory (host
+    /// for CPU, device for CUDA); the array is copied, the memory must outlive the pool.
+    pub layers: *const kvr_kv_layer_layout,
+}
+
+const POOL_PARAMS_V1: usize = size_of::<kvr_kv_pool_params>();
+
+fn default_pool_params() -> kvr_kv_pool_params {
+    kvr_kv_pool_params {
+        struct_size: size_of::<kvr_kv_pool_params>() as u32,
+        n_layers: 0,
+        n_kv_heads: 0,
+        head_dim: 0,
+        page_size: 16,
+        dtype: KVR_DTYPE_F16,
+        capacity_pages: 0,
+        capacity_bytes: 0,
+        max_seqs: 256,
+        reserved: 0,
+        max_seq_len: 131072,
+        layers: std::ptr::null(),
+    }
+}
+
+fn positive(name: &str, v: i64) -> Result<usize> {
+    if v <= 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{name} must be >= 1 (got {v})"
+        )));
+    }
+    usize::try_from(v).map_err(|_| Error::OutOfRange(format!("{name} = {v} is too large")))
+}
+
+fn pool_from(p: *const kvr_kv_pool) -> Result<std::sync::Arc<KvPool>> {
+    POOLS.get(p as usize)
+}
+
+/// Fills `*params` with the defaults (page size 16, f16, 256 sequences, 131072 tokens,
+/// owned memory); the caller still sets `n_layers`, `n_kv_heads`, `head_dim` and a capacity.
+///
+/// Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_params_default(params: *mut kvr_kv_pool_params) -> kvr_status {
+    guard("kvr_kv_pool_params_default", || {
+        non_null(params, "params")?;
+        // SAFETY: non-NULL, writable.
+        unsafe { params.write(default_pool_params()) };
+        Ok(())
+    })
+}
+
+fn config_from(p: &kvr_kv_pool_params) -> Result<(KvPoolConfig, KvStorage)> {
+    let dtype = dtype_from_c(p.dtype)?;
+    let mut cfg = KvPoolConfig {
+        layers: positive("n_layers", p.n_layers as i64)?,
+        kv_heads: positive("n_kv_heads", p.n_kv_heads as i64)?,
+        head_dim: positive("head_dim", p.head_dim as i64)?,
+        page_size: positive("page_size", p.page_size as i64)?,
+        dtype,
+        capacity_pages: 0,
+        max_seqs: positive("max_seqs", p.max_seqs as i64)?,
+        max_seq_len: positive("max_seq_len", p.max_seq_len)?,
+    };
+    cfg.capacity_pages = match (p.capacity_pages, p.capacity_bytes) {
+        (0, 0) => {
+            return Err(Error::InvalidArgument(
+                "set capacity_pages or capacity_bytes".into(),
+            ))
+        }
+        (n, 0) => positive("capacity_pages", n)?,
+        (0, b) => {
+            let bytes = positive("capacity_bytes", b)?;
+            let pages = cfg.pages_for_budget(bytes);
+            if pages == 0 {
+                return Err(Error::OutOfRange(format!(
+                    "capacity_bytes {bytes} is smaller than one page ({} bytes)",
+                    cfg.page_bytes()
+                )));
+            }
+            pages
+        }
+        _ => {
+            return Err(Error::InvalidArgument(
+                "set only one of capacity_pages and capacity_bytes".into(),
+            ))
+        }
+    };
+    let storage = if p.layers.is_null() {
+        KvStorage::Owned
+    } else {
+        let mut v = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            // SAFETY: the caller passes `n_layers` readable layouts.
+            let c = unsafe { p.layers.add(l).read() };
+            let st = |name: &str, x: i64| -> Result<usize> {
+                usize::try_from(x).map_err(|_| {
+                    Error::InvalidArgument(format!("layer {l}: {name} {x} is negative"))
+                })
+            };
+            v.push(LayerLayout {
+                k: c.k as usize,
+                v: c.v as usize,
+                k_strides: [
+                    st("k_stride_page", c.k_stride_page)?,
+                    st("k_stride_head", c.k_stride_head)?,
+                    st("k_stride_token", c.k_stride_token)?,
+                ],
+                v_strides: [
+                    st("v_stride_page", c.v_stride_page)?,
+                    st("v_stride_head", c.v_stride_head)?,
+                    st("v_stride_token", c.v_stride_token)?,
+                ],
+            });
+        }
+        KvStorage::External(v)
+    };
+    Ok((cfg, storage))
+}
+
+/// Creates a pool on `ctx` and stores it in `*out`.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, params or out, or a NULL
+/// pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
+/// neither capacity set, `struct_size` too small, overlapping or misaligned external
+/// strides, not a live context); `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
+/// `KVR_STATUS_OUT_OF_RANGE` (sizes past the 32-bit device indices, a budget smaller than a
+/// page); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_UNSUPPORTED` (CUDA shared memory too
+/// small); `KVR_STATUS_CUDA_ERROR`. `*out` is written only on success; the caller owns the
+/// pool and frees it with `kvr_kv_pool_free`. The pool keeps the context alive.
+/// Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_new(
+    ctx: *const kvr_context,
+    params: *const kvr_kv_pool_params,
+    out: *mut *mut kvr_kv_pool,
+) -> kvr_status {
+    guard("kvr_kv_pool_new", || {
+        let ctx = context_from(ctx)?;
+        non_null(params, "params")?;
+        non_null(out, "out")?;
+        // SAFETY: non-NULL; `struct_size` readable bytes.
+        let p = unsafe {
+            read_versioned(
+                params,
+                default_pool_params(),
+                POOL_PARAMS_V1,
+                "kvr_kv_pool_params",
+            )?
+        };
+        let (cfg, storage) = config_from(&p)?;
+        let pool = KvPool::new(ctx, cfg, storage)?;
+        let h = POOLS.insert(pool);
+        // SAFETY: non-NULL.
+        unsafe { out.write(h as *mut kvr_kv_pool) };
+        Ok(())
+    })
+}
+
+/// Frees a pool and (if it owns it) its memory. NULL is a no-op; a dead handle is ignored
+/// and recorded in `kvr_last_error_message`. On CUDA the caller must make sure no queued
+/// work still uses the pool (CUDA Graphs that contain its decodes must be destroyed first).
+/// Do not free a pool while another thread is inside a call on it.
+#[no_mangle]
+pub extern "C" fn kvr_kv_pool_free(pool: *mut kvr_kv_pool) {
+    if pool.is_null() {
+        return;
+    }
+    let _ = guard("kvr_kv_pool_free", || POOLS.remove(pool as usize).map(drop));
+}
+
+/// Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (dead handle);
+/// `KVR_STATUS_POOL_EXHAUSTED` (all `max_seqs` ids in use); `KVR_STATUS_CUDA_ERROR`.
+/// Device tables are patched on `stream` (NULL: the context's). Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_seq_add(
+    pool: *mut kvr_kv_pool,
+    stream: *mut c_void,
+    out_seq: *mut i32,
+) -> kvr_status {
+    guard("kvr_kv_pool_seq_add", || {
+        let pool = pool_from(pool)?;
+        non_null(out_seq, "out_seq")?;
+        let id = pool.seq_add(Stream(stream as usize))?;
+        // SAFETY: non-NULL.
+        unsafe { out_seq.write(id) };
+        Ok(())
+    })
+}
+
+/// Frees sequence `seq`, releasing its pages (shared pages stay with their other owners).
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID` (not a live sequence); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_seq_free(
+    pool: *mut kvr_kv_pool,
+    seq: i32,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_kv_pool_seq_free", || {
+        pool_from(pool)?.seq_free(seq, Stream(stream as usize))
+    })
+}
+
+/// Creates a sequence sharing all of `src`'s pages (no copy; reference counts) and stores
+/// its id in `*out_seq`. A later append into a shared, partly filled last page copies that
+/// page first (copy-on-write), on either side.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_POOL_EXHAUSTED` (no free id);
+/// `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_seq_fork(
+    pool: *mut kvr_kv_pool,
+    src: i32,
+    stream: *mut c_void,
+    out_seq: *mut i32,
+) -> kvr_status {
+    guard("kvr_kv_pool_seq_fork", || {
+        let pool = pool_from(pool)?;
+        non_null(out_seq, "out_seq")?;
+        let id = pool.seq_fork(src, Stream(stream as usize))?;
+        // SAFETY: non-NULL.
+        unsafe { out_seq.write(id) };
+        Ok(())
+    })
+}
+
+/// Shortens `seq` to `len` tokens (rejecting speculative tokens), releasing whole pages
+/// past the new end.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`len` negative or past the current
+/// length); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_seq_truncate(
+    pool: *mut kvr_kv_pool,
+    seq: i32,
+    len: i64,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_kv_pool_seq_truncate", || {
+        let pool = pool_from(pool)?;
+        let len = usize::try_from(len)
+            .map_err(|_| Error::OutOfRange(format!("length {len} is negative")))?;
+        pool.seq_truncate(seq, len, Stream(stream as usize))
+    })
+}
+
+/// Stores the length of `seq` in `*out_len`.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
+/// `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_seq_len(
+    pool: *const kvr_kv_pool,
+    seq: i32,
+    out_len: *mut i64,
+) -> kvr_status {
+    guard("kvr_kv_pool_seq_len", || {
+        let pool = pool_from(pool)?;
+        non_null(out_len, "out_len")?;
+        let n = pool.seq_len(seq)? as i64;
+        // SAFETY: non-NULL.
+        unsafe { out_len.write(n) };
+        Ok(())
+    })
+}
+
+/// Copies `seq`'s block table (page ids in token order) into `pages` (room for `capacity`
+/// entries; may be NULL when `capacity` is 0) and stores the number of pages in
+/// `*out_count`, also when it exceeds `capacity` (then nothing is copied and the status
+/// is `KVR_STATUS_OUT_OF_RANGE`).
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_seq_pages(
+    pool: *const kvr_kv_pool,
+    seq: i32,
+    pages: *mut i32,
+    capacity: i64,
+    out_count: *mut i64,
+) -> kvr_status {
+    guard("kvr_kv_pool_seq_pages", || {
+        let pool = pool_from(pool)?;
+        non_null(out_count, "out_count")?;
+        let table = pool.seq_pages(seq)?;
+        if (table.len() as i64) > capacity.max(0) {
+            // SAFETY: non-NULL. The count is the documented exception to "outputs only on
+            // success": it tells the caller how much room to make.
+            unsafe { out_count.write(table.len() as i64) };
+            return Err(Error::OutOfRange(format!(
+                "sequence {seq} has {} pages; the buffer holds {capacity}",
+                table.len()
+            )));
+        }
+        if !table.is_empty() {
+            non_null(pages, "pages")?;
+        }
+        for (i, &p) in table.iter().enumerate() {
+            // SAFETY: `capacity` >= len writable entries.
+            unsafe { pages.add(i).write(p as i32) };
+        }
+        // SAFETY: non-NULL.
+        unsafe { out_count.write(table.len() as i64) };
+        Ok(())
+    })
+}
+
+/// Reads `n` (sequence, count) pairs from two C arrays.
+fn groups_from(seqs: *const i32, counts: *const i32, n: i32) -> Result<Vec<(SeqId, usize)>> {
+    if n < 0 {
+        return Err(Error::InvalidArgument(format!("n = {n} is negative")));
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    non_null(seqs, "seqs")?;
+    non_null(counts, "counts")?;
+    (0..n as usize)
+        .map(|i| {
+            // SAFETY: the caller passes `n` readable entries in each array.
+            let (s, c) = unsafe { (seqs.add(i).read(), counts.add(i).read()) };
+            if c < 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "counts[{i}] = {c} is negative"
+                )));
+            }
+            Ok((s, c as usize))
+        })
+        .collect()
+}
+
+/// Reserves `counts[i]` more positions in sequence `seqs[i]` for each of the `n` entries,
+/// allocating pages (and copying a shared, partly filled last page first). The lengths grow
+/// at once; fill the new positions with `kvr_kv_pool_write` (per layer or all layers)
+/// before decoding over them. All or nothing.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL arrays with n > 0);
+/// `KVR_STATUS_INVALID_ARG` (handle, negative count, a sequence listed twice);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (past `max_seq_len`);
+/// `KVR_STATUS_POOL_EXHAUSTED` (not enough free pages: nothing changed);
+/// `KVR_STATUS_CUDA_ERROR`. Thread-safe; device work on `stream`.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_extend(
+    pool: *mut kvr_kv_pool,
+    seqs: *const i32,
+    counts: *const i32,
+    n: i32,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_kv_pool_extend", || {
+        let pool = pool_from(pool)?;
+        let groups = groups_from(seqs, counts, n)?;
+        pool.extend(&groups, Stream(stream as usize))
+    })
+}
+
+/// Writes K and V into the last `counts[i]` positions of each sequence `seqs[i]`: for one
+/// layer (`layer` >= 0, `k`/`v` shaped `[tokens, n_kv_heads, head_dim]`) or all layers
+/// (`layer = KVR_ALL_LAYERS`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
+/// the sequences' new tokens in list order (`tokens = sum(counts)`). `k` and `v` may be in
+/// host memory or (CUDA) device memory, any float dtype (converted to the pool's) and any
+/// strides. The positions must not be in a page shared with another sequence (extend
+/// first). On CUDA the copy is queued on `stream`; host sources are read before return.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, shapes,
+/// shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_OUT_OF_RANGE` (layer, count past a length); `KVR_STATUS_DTYPE_MISMATCH`;
+/// `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+#[no_mangle]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn kvr_kv_pool_write(
+    pool: *mut kvr_kv_pool,
+    layer: i32,
+    seqs: *const i32,
+    counts: *const i32,
+    n: i32,
+    k: *const kvr_tensor,
+    v: *const kvr_tensor,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_kv_pool_write", || {
+        let pool = pool_from(pool)?;
+        let groups = groups_from(seqs, counts, n)?;
+        let layer = layer_arg(layer, true)?;
+        // SAFETY: NULL-checked descriptors.
+        let (k, v) = unsafe { (view_from_c(k, "k")?, view_from_c(v, "v")?) };
+        pool.write(layer, &groups, &k, &v, Stream(stream as usize))
+    })
+}
+
+fn layer_arg(layer: i32, all_allowed: bool) -> Result<Option<usize>> {
+    match layer {
+        KVR_ALL_LAYERS if all_allowed => Ok(None),
+        l if l >= 0 => Ok(Some(l as usize)),
+        l => Err(Error::OutOfRange(format!("layer {l} is negative"))),
+    }
+}
+
+/// Appends tokens to `seq` for all layers: `k`/`v` shaped `[n_layers, n, n_kv_heads,
+/// head_dim]` (n new tokens; host or device memory, any float dtype and strides). Equal to
+/// `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all layers, all or nothing.
+///
+/// Returns like `kvr_kv_pool_extend` and `kvr_kv_pool_write`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_append(
+    pool: *mut kvr_kv_pool,
+    seq: i32,
+    k: *const kvr_tensor,
+    v: *const kvr_tensor,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_kv_pool_append", || {
+        let pool = pool_from(pool)?;
+        // SAFETY: NULL-checked descriptors.
+        let (k, v) = unsafe { (view_from_c(k, "k")?, view_from_c(v, "v")?) };
+        pool.append(seq, &k, &v, Stream(stream as usize))
+    })
+}
+
+/// Admission verdict of `kvr_kv_pool_admit`.
+pub type kvr_admission = i32;
+/// Fits now.
+pub const KVR_ADMIT_OK: kvr_admission = 0;
+/// Does not fit now, would in a pool with enough pages / ids free.
+pub const KVR_ADMIT_LATER: kvr_admission = 1;
+/// Can never fit: longer than `max_seq_len` or more pages than the pool has.
+pub const KVR_ADMIT_NEVER: kvr_admission = 2;
+
+/// Says whether a new sequence of `n_tokens` (`seq = -1`) or growing `seq` by `n_tokens`
+/// fits: `KVR_ADMIT_OK`, `KVR_ADMIT_LATER` (not enough free pages or ids now) or
+/// `KVR_ADMIT_NEVER`. Changes nothing.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative `n_tokens`); `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_admit(
+    pool: *const kvr_kv_pool,
+    seq: i32,
+    n_tokens: i64,
+    out: *mut kvr_admission,
+) -> kvr_status {
+    guard("kvr_kv_pool_admit", || {
+        let pool = pool_from(pool)?;
+        non_null(out, "out")?;
+        let n = usize::try_from(n_tokens)
+            .map_err(|_| Error::InvalidArgument(format!("n_tokens {n_tokens} is negative")))?;
+        let a = pool.admit(if seq == -1 { None } else { Some(seq) }, n)?;
+        let v = match a {
+            Admission::Ok => KVR_ADMIT_OK,
+            Admission::Later => KVR_ADMIT_LATER,
+            Admission::Never => KVR_ADMIT_NEVER,
+        };
+        // SAFETY: non-NULL.
+        unsafe { out.write(v) };
+        Ok(())
+    })
+}
+
+/// Pool occupancy, filled by `kvr_kv_pool_stats`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvr_kv_pool_stats {
+    /// Set to `sizeof(kvr_kv_pool_stats)` before the call.
+    pub struct_size: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
+    /// Pages in the pool.
+    pub pages_total: i64,
+    /// Pages referenced by a sequence.
+    pub pages_used: i64,
+    /// Pages free.
+    pub pages_free: i64,
+    /// Pages referenced by more than one sequence.
+    pub pages_shared: i64,
+    /// Live sequences.
+    pub sequences: i64,
+    /// Sum of sequence lengths (shared tokens count once per sequence).
+    pub tokens: i64,
+    /// Slots of used pages holding no token of any sequence (internal fragmentation).
+    pub waste_slots: i64,
+    /// Bytes of K and V per page, all layers.
+    pub page_bytes: i64,
+}
+
+/// Fills `*out` with the pool's occupancy. Set `out->struct_size` first.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// `struct_size` too small). Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_kv_pool_stats(
+    pool: *const kvr_kv_pool,
+    out: *mut kvr_kv_pool_stats,
+) -> kvr_status {
+    guard("kvr_kv_pool_stats", || {
+        let pool = pool_from(pool)?;
+        non_null(out, "out")?;
+        let s = pool.stats();
+        let c = kvr_kv_pool_stats {
+            struct_size: size_of::<kvr_kv_pool_stats>() as u32,
+            reserved: 0,
+            pages_total: s.pages_total as i64,
+            pages_used: s.pages_used as i64,
+            pages_free: s.pages_free as i64,
+            pages_shared: s.pages_shared as i64,
+            sequences: s.sequences as i64,
+            tokens: s.tokens as i64,
+            waste_slots: s.waste_slots as i64,
+            page_bytes: s.page_bytes as i64,
+        };
+        // SAFETY: non-NULL, `struct_size` writable bytes.
+        unsafe { write_versioned(out, c, size_of::<kvr_kv_pool_stats>(), "kvr_kv_pool_stats") }
+    })
+}
+
+/// Options for `kvr_kv_decode`; fill with `kvr_decode_params_default`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvr_decode_params {
+    /// `sizeof(kvr_decode_params)` as the caller compiled it.
+    pub struct_size: u32,
+    /// Softmax scale; 0 (default) = 1 / sqrt(head_dim).
+    pub scale: f32,
+    /// Logit softcap c (scores become c * tanh(scores / c)); 0 (default) = off.
+    pub softcap: f32,
+    /// Sliding window in tokens (a query at position p sees p - window + 1 ..= p);
+    /// 0 (default) = the whole sequence.
+    pub window: i32,
+    /// CUDA: upper bound on CTAs (0 = one full wave); a fixed value makes the split, and so
+    /// the rounding, the same from call to call.
+    pub max_ctas: i32,
+}
+
+const DECODE_PARAMS_V1: usize = size_of::<kvr_decode_params>();
+
+fn default_decode_params() -> kvr_decode_params {
+    kvr_decode_params {
+        struct_size: size_of::<kvr_decode_params>() as u32,
+        scale: 0.0,
+        softcap: 0.0,
+        window: 0,
+        max_ctas: 0,
+    }
+}
+
+/// Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window).
+///
+/// Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_decode_params_default(params: *mut kvr_decode_params) -> kvr_status {
+    guard("kvr_decode_params_default", || {
+        non_null(params, "params")?;
+        // SAFETY: non-NULL.
+        unsafe { params.write(default_decode_params()) };
+        Ok(())
+    })
+}
+
+/// Attention for a batch of sequences in one launch: `q` `[B, Hq, head_dim]` (one query
+/// token per sequence) or `[B, T, Hq, head_dim]` (T = 1..8 query tokens: the last T tokens
+/// of each sequence, causal among themselves, for speculative verification) against the K/V
+/// of `layer`, written to `out` (same shape as `q`) and, if `lse` is not NULL, the
+/// log-sum-exp of the scaled scores (natural log, f32 `[B, Hq]` / `[B, T, Hq]`).
+/// `seq_ids` is an i32 `[B]` tensor of sequence ids (-1: an unused row, which gets zeros).
+/// Hq must be a multiple of the pool's KV heads, at most 16 per KV head (GQA, MQA, MHA).
+/// q/out: f32, f16 or bf16 (converted); the pool's K/V: f16 or bf16 on CUDA (f32 too on
+/// the CPU). `params` may be NULL for the defaults.
+///
+/// CUDA: queued on `stream`; never synchronizes or allocates. The split across the GPU is
+/// computed on the device from the lengths in device memory, so a decode captured in a CUDA
+/// Graph stays correct while sequences grow. With `seq_ids` in host memory (B <= 512) the
+/// ids travel in the launch parameters (a captured graph keeps that batch); with `seq_ids`
+/// in device memory the kernel reads them (the batch may change between replays). Decodes
+/// and pool updates of one pool must be ordered on one stream.
+///
+/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shapes, memory kinds, strides); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID`
+/// (an id in host `seq_ids` that is not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8,
+/// group > 16, a sequence shorter than T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or
+/// a head dim without a kernel on CUDA); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+#[no_mangle]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn kvr_kv_decode(
+    pool: *mut kvr_kv_pool,
+    layer: i32,
+    seq_ids: *const kvr_tensor,
+    q: *const kvr_tensor,
+    out: *const kvr_tensor,
+    lse: *const kvr_tensor,
+    params: *const kvr_decode_params,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_kv_decode", || {
+        let pool = pool_from(pool)?;
+        let layer = layer_arg(layer, false)?.expect("one layer");
+        let p = if params.is_null() {
+            default_decode_params()
+        } else {
+            // SAFETY: non-NULL; `struct_size` readable bytes.
+            unsafe {
+                read_versioned(
+                    params,
+                    default_decode_params(),
+                    DECODE_PARAMS_V1,
+                    "kvr_decode_params",
+                )?
+            }
+        };
+        if p.window < 0 || p.max_ctas < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "window ({}) and max_ctas ({}) must be >= 0",
+                p.window, p.max_ctas
+            )));
+        }
+        let opts = DecodeOptions {
+            scale: if p.scale == 0.0 { None } else { Some(p.scale) },
+            softcap: p.softcap,
+            window: p.window as usize,
+            max_ctas: p.max_ctas as usize,
+        };
+        // SAFETY: NULL-checked descriptors.
+        let (ids, q, out) = unsafe {
+            (
+                view_from_c(seq_ids, "seq_ids")?,
+                view_from_c(q, "q")?,
+                view_from_c(out, "out")?,
+            )
+        };
+        let lse = if lse.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL descriptor.
+            Some(unsafe { view_from_c(lse, "lse")? })
+        };
+        let io = DecodeIo {
+            seq_ids: &ids,
+            q: &q,
+            out: &out,
+            lse: lse.as_ref(),
+        };
+        pool.decode(layer, &io, &opts, Stream(stream as usize))
+    })
+}

@@ -1,0 +1,581 @@
+//! The pool's device state and launches (kernels/kv_pool.cu, kernels/kv_decode.cu).
+
+use std::ffi::c_void;
+use std::ops::Range;
+
+use super::decode::DecodePlan;
+use super::pool::{KvPoolConfig, LayerLayout};
+use crate::backend::cuda::memory::DeviceBuffer;
+use crate::backend::cuda::module::Kernel;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Stream;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, MemoryKind, TensorView};
+
+const MAX_PATCHES: usize = 480;
+pub(super) const MAX_WRITE_GROUPS: usize = 120;
+const MAX_PAGE_COPIES: usize = 240;
+const MAX_INLINE_BATCH: usize = 512;
+const DECODE_THREADS: u32 = 128;
+const DECODE_TILE: usize = 64;
+/// Most 16-row query tiles per decode: 16 heads x 8 tokens / 16.
+const MAX_Y_TILES: usize = 8;
+
+/// `n / d` as `(mulhi(n, mul) + n) >> shift` for n < 2^31; matches `kvr::FastDiv`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FastDiv {
+    d: u32,
+    mul: u32,
+    shift: u32,
+}
+
+impl FastDiv {
+    pub(crate) fn new(d: u32) -> FastDiv {
+        assert!(d >= 1);
+        let shift = 32 - (d - 1).leading_zeros(); // ceil(log2 d)
+        let mul = (((1u64 << 32) * ((1u64 << shift) - d as u64)) / d as u64 + 1) as u32;
+        FastDiv { d, mul, shift }
+    }
+    #[cfg(test)]
+    fn div(&self, n: u32) -> u32 {
+        let hi = ((n as u64 * self.mul as u64) >> 32) as u32;
+        (hi + n) >> self.shift
+    }
+}
+
+#[repr(C)]
+struct PatchParams {
+    dst: u64,
+    count: i32,
+    pad: i32,
+    index: [u32; MAX_PATCHES],
+    value: [i32; MAX_PATCHES],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LayerDesc {
+    k: u64,
+    v: u64,
+    k_sp: i64,
+    k_sh: i64,
+    k_st: i64,
+    v_sp: i64,
+    v_sh: i64,
+    v_st: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct WriteGroup {
+    slot: i32,
+    start: i32,
+    count: i32,
+    src_offset: i32,
+}
+
+#[repr(C)]
+struct WriteParams {
+    layers: u64,
+    table: u64,
+    k_src: u64,
+    v_src: u64,
+    ks: [i64; 4],
+    vs: [i64; 4],
+    page: FastDiv,
+    table_stride: i32,
+    layer0: i32,
+    n_layers: i32,
+    hkv: i32,
+    d: i32,
+    n_groups: i32,
+    n_tokens: i32,
+    groups: [WriteGroup; MAX_WRITE_GROUPS],
+}
+
+#[repr(C)]
+struct PageCopyParams {
+    layers: u64,
+    n_layers: i32,
+    hkv: i32,
+    d: i32,
+    page_size: i32,
+    elem_bytes: i32,
+    n_pairs: i32,
+    src: [i32; MAX_PAGE_COPIES],
+    dst: [i32; MAX_PAGE_COPIES],
+}
+
+/// Must match `kvr::DecodeParams` in kernels/kv_decode.cu field for field.
+#[repr(C)]
+struct DecodeParams {
+    q: u64,
+    out: u64,
+    lse: u64,
+    k: u64,
+    v: u64,
+    table: u64,
+    lens: u64,
+    batch: u64,
+    part_o: u64,
+    part_lse: u64,
+    counters: u64,
+    q_s: [i64; 3],
+    o_s: [i64; 3],
+    l_s: [i64; 3],
+    k_s: [i64; 3],
+    v_s: [i64; 3],
+    page: FastDiv,
+    table_stride: i32,
+    max_seqs: i32,
+    b: i32,
+    t: i32,
+    hq: i32,
+    hkv: i32,
+    g: i32,
+    q_dtype: i32,
+    out_dtype: i32,
+    window: i32,
+    min_tiles_per_cta: i32,
+    stages: i32,
+    scale_log2: f32,
+    qk_scale: f32,
+    softcap: f32,
+    batch_inline: [i32; MAX_INLINE_BATCH],
+}
+
+fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 | DType::I32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
+}
+
+/// Dynamic shared memory of the decode kernel; matches `DecodeSmem::bytes`.
+fn decode_smem(head_dim: usize, elem: usize, stages: usize) -> usize {
+    stages * 2 * DECODE_TILE * (head_dim + 8) * elem + 4 * 16 * 2 * 4 + 64 * 8
+}
+
+/// How decode launches on this device for the pool's (dtype, head dim).
+#[derive(Clone, Copy, Debug)]
+struct DecodeLaunch {
+    kernel: Kernel,
+    stages: u32,
+    shared_bytes: u32,
+    /// CTAs in one full wave (SMs x CTAs per SM).
+    wave: u32,
+}
+
+/// Device memory and launch settings of one pool.
+pub(super) struct DeviceState {
+    /// Block table `[max_seqs][pages_per_seq]` followed by lengths `[max_seqs]`.
+    tables: DeviceBuffer,
+    layers: DeviceBuffer,
+    /// Sequence ids of batches too large to pass inline.
+    batch: DeviceBuffer,
+    part_o: DeviceBuffer,
+    part_lse: DeviceBuffer,
+    counters: DeviceBuffer,
+    decode: Option<DecodeLaunch>,
+    sm_count: u32,
+}
+
+impl DeviceState {
+    pub(super) fn new(
+        cuda: &CudaBackend,
+        cfg: &KvPoolConfig,
+        layout: &[LayerLayout],
+    ) -> Result<Self> {
+        let table_ints = cfg.max_seqs * cfg.pages_per_seq() + cfg.max_seqs;
+        let tables = DeviceBuffer::new(cuda, table_ints * 4)?;
+        tables.upload(&vec![0i32; table_ints])?;
+        let descs: Vec<LayerDesc> = layout
+            .iter()
+            .map(|l| LayerDesc {
+                k: l.k as u64,
+                v: l.v as u64,
+                k_sp: l.k_strides[0] as i64,
+                k_sh: l.k_strides[1] as i64,
+                k_st: l.k_strides[2] as i64,
+                v_sp: l.v_strides[0] as i64,
+                v_sh: l.v_strides[1] as i64,
+                v_st: l.v_strides[2] as i64,
+            })
+            .collect();
+        let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerDesc>())?;
+        layers.upload(&descs)?;
+        let batch = DeviceBuffer::new(cuda, cfg.max_seqs * 4)?;
+        let decode = Self::decode_launch(cuda, cfg)?;
+        let wave = decode.map_or(1, |d| d.wave as usize);
+        let part_o = DeviceBuffer::new(cuda, wave * 2 * 16 * cfg.head_dim * 4)?;
+        let part_lse = DeviceBuffer::new(cuda, wave * 2 * 16 * 4)?;
+        let n_counters = cfg.max_seqs * cfg.kv_heads * MAX_Y_TILES;
+        let counters = DeviceBuffer::new(cuda, n_counters * 4)?;
+        counters.upload(&vec![0i32; n_counters])?;
+        Ok(DeviceState {
+            tables,
+            layers,
+            batch,
+            part_o,
+            part_lse,
+            counters,
+            decode,
+            sm_count: cuda.sm_count(),
+        })
+    }
+
+    /// Picks the deepest pipeline that fits the device's shared memory and measures the
+    /// occupancy; None when the dtype or head dim has no decode kernel.
+    fn decode_launch(cuda: &CudaBackend, cfg: &KvPoolConfig) -> Result<Option<DecodeLaunch>> {
+        if !matches!(cfg.dtype, DType::F16 | DType::BF16)
+            || !crate::backend::cuda::module::DECODE_HEAD_DIMS.contains(&cfg.head_dim)
+        {
+            return Ok(None);
+        }
+        let kernel = Kernel::KvDecode {
+            kv: cfg.dtype,
+            head_dim: cfg.head_dim,
+        };
+        for stages in [3usize, 2, 1] {
+            let bytes = decode_smem(cfg.head_dim, cfg.dtype.size(), stages);
+            if bytes > cuda.max_shared_per_block() as usize {
+                continue;
+            }
+            let per_sm = cuda.prepare_kernel(kernel, bytes as u32, DECODE_THREADS)?;
+            if per_sm == 0 {
+                continue;
+            }
+            return Ok(Some(DecodeLaunch {
+                kernel,
+                stages: stages as u32,
+                shared_bytes: bytes as u32,
+                wave: per_sm * cuda.sm_count(),
+            }));
+        }
+        Err(Error::Unsupported(format!(
+            "this GPU's shared memory ({} bytes per block) is too small for the decode kernel \
+             at head dim {}",
+            cuda.max_shared_per_block(),
+            cfg.head_dim
+        )))
+    }
+
+    fn grid_for(&self, rows: usize, rows_per_block: usize) -> u32 {
+        rows.div_ceil(rows_per_block)
+            .clamp(1, self.sm_count as usize * 16) as u32
+    }
+
+    /// Applies (index, value) patches to the block table / lengths.
+    pub(super) fn apply_patches(
+        &self,
+        cuda: &CudaBackend,
+        patches: &[(u32, i32)],
+        stream: Stream,
+    ) -> Result<()> {
+        for chunk in patches.chunks(MAX_PATCHES) {
+            let mut p = Box::new(PatchParams {
+                dst: self.tables.addr() as u64,
+                count: chunk.len() as i32,
+                pad: 0,
+                index: [0; MAX_PATCHES],
+                value: [0; MAX_PATCHES],
+            });
+            for (i, &(idx, val)) in chunk.iter().enumerate() {
+                p.index[i] = idx;
+                p.value[i] = val;
+            }
+            let mut args = [&mut *p as *mut PatchParams as *mut c_void];
+            let blocks = chunk.len().div_ceil(128) as u32;
+            cuda.launch(
+                Kernel::KvPatch,
+                (blocks, 1, 1),
+                (128, 1, 1),
+                0,
+                stream,
+                &mut args,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Copies whole pages (copy-on-write), all layers.
+    pub(super) fn copy_pages(
+        &self,
+        cuda: &CudaBackend,
+        cfg: &KvPoolConfig,
+        pairs: &[(u32, u32)],
+        stream: Stream,
+    ) -> Result<()> {
+        for chunk in pairs.chunks(MAX_PAGE_COPIES) {
+            let mut p = Box::new(PageCopyParams {
+                layers: self.layers.addr() as u64,
+                n_layers: cfg.layers as i32,
+                hkv: cfg.kv_heads as i32,
+                d: cfg.head_dim as i32,
+                page_size: cfg.page_size as i32,
+                elem_bytes: cfg.dtype.size() as i32,
+                n_pairs: chunk.len() as i32,
+                src: [0; MAX_PAGE_COPIES],
+                dst: [0; MAX_PAGE_COPIES],
+            });
+            for (i, &(s, d)) in chunk.iter().enumerate() {
+                p.src[i] = s as i32;
+                p.dst[i] = d as i32;
+            }
+            let rows = chunk.len() * cfg.layers * 2 * cfg.kv_heads * cfg.page_size;
+            let mut args = [&mut *p as *mut PageCopyParams as *mut c_void];
+            cuda.launch(
+                Kernel::KvCopyPages,
+                (self.grid_for(rows, 4), 1, 1),
+                (128, 1, 1),
+                0,
+                stream,
+                &mut args,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Scatters tokens into their pages; host sources are staged through stream-ordered
+    /// device memory.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn write_tokens(
+        &self,
+        cuda: &CudaBackend,
+        cfg: &KvPoolConfig,
+        layers: Range<usize>,
+        placed: &[(usize, usize, usize, usize)],
+        k: &TensorView,
+        v: &TensorView,
+        stream: Stream,
+    ) -> Result<()> {
+        if k.dtype() != v.dtype() {
+            return Err(Error::DTypeMismatch(format!(
+                "k ({}) and v ({}) must have the same dtype",
+                k.dtype(),
+                v.dtype()
+            )));
+        }
+        let mut staged = Vec::new();
+        let mut device_view = |t: &TensorView| -> Result<u64> {
+            match t.memory() {
+                MemoryKind::Cuda => Ok(t.addr() as u64),
+                MemoryKind::Host => {
+                    let bytes = t.span_bytes();
+                    let dst = cuda.alloc_async(bytes, stream)?;
+                    staged.push(dst);
+                    // SAFETY: the view spans `bytes` readable bytes.
+                    let src = unsafe { std::slice::from_raw_parts(t.addr() as *const u8, bytes) };
+                    cuda.copy_to_device_async(dst, src, stream)?;
+                    Ok(dst as u64)
+                }
+            }
+        };
+        let result = (|| {
+            let (k_addr, v_addr) = (device_view(k)?, device_view(v)?);
+            let strides4 = |t: &TensorView| -> [i64; 4] {
+                let s = t.strides();
+                if t.ndim() == 4 {
+                    [s[0] as i64, s[1] as i64, s[2] as i64, s[3] as i64]
+                } else {
+                    [0, s[0] as i64, s[1] as i64, s[2] as i64]
+                }
+            };
+            let (ks, vs) = (strides4(k), strides4(v));
+            let elem = k.dtype().size() as u64;
+            for chunk in placed.chunks(MAX_WRITE_GROUPS) {
+                let off0 = chunk[0].3;
+                let n_tokens: usize = chunk.iter().map(|g| g.2).sum();
+                let mut p = Box::new(WriteParams {
+                    layers: self.layers.addr() as u64,
+                    table: self.tables.addr() as u64,
+                    k_src: k_addr + (off0 as i64 * ks[1]) as u64 * elem,
+                    v_src: v_addr + (off0 as i64 * vs[1]) as u64 * elem,
+                    ks,
+                    vs,
+                    page: FastDiv::new(cfg.page_size as u32),
+                    table_stride: cfg.pages_per_seq() as i32,
+                    layer0: layers.start as i32,
+                    n_layers: layers.len() as i32,
+                    hkv: cfg.kv_heads as i32,
+                    d: cfg.head_dim as i32,
+                    n_groups: chunk.len() as i32,
+                    n_tokens: n_tokens as i32,
+                    groups: [WriteGroup::default(); MAX_WRITE_GROUPS],
+                });
+                for (i, &(slot, start, count, off)) in chunk.iter().enumerate() {
+                    p.groups[i] = WriteGroup {
+                        slot: slot as i32,
+                        start: start as i32,
+                        count: count as i32,
+                        src_offset: (off - off0) as i32,
+                    };
+                }
+                let rows = layers.len() * n_tokens * cfg.kv_heads * 2;
+                let mut args = [&mut *p as *mut WriteParams as *mut c_void];
+                cuda.launch(
+                    Kernel::KvWrite {
+                        src: k.dtype(),
+                        dst: cfg.dtype,
+                    },
+                    (self.grid_for(rows, 8), 1, 1),
+                    (256, 1, 1),
+                    0,
+                    stream,
+                    &mut args,
+                )?;
+            }
+            Ok(())
+        })();
+        for ptr in staged {
+            cuda.free_async(ptr, stream)?;
+        }
+        result
+    }
+
+    /// Launches the decode kernel.
+    pub(super) fn decode(
+        &self,
+        cuda: &CudaBackend,
+        cfg: &KvPoolConfig,
+        lay: &LayerLayout,
+        plan: &DecodePlan,
+        stream: Stream,
+    ) -> Result<()> {
+        let launch = self.decode.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "no CUDA decode kernel for {} KV with head dim {}",
+                cfg.dtype, cfg.head_dim
+            ))
+        })?;
+        if plan.b == 0 {
+            return Ok(());
+        }
+        let mut batch_inline = [0i32; MAX_INLINE_BATCH];
+        let batch_ptr = match (&plan.host_batch, plan.device_batch) {
+            (Some(ids), _) if ids.len() <= MAX_INLINE_BATCH => {
+                batch_inline[..ids.len()].copy_from_slice(ids);
+                0
+            }
+            (Some(ids), _) => {
+                // Too many to travel in the parameters: copy them (not graph-capturable).
+                let bytes: Vec<u8> = ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
+                cuda.copy_to_device_async(self.batch.addr(), &bytes, stream)?;
+                self.batch.addr() as u64
+            }
+            (None, Some(addr)) => addr as u64,
+            (None, None) => unreachable!("a batch is always given"),
+        };
+        let y_tiles = (plan.g * plan.t).div_ceil(16);
+        let mut wave = launch.wave as usize;
+        if plan.max_ctas > 0 {
+            wave = wave.min(plan.max_ctas.max(y_tiles));
+        }
+        let grid_x = (wave / y_tiles).max(1) as u32;
+        let s3 = |t: &TensorView| -> [i64; 3] {
+            let s = t.strides();
+            [s[0] as i64, s[1] as i64, s[2] as i64]
+        };
+        let lse_s = plan.lse.as_ref().map_or([0; 3], s3);
+        let pps = cfg.pages_per_seq();
+        let mut p = Box::new(DecodeParams {
+            q: plan.q.addr() as u64,
+            out: plan.out.addr() as u64,
+            lse: plan.lse.as_ref().map_or(0, |l| l.addr() as u64),
+            k: lay.k as u64,
+            v: lay.v as u64,
+            table: self.tables.addr() as u64,
+            lens: (self.tables.addr() + cfg.max_seqs * pps * 4) as u64,
+            batch: batch_ptr,
+            part_o: self.part_o.addr() as u64,
+            part_lse: self.part_lse.addr() as u64,
+            counters: self.counters.addr() as u64,
+            q_s: s3(&plan.q),
+            o_s: s3(&plan.out),
+            l_s: lse_s,
+            k_s: [
+                lay.k_strides[0] as i64,
+                lay.k_strides[1] as i64,
+                lay.k_strides[2] as i64,
+            ],
+            v_s: [
+                lay.v_strides[0] as i64,
+                lay.v_strides[1] as i64,
+                lay.v_strides[2] as i64,
+            ],
+            page: FastDiv::new(cfg.page_size as u32),
+            table_stride: pps as i32,
+            max_seqs: cfg.max_seqs as i32,
+            b: plan.b as i32,
+            t: plan.t as i32,
+            hq: plan.hq as i32,
+            hkv: cfg.kv_heads as i32,
+            g: plan.g as i32,
+            q_dtype: dtype_code(plan.q.dtype()),
+            out_dtype: dtype_code(plan.out.dtype()),
+            window: plan.window as i32,
+            min_tiles_per_cta: 1,
+            stages: launch.stages as i32,
+            scale_log2: plan.scale * std::f32::consts::LOG2_E,
+            qk_scale: plan.scale,
+            softcap: plan.softcap,
+            batch_inline,
+        });
+        let mut args = [&mut *p as *mut DecodeParams as *mut c_void];
+        cuda.launch(
+            launch.kernel,
+            (grid_x, y_tiles as u32, 1),
+            (DECODE_THREADS, 1, 1),
+            launch.shared_bytes,
+            stream,
+            &mut args,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fastdiv_matches_division() {
+        for d in [
+            1u32, 2, 3, 5, 7, 8, 15, 16, 17, 31, 100, 128, 1000, 4097, 65536, 131071,
+        ] {
+            let f = FastDiv::new(d);
+            let mut n = 0u32;
+            while n < (1 << 31) {
+                assert_eq!(f.div(n), n / d, "{n} / {d}");
+                n = n.wrapping_mul(3).wrapping_add(1 + d);
+                if n == 0 {
+                    break;
+                }
+            }
+            for n in [
+                (1u32 << 31) - 1,
+                (1 << 31) - 2,
+                d.saturating_sub(1),
+                d,
+                d + 1,
+            ] {
+                if n < (1 << 31) {
+                    assert_eq!(f.div(n), n / d, "{n} / {d}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn param_structs_fit_the_launch_limit() {
+        for size in [
+            size_of::<PatchParams>(),
+            size_of::<WriteParams>(),
+            size_of::<PageCopyParams>(),
+            size_of::<DecodeParams>(),
+        ] {
+            assert!(size <= 4096, "{size}");
+        }
+    }
+}

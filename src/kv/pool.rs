@@ -1,0 +1,856 @@
+//! The paged KV pool.
+//!
+//! # Physical layout
+//!
+//! Every layer has a K array and a V array of `capacity_pages` pages. Element `d` of head
+//! `h`, slot `s` (token `s` of the page) of page `p` is at
+//! `base + p * stride_page + h * stride_head + s * stride_token + d` (in elements). A pool
+//! that owns its memory uses the "HND" layout: `stride_token = head_dim`,
+//! `stride_head = page_size * head_dim`, `stride_page = kv_heads * page_size * head_dim`, with
+//! layers stored one after another (`[layer][K|V][page][head][slot][dim]`), so one KV head of
+//! one page is a contiguous `page_size x head_dim` block. An engine can instead hand in
+//! per-layer pointers and strides (for example its own `[ctx][heads][dim]` tensors, which
+//! are the "contiguous" case: `page_size = ctx`, one page per sequence); `head_dim` must be
+//! the contiguous dimension.
+//!
+//! All layers share one block table: token `i` of a sequence lives in page
+//! `table[seq][i / page_size]`, slot `i % page_size`, in every layer.
+//!
+//! # Sequences
+//!
+//! Sequences are small integers (slots `0..max_seqs`). `extend` reserves positions (and
+//! pages), `write` fills the last positions of sequences for one layer or all layers,
+//! `append` does both for one sequence. `fork` shares all pages (reference counts);
+//! extending a sequence whose last, partly filled page is shared first copies that page
+//! (copy-on-write). `truncate` releases whole pages past the new length.
+//!
+//! # Device state (CUDA)
+//!
+//! The block table and lengths live in device memory and every mutating call patches only
+//! the entries it changed, on the caller's stream, with a kernel whose parameters carry the
+//! patches (no host synchronization, no staging memory). Pool calls and decodes on one pool
+//! must be ordered on one stream (or ordered by the caller).
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::allocator::BlockAllocator;
+use super::cuda::DeviceState;
+use super::decode::{self, DecodeIo, DecodeOptions};
+use crate::backend::cuda::memory::DeviceBuffer;
+use crate::backend::{BackendKind, Context, Stream};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, MemoryKind, TensorView};
+
+/// A sequence id: a slot in `0..max_seqs`.
+pub type SeqId = i32;
+
+/// Shape and capacity of a pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvPoolConfig {
+    /// Attention layers.
+    pub layers: usize,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Tokens per page (any >= 1).
+    pub page_size: usize,
+    /// Element type of K and V.
+    pub dtype: DType,
+    /// Pages in the pool.
+    pub capacity_pages: usize,
+    /// Sequence slots.
+    pub max_seqs: usize,
+    /// Longest sequence (sets the block-table width).
+    pub max_seq_len: usize,
+}
+
+impl KvPoolConfig {
+    /// Bytes of K plus V for one page across all layers.
+    pub fn page_bytes(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.page_size * self.head_dim * self.dtype.size()
+    }
+    /// Block-table entries per sequence.
+    pub fn pages_per_seq(&self) -> usize {
+        self.max_seq_len.div_ceil(self.page_size)
+    }
+    /// The capacity, in pages, that a byte budget for K and V buys.
+    pub fn pages_for_budget(&self, bytes: usize) -> usize {
+        bytes / self.page_bytes().max(1)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let fields = [
+            ("layers", self.layers),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("page_size", self.page_size),
+            ("capacity_pages", self.capacity_pages),
+            ("max_seqs", self.max_seqs),
+            ("max_seq_len", self.max_seq_len),
+        ];
+        for (name, v) in fields {
+            if v == 0 {
+                return Err(Error::InvalidArgument(format!("{name} must be at least 1")));
+            }
+        }
+        if !self.dtype.is_float() {
+            return Err(Error::DTypeMismatch(format!(
+                "KV dtype must be f32, f16 or bf16, not {}",
+                self.dtype
+            )));
+        }
+        // Device-side indices are 32-bit.
+        let limits = [
+            ("capacity_pages", self.capacity_pages, i32::MAX as usize),
+            ("max_seqs", self.max_seqs, 1 << 20),
+            ("max_seq_len", self.max_seq_len, i32::MAX as usize / 2),
+            ("page_size", self.page_size, 1 << 24),
+            ("layers", self.layers, 4096),
+            ("kv_heads", self.kv_heads, 4096),
+            ("head_dim", self.head_dim, 1 << 16),
+        ];
+        for (name, v, max) in limits {
+            if v > max {
+                return Err(Error::OutOfRange(format!("{name} = {v} exceeds {max}")));
+            }
+        }
+        let table = self.max_seqs.checked_mul(self.pages_per_seq());
+        if table.is_none_or(|t| t > (i32::MAX as usize) / 2) {
+            return Err(Error::OutOfRange(format!(
+                "the block table ({} sequences x {} pages) is too large; lower max_seqs or max_seq_len",
+                self.max_seqs,
+                self.pages_per_seq()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where one layer's K and V live: addresses and (page, head, token) strides in elements;
+/// the head dimension is contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerLayout {
+    /// Address of page 0, head 0, slot 0 of K.
+    pub k: usize,
+    /// Address of page 0, head 0, slot 0 of V.
+    pub v: usize,
+    /// K strides: page, head, token.
+    pub k_strides: [usize; 3],
+    /// V strides: page, head, token.
+    pub v_strides: [usize; 3],
+}
+
+/// Who owns the pool's K/V memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvStorage {
+    /// The pool allocates it (HND layout, zeroed).
+    Owned,
+    /// The caller's memory, one layout per layer, in the context's memory kind.
+    External(Vec<LayerLayout>),
+}
+
+/// Answer of [`KvPool::admit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Fits now.
+    Ok,
+    /// Does not fit now but would in an empty pool.
+    Later,
+    /// Can never fit (longer than `max_seq_len` or more pages than the pool has).
+    Never,
+}
+
+/// Pool occupancy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pages in the pool.
+    pub pages_total: usize,
+    /// Pages referenced by at least one sequence.
+    pub pages_used: usize,
+    /// Pages on the free list.
+    pub pages_free: usize,
+    /// Pages referenced by more than one sequence.
+    pub pages_shared: usize,
+    /// Live sequences.
+    pub sequences: usize,
+    /// Sum of sequence lengths (a shared token counts once per sequence).
+    pub tokens: usize,
+    /// Token slots in used pages that hold no token of any sequence (internal waste).
+    pub waste_slots: usize,
+    /// Bytes of K and V per page (all layers).
+    pub page_bytes: usize,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct SeqState {
+    pub(crate) pages: Vec<u32>,
+    pub(crate) len: usize,
+}
+
+/// Mutable pool state, behind the pool's mutex.
+pub(crate) struct PoolState {
+    pub(crate) alloc: BlockAllocator,
+    pub(crate) seqs: Vec<Option<SeqState>>,
+    /// Host mirror of the block table `[max_seqs][pages_per_seq]` and lengths `[max_seqs]`.
+    pub(crate) table: Vec<i32>,
+    pub(crate) lens: Vec<i32>,
+    /// Device entries to patch: (index into [table | lens], value).
+    patches: Vec<(u32, i32)>,
+    /// Page pairs (source, destination) to copy for copy-on-write, not yet issued.
+    page_copies: Vec<(u32, u32)>,
+}
+
+/// Memory the pool owns; held only to be freed with the pool.
+#[allow(dead_code)]
+enum OwnedMemory {
+    Host(HostMemory),
+    Device(DeviceBuffer),
+}
+
+/// Zeroed, 64-byte aligned host memory.
+struct HostMemory {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: plain memory owned by the pool; access is governed by the pool's API.
+unsafe impl Send for HostMemory {}
+unsafe impl Sync for HostMemory {}
+
+impl HostMemory {
+    fn new(bytes: usize) -> Result<Self> {
+        let layout = std::alloc::Layout::from_size_align(bytes.max(64), 64)
+            .map_err(|e| Error::OutOfMemory(format!("cannot lay out {bytes} bytes: {e}")))?;
+        // SAFETY: non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::OutOfMemory(format!(
+                "cannot allocate {bytes} bytes of host memory for the KV pool"
+            )));
+        }
+        Ok(HostMemory { ptr, layout })
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// A paged KV pool. Thread-safe: calls may come from several threads (they serialize on
+/// the pool's mutex); device work must still be stream-ordered by the caller.
+pub struct KvPool {
+    ctx: Arc<Context>,
+    cfg: KvPoolConfig,
+    layout: Vec<LayerLayout>,
+    _owned: Option<OwnedMemory>,
+    state: Mutex<PoolState>,
+    device: Option<DeviceState>,
+}
+
+impl KvPool {
+    /// Creates a pool on `ctx`: storage owned (allocated now, zeroed) or external.
+    pub fn new(ctx: Arc<Context>, cfg: KvPoolConfig, storage: KvStorage) -> Result<KvPool> {
+        cfg.validate()?;
+        let elem = cfg.dtype.size();
+        let (layout, owned) = match storage {
+            KvStorage::Owned => {
+                let per_page = cfg.kv_heads * cfg.page_size * cfg.head_dim;
+                let per_array = per_page
+                    .checked_mul(cfg.capacity_pages)
+                    .ok_or_else(|| Error::OutOfRange("pool size overflows".into()))?;
+                let total_bytes = per_array
+                    .checked_mul(2 * cfg.layers * elem)
+                    .ok_or_else(|| Error::OutOfRange("pool size overflows".into()))?;
+                let (base, owned) = match ctx.backend() {
+                    BackendKind::Cpu => {
+                        let m = HostMemory::new(total_bytes)?;
+                        (m.ptr as usize, OwnedMemory::Host(m))
+                    }
+                    BackendKind::Cuda => {
+                        let cuda = ctx.cuda().expect("CUDA backend");
+                        let buf = DeviceBuffer::new(cuda, total_bytes)?;
+                        buf.fill_async(cuda, 0, Stream::DEFAULT)?;
+                        ctx.synchronize(Stream::DEFAULT)?;
+                        (buf.addr(), OwnedMemory::Device(buf))
+                    }
+                };
+                let strides = [per_page, cfg.page_size * cfg.head_dim, cfg.head_dim];
+                let layout = (0..cfg.layers)
+                    .map(|l| LayerLayout {
+                        k: base + (2 * l) * per_array * elem,
+                        v: base + (2 * l + 1) * per_array * elem,
+                        k_strides: strides,
+                        v_strides: strides,
+                    })
+                    .collect();
+                (layout, Some(owned))
+            }
+            KvStorage::External(layers) => {
+                if layers.len() != cfg.layers {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} layer layouts given for a pool of {} layers",
+                        layers.len(),
+                        cfg.layers
+                    )));
+                }
+                for (l, lay) in layers.iter().enumerate() {
+                    check_external_layout(&cfg, l, lay, ctx.backend())?;
+                }
+                (layers, None)
+            }
+        };
+        let pps = cfg.pages_per_seq();
+        let state = PoolState {
+            alloc: BlockAllocator::new(cfg.capacity_pages),
+            seqs: vec![None; cfg.max_seqs],
+            table: vec![0; cfg.max_seqs * pps],
+            lens: vec![0; cfg.max_seqs],
+            patches: Vec::new(),
+            page_copies: Vec::new(),
+        };
+        let device = match ctx.cuda() {
+            Some(cuda) => Some(DeviceState::new(cuda, &cfg, &layout)?),
+            None => None,
+        };
+        Ok(KvPool {
+            ctx,
+            cfg,
+            layout,
+            _owned: owned,
+            state: Mutex::new(state),
+            device,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &KvPoolConfig {
+        &self.cfg
+    }
+    /// The context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+    /// Layer `l`'s memory layout.
+    pub fn layer_layout(&self, l: usize) -> Option<&LayerLayout> {
+        self.layout.get(l)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn slot(&self, seq: SeqId) -> Result<usize> {
+        if seq < 0 || seq as usize >= self.cfg.max_seqs {
+            return Err(Error::UnknownId(format!(
+                "sequence {seq} does not exist (ids are 0..{})",
+                self.cfg.max_seqs
+            )));
+        }
+        Ok(seq as usize)
+    }
+
+    fn live<'a>(&self, st: &'a PoolState, seq: SeqId) -> Result<&'a SeqState> {
+        let s = self.slot(seq)?;
+        st.seqs[s]
+            .as_ref()
+            .ok_or_else(|| Error::UnknownId(format!("sequence {seq} is not live")))
+    }
+
+    fn set_len(&self, st: &mut PoolState, slot: usize, len: usize) {
+        st.lens[slot] = len as i32;
+        let idx = (self.cfg.max_seqs * self.cfg.pages_per_seq() + slot) as u32;
+        st.patches.push((idx, len as i32));
+    }
+
+    fn set_table(&self, st: &mut PoolState, slot: usize, i: usize, page: u32) {
+        let idx = slot * self.cfg.pages_per_seq() + i;
+        st.table[idx] = page as i32;
+        st.patches.push((idx as u32, page as i32));
+    }
+
+    /// Pushes pending device work (page copies, then table/length patches) on `stream`.
+    /// On failure the pending work is kept for the next call.
+    fn flush(&self, st: &mut PoolState, stream: Stream) -> Result<()> {
+        let Some(dev) = &self.device else {
+            // CPU: copy-on-write pages now; the host table is the only table.
+            for (src, dst) in std::mem::take(&mut st.page_copies) {
+                super::cpu::copy_page(&self.cfg, &self.layout, src, dst);
+            }
+            st.patches.clear();
+            return Ok(());
+        };
+        let cuda = self.ctx.cuda().expect("CUDA backend");
+        if !st.page_copies.is_empty() {
+            dev.copy_pages(cuda, &self.cfg, &st.page_copies, stream)?;
+            st.page_copies.clear();
+        }
+        if !st.patches.is_empty() {
+            dev.apply_patches(cuda, &st.patches, stream)?;
+            st.patches.clear();
+        }
+        Ok(())
+    }
+
+    /// Adds an empty sequence and returns its id (the lowest free slot).
+    pub fn seq_add(&self, stream: Stream) -> Result<SeqId> {
+        let mut st = self.lock();
+        let slot = st.seqs.iter().position(Option::is_none).ok_or_else(|| {
+            Error::PoolExhausted(format!(
+                "all {} sequence slots are in use",
+                self.cfg.max_seqs
+            ))
+        })?;
+        st.seqs[slot] = Some(SeqState {
+            pages: Vec::new(),
+            len: 0,
+        });
+        self.set_len(&mut st, slot, 0);
+        self.flush(&mut st, stream)?;
+        Ok(slot as SeqId)
+    }
+
+    /// Frees a sequence and releases its pages.
+    pub fn seq_free(&self, seq: SeqId, stream: Stream) -> Result<()> {
+        let mut st = self.lock();
+        let slot = self.slot(seq)?;
+        self.live(&st, seq)?;
+        let s = st.seqs[slot].take().expect("live");
+        for p in s.pages {
+            st.alloc.release(p);
+        }
+        self.set_len(&mut st, slot, 0);
+        self.flush(&mut st, stream)
+    }
+
+    /// Creates a sequence that shares all of `src`'s pages (reference counted); either side
+    /// copies a shared partial page before appending into it.
+    pub fn seq_fork(&self, src: SeqId, stream: Stream) -> Result<SeqId> {
+        let mut st = self.lock();
+        let parent = self.live(&st, src)?.clone();
+        let slot = st.seqs.iter().position(Option::is_none).ok_or_else(|| {
+            Error::PoolExhausted(format!(
+                "all {} sequence slots are in use",
+                self.cfg.max_seqs
+            ))
+        })?;
+        for (i, &p) in parent.pages.iter().enumerate() {
+            st.alloc.retain(p);
+            self.set_table(&mut st, slot, i, p);
+        }
+        self.set_len(&mut st, slot, parent.len);
+        st.seqs[slot] = Some(parent);
+        self.flush(&mut st, stream)?;
+        Ok(slot as SeqId)
+    }
+
+    /// Shortens a sequence to `len` tokens (speculative rollback), releasing whole pages.
+    pub fn seq_truncate(&self, seq: SeqId, len: usize, stream: Stream) -> Result<()> {
+        let mut st = self.lock();
+        let slot = self.slot(seq)?;
+        let cur = self.live(&st, seq)?.len;
+        if len > cur {
+            return Err(Error::OutOfRange(format!(
+                "cannot truncate sequence {seq} to {len} tokens: it has {cur}"
+            )));
+        }
+        let keep = len.div_ceil(self.cfg.page_size);
+        let released: Vec<u32> = {
+            let s = st.seqs[slot].as_mut().expect("live");
+            s.len = len;
+            s.pages.split_off(keep)
+        };
+        for p in released {
+            st.alloc.release(p);
+        }
+        self.set_len(&mut st, slot, len);
+        self.flush(&mut st, stream)
+    }
+
+    /// Length of a sequence.
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
+        let st = self.lock();
+        Ok(self.live(&st, seq)?.len)
+    }
+
+    /// The block table of a sequence (page ids, one per `page_size` tokens).
+    pub fn seq_pages(&self, seq: SeqId) -> Result<Vec<u32>> {
+        let st = self.lock();
+        Ok(self.live(&st, seq)?.pages.clone())
+    }
+
+    /// Pages needed to grow `s` by `n` tokens, counting a copy-on-write page.
+    fn pages_needed(&self, alloc: &BlockAllocator, s: &SeqState, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        let ps = self.cfg.page_size;
+        let new_pages = (s.len + n).div_ceil(ps) - s.pages.len();
+        let cow = s.len % ps != 0 && alloc.refcount(*s.pages.last().expect("partial page")) > 1;
+        new_pages + usize::from(cow)
+    }
+
+    /// Whether a new sequence of `tokens` (`seq = None`) or growing `seq` by `tokens` fits.
+    pub fn admit(&self, seq: Option<SeqId>, tokens: usize) -> Result<Admission> {
+        let st = self.lock();
+        let (len, needed, slot_free) = match seq {
+            None => (
+                0,
+                tokens.div_ceil(self.cfg.page_size),
+                st.seqs.iter().any(Option::is_none),
+            ),
+            Some(q) => {
+                let s = self.live(&st, q)?;
+                (s.len, self.pages_needed(&st.alloc, s, tokens), true)
+            }
+        };
+        let total_pages = (len + tokens).div_ceil(self.cfg.page_size);
+        if len + tokens > self.cfg.max_seq_len || total_pages > self.cfg.capacity_pages {
+            return Ok(Admission::Never);
+        }
+        if needed > st.alloc.free_count() || !slot_free {
+            return Ok(Admission::Later);
+        }
+        Ok(Admission::Ok)
+    }
+
+    /// Reserves `count` more positions in each listed sequence, allocating pages (and
+    /// copying a shared partial last page first). All or nothing: if the pages do not all
+    /// fit, nothing changes and the error is `PoolExhausted`.
+    pub fn extend(&self, grow: &[(SeqId, usize)], stream: Stream) -> Result<()> {
+        let mut st = self.lock();
+        self.extend_locked(&mut st, grow)?;
+        self.flush(&mut st, stream)
+    }
+
+    fn extend_locked(&self, st: &mut PoolState, grow: &[(SeqId, usize)]) -> Result<()> {
+        let mut needed = 0usize;
+        for (i, &(seq, n)) in grow.iter().enumerate() {
+            let s = self.live(st, seq)?;
+            if grow[..i].iter().any(|&(q, _)| q == seq) {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {seq} is listed twice"
+                )));
+            }
+            if s.len + n > self.cfg.max_seq_len {
+                return Err(Error::OutOfRange(format!(
+                    "sequence {seq} would reach {} tokens; max_seq_len is {}",
+                    s.len + n,
+                    self.cfg.max_seq_len
+                )));
+            }
+            needed += self.pages_needed(&st.alloc, s, n);
+        }
+        if needed > st.alloc.free_count() {
+            return Err(Error::PoolExhausted(format!(
+                "{needed} pages needed, {} free",
+                st.alloc.free_count()
+            )));
+        }
+        let ps = self.cfg.page_size;
+        for &(seq, n) in grow {
+            if n == 0 {
+                continue;
+            }
+            let slot = seq as usize;
+            let (len, npages, last) = {
+                let s = st.seqs[slot].as_ref().expect("live");
+                (s.len, s.pages.len(), s.pages.last().copied())
+            };
+            if len % ps != 0 {
+                let last = last.expect("partial page");
+                if st.alloc.refcount(last) > 1 {
+                    let fresh = st.alloc.alloc_n(1).expect("counted")[0];
+                    st.page_copies.push((last, fresh));
+                    st.alloc.release(last);
+                    st.seqs[slot].as_mut().expect("live").pages[npages - 1] = fresh;
+                    self.set_table(st, slot, npages - 1, fresh);
+                }
+            }
+            let add = (len + n).div_ceil(ps) - npages;
+            let fresh = st.alloc.alloc_n(add).expect("counted");
+            for (j, &p) in fresh.iter().enumerate() {
+                self.set_table(st, slot, npages + j, p);
+            }
+            let s = st.seqs[slot].as_mut().expect("live");
+            s.pages.extend_from_slice(&fresh);
+            s.len = len + n;
+            self.set_len(st, slot, len + n);
+        }
+        Ok(())
+    }
+
+    /// Checks a `write`: counts within the sequences, the written positions in pages no
+    /// other sequence shares, and K/V shaped `[tokens, kv_heads, head_dim]` (one layer) or
+    /// `[layers, tokens, kv_heads, head_dim]` (all layers, `layer = None`).
+    fn check_write(
+        &self,
+        st: &PoolState,
+        layer: Option<usize>,
+        groups: &[(SeqId, usize)],
+        k: &TensorView,
+        v: &TensorView,
+        extending: bool,
+    ) -> Result<usize> {
+        if let Some(l) = layer {
+            if l >= self.cfg.layers {
+                return Err(Error::OutOfRange(format!(
+                    "layer {l} out of range (the pool has {})",
+                    self.cfg.layers
+                )));
+            }
+        }
+        let total: usize = groups.iter().map(|g| g.1).sum();
+        let ps = self.cfg.page_size;
+        for (i, &(seq, n)) in groups.iter().enumerate() {
+            let s = self.live(st, seq)?;
+            if grow_dup(groups, i) {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {seq} is listed twice"
+                )));
+            }
+            if !extending {
+                if n > s.len {
+                    return Err(Error::OutOfRange(format!(
+                        "cannot write the last {n} positions of sequence {seq}: it has {}",
+                        s.len
+                    )));
+                }
+                if n > 0 {
+                    for pi in (s.len - n) / ps..s.len.div_ceil(ps) {
+                        if st.alloc.refcount(s.pages[pi]) > 1 {
+                            return Err(Error::InvalidArgument(format!(
+                                "position {} of sequence {seq} is in a page shared with another \
+                                 sequence; extend the sequence and write only the new positions",
+                                (pi * ps).max(s.len - n)
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let want: Vec<usize> = match layer {
+            Some(_) => vec![total, h, d],
+            None => vec![self.cfg.layers, total, h, d],
+        };
+        for (name, t) in [("k", k), ("v", v)] {
+            if t.shape() != want.as_slice() {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} has shape {:?}; expected {want:?} ([layers,] tokens, kv_heads, head_dim)",
+                    t.shape()
+                )));
+            }
+            if !t.dtype().is_float() {
+                return Err(Error::DTypeMismatch(format!(
+                    "{name} must be f32, f16 or bf16, not {}",
+                    t.dtype()
+                )));
+            }
+            if self.ctx.backend() == BackendKind::Cpu && t.memory() == MemoryKind::Cuda {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} is in CUDA memory but the pool is on the CPU"
+                )));
+            }
+        }
+        if groups.len() > super::cuda::MAX_WRITE_GROUPS * 64 {
+            return Err(Error::OutOfRange(format!(
+                "{} sequences in one write; at most {}",
+                groups.len(),
+                super::cuda::MAX_WRITE_GROUPS * 64
+            )));
+        }
+        Ok(total)
+    }
+
+    fn do_write(
+        &self,
+        st: &PoolState,
+        layer: Option<usize>,
+        groups: &[(SeqId, usize)],
+        k: &TensorView,
+        v: &TensorView,
+        stream: Stream,
+    ) -> Result<()> {
+        // (slot, first position, count, first source token)
+        let mut placed = Vec::with_capacity(groups.len());
+        let mut off = 0usize;
+        for &(seq, n) in groups {
+            if n == 0 {
+                continue;
+            }
+            let len = st.seqs[seq as usize].as_ref().expect("live").len;
+            placed.push((seq as usize, len - n, n, off));
+            off += n;
+        }
+        if placed.is_empty() {
+            return Ok(());
+        }
+        let layers = match layer {
+            Some(l) => l..l + 1,
+            None => 0..self.cfg.layers,
+        };
+        match &self.device {
+            None => {
+                super::cpu::write_tokens(&self.cfg, &self.layout, st, layers, &placed, k, v);
+                Ok(())
+            }
+            Some(dev) => {
+                let cuda = self.ctx.cuda().expect("CUDA backend");
+                dev.write_tokens(cuda, &self.cfg, layers, &placed, k, v, stream)
+            }
+        }
+    }
+
+    /// Writes K and V for the last `count` positions of each listed sequence, for one layer
+    /// (`Some(l)`, tensors `[tokens, kv_heads, head_dim]`) or all layers (`None`, tensors
+    /// `[layers, tokens, kv_heads, head_dim]`); tokens are in list order. Sources may be
+    /// host or (CUDA) device memory of any float dtype and any strides.
+    pub fn write(
+        &self,
+        layer: Option<usize>,
+        groups: &[(SeqId, usize)],
+        k: &TensorView,
+        v: &TensorView,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        self.check_write(&st, layer, groups, k, v, false)?;
+        self.flush(&mut st, stream)?;
+        self.do_write(&st, layer, groups, k, v, stream)
+    }
+
+    /// Appends `n` tokens to one sequence for all layers (`extend` + `write`), K and V
+    /// shaped `[layers, n, kv_heads, head_dim]`; `n` comes from the tensors.
+    pub fn append(&self, seq: SeqId, k: &TensorView, v: &TensorView, stream: Stream) -> Result<()> {
+        let mut st = self.lock();
+        let n = if k.ndim() == 4 { k.shape()[1] } else { 0 };
+        let groups = [(seq, n)];
+        self.check_write(&st, None, &groups, k, v, true)?;
+        self.extend_locked(&mut st, &groups)?;
+        self.flush(&mut st, stream)?;
+        self.do_write(&st, None, &groups, k, v, stream)
+    }
+
+    /// Occupancy counts.
+    pub fn stats(&self) -> PoolStats {
+        let st = self.lock();
+        let ps = self.cfg.page_size;
+        // Tokens held by each used page: the most any sequence keeps in it.
+        let mut filled = vec![0u32; self.cfg.capacity_pages];
+        let mut sequences = 0;
+        let mut tokens = 0;
+        for s in st.seqs.iter().flatten() {
+            sequences += 1;
+            tokens += s.len;
+            for (i, &p) in s.pages.iter().enumerate() {
+                let n = (s.len - i * ps).min(ps) as u32;
+                filled[p as usize] = filled[p as usize].max(n);
+            }
+        }
+        let used = st.alloc.used_count();
+        let held: usize = filled.iter().map(|&n| n as usize).sum();
+        PoolStats {
+            pages_total: self.cfg.capacity_pages,
+            pages_used: used,
+            pages_free: st.alloc.free_count(),
+            pages_shared: st.alloc.shared_count(),
+            sequences,
+            tokens,
+            waste_slots: used * ps - held,
+            page_bytes: self.cfg.page_bytes(),
+        }
+    }
+
+    /// Attention of `io.q` over the KV of `layer` for the sequences in `io.seq_ids` (see
+    /// [`DecodeIo`]).
+    pub fn decode(
+        &self,
+        layer: usize,
+        io: &DecodeIo<'_>,
+        opts: &DecodeOptions,
+        stream: Stream,
+    ) -> Result<()> {
+        let plan = decode::check(self, layer, io, opts)?;
+        match &self.device {
+            None => {
+                let st = self.lock();
+                let pool = self.ctx.cpu().expect("CPU backend").pool();
+                super::cpu::decode(&self.cfg, &self.layout[layer], &st, &plan, pool);
+                Ok(())
+            }
+            Some(dev) => {
+                if let Some(ids) = &plan.host_batch {
+                    let st = self.lock();
+                    decode::check_batch_lengths(&st, ids, plan.t)?;
+                }
+                let cuda = self.ctx.cuda().expect("CUDA backend");
+                dev.decode(cuda, &self.cfg, &self.layout[layer], &plan, stream)
+            }
+        }
+    }
+}
+
+fn grow_dup(groups: &[(SeqId, usize)], i: usize) -> bool {
+    groups[..i].iter().any(|&(q, _)| q == groups[i].0)
+}
+
+fn check_external_layout(
+    cfg: &KvPoolConfig,
+    l: usize,
+    lay: &LayerLayout,
+    backend: BackendKind,
+) -> Result<()> {
+    let elem = cfg.dtype.size();
+    for (name, addr, strides) in [("k", lay.k, lay.k_strides), ("v", lay.v, lay.v_strides)] {
+        if addr == 0 {
+            return Err(Error::NullArgument(format!(
+                "layer {l}: {name} pointer is NULL"
+            )));
+        }
+        if addr % elem != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "layer {l}: {name} pointer is not aligned to {elem} bytes"
+            )));
+        }
+        let [sp, sh, st] = strides;
+        if st < cfg.head_dim || sh < cfg.head_dim || sp < cfg.head_dim {
+            return Err(Error::InvalidArgument(format!(
+                "layer {l}: {name} strides {strides:?} (page, head, token) must each be at least \
+                 head_dim ({}) so rows do not overlap",
+                cfg.head_dim
+            )));
+        }
+        // The view over every element must not overlap itself.
+        let view = TensorView::new(
+            addr,
+            cfg.dtype,
+            MemoryKind::Host,
+            &[
+                cfg.capacity_pages,
+                cfg.kv_heads,
+                cfg.page_size,
+                cfg.head_dim,
+            ],
+            &[sp as isize, sh as isize, st as isize, 1],
+        )
+        .map_err(|e| Error::InvalidArgument(format!("layer {l}: {name}: {e}")))?;
+        if !view.is_non_overlapping() {
+            return Err(Error::InvalidArgument(format!(
+                "layer {l}: {name} strides {strides:?} make pages, heads or tokens overlap"
+            )));
+        }
+        if backend == BackendKind::Cuda
+            && (addr % 16 != 0 || strides.iter().any(|&s| (s * elem) % 16 != 0))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "layer {l}: on CUDA, {name}'s pointer and strides must be multiples of 16 bytes \
+                 (the decode kernel moves 16-byte chunks)"
+            )));
+        }
+    }
+    Ok(())
+}
