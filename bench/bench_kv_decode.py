@@ -35,12 +35,16 @@ ROTATE_BYTES = 4 * L2_BYTES
 KV_CAP = 8 << 30  # bytes of K+V per implementation
 GIB = 1 << 30
 
-lib = kvr.Lib()
-ctx = lib.context(kvr.BACKEND_CUDA, stream=torch.cuda.current_stream().cuda_stream)
+CU_STREAM_LEGACY = 1  # the legacy default stream's handle; torch reports it as 0
 
 
 def cur_stream():
-    return torch.cuda.current_stream().cuda_stream
+    """torch's current stream as a CUstream; NULL would mean kvreplay's own stream."""
+    return torch.cuda.current_stream().cuda_stream or CU_STREAM_LEGACY
+
+
+lib = kvr.Lib()
+ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
 
 
 def median(xs):
@@ -164,6 +168,7 @@ def ours_fn(pool, data, seqs):
         if r != 0:
             lib.check(r, "decode")
 
+    fn.keep = (ids, out)  # the descriptors point into these tensors
     return fn, out
 
 
@@ -338,8 +343,21 @@ def capacity(results):
         torch.cuda.synchronize()
 
 
+def stage_sweep(ceiling):
+    """Decode time per ring depth (KVR_DECODE_STAGES), for tuning."""
+    for stages in (1, 2, 3, 4, 6):
+        os.environ["KVR_DECODE_STAGES"] = str(stages)
+        res = {"matrix": [], "skipped": []}
+        for B, L in ((32, 16384), (32, 4096), (1, 16384)):
+            run_config(f"stages={stages} Llama-3-8B", 32, 8, 128, B, L, ceiling, res)
+    os.environ.pop("KVR_DECODE_STAGES", None)
+
+
 def main():
     torch.manual_seed(0)
+    if "--stages" in sys.argv:
+        stage_sweep(read_ceiling())
+        return
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": L2_BYTES,
                "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),

@@ -86,7 +86,9 @@ typedef struct kvr_context_params {
     /**
      * The `CUstream` / `cudaStream_t` used when a call passes a NULL stream. NULL (default):
      * the context creates its own non-blocking stream. A stream passed here must belong to
-     * the device's primary context (the CUDA runtime's) and outlive the context.
+     * the device's primary context (the CUDA runtime's) and outlive the context. NULL never
+     * means the legacy default stream here or in any call: pass `CU_STREAM_LEGACY`
+     * (`cudaStreamLegacy`, `(void *)0x1`) or `CU_STREAM_PER_THREAD` (`(void *)0x2`) for those.
      */
     void *stream;
     /**
@@ -302,9 +304,9 @@ typedef int32_t kvr_admission;
 /**
  * Pool occupancy, filled by `kvr_kv_pool_stats`.
  */
-typedef struct kvr_kv_pool_stats {
+typedef struct kvr_kv_stats {
     /**
-     * Set to `sizeof(kvr_kv_pool_stats)` before the call.
+     * Set to `sizeof(kvr_kv_stats)` before the call.
      */
     uint32_t struct_size;
     /**
@@ -343,7 +345,7 @@ typedef struct kvr_kv_pool_stats {
      * Bytes of K and V per page, all layers.
      */
     int64_t page_bytes;
-} kvr_kv_pool_stats;
+} kvr_kv_stats;
 
 /**
  * Options for `kvr_kv_decode`; fill with `kvr_decode_params_default`.
@@ -794,7 +796,7 @@ kvr_status kvr_kv_pool_admit(const struct kvr_kv_pool *pool,
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_stats(const struct kvr_kv_pool *pool,
-                             struct kvr_kv_pool_stats *out);
+                             struct kvr_kv_stats *out);
 
 /**
  * Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window).

@@ -22,10 +22,17 @@
 namespace kvr {
 
 constexpr int kTileN = 64;      // tokens per tile (16 per warp)
-constexpr int kDecodeThreads = 128;
+constexpr int kDecodeThreads = 192;  // 4 consumer warps + 2 producer warps
 constexpr int kMaxInlineBatch = 512;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x in one MUFU instruction (flushes subnormal results to 0: fine for softmax weights).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Must match `DecodeParams` in src/kv/cuda.rs field for field.
 struct DecodeParams {
@@ -120,29 +127,100 @@ __device__ __forceinline__ long long range_start(long long c, long long W, long 
   return c * W / N;
 }
 
+// mbarrier helpers (sm_80+).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(a), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
+}
+// Arrives once all of this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(a) : "memory");
+}
+// Waits until the phase with the given parity has completed. Called by whole warps: the
+// lanes leave the loop together (a vote each round), because the ldmatrix / mma that follow
+// are warp-collective and must not run with part of the warp still polling.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  while (true) {
+    unsigned done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+    if (__all_sync(0xffffffffu, done)) break;
+  }
+}
+// Barrier among the 4 consumer warps only (the producer warp never joins it).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
+
+constexpr int kConsumerThreads = 128;
+constexpr int kWarpsTotal = kDecodeThreads / 32;  // 4 consumers + 2 producers
+
 template <typename KV, int D> struct DecodeSmem {
-  static constexpr int kStride = D + 8;  // padded row (16 bytes): conflict-free ldmatrix
+  // K/V tile rows: head dims that are a multiple of 64 use an XOR swizzle of the 16-byte
+  // chunks (chunk c of row r is stored at c ^ (r % 8)): conflict-free ldmatrix with no
+  // padding, so 3 stages fit twice per SM. Other head dims pad each row by 16 bytes.
+  static constexpr bool kSwizzle = (D % 64) == 0;
+  static constexpr int kStride = kSwizzle ? D : D + 8;
+  static constexpr int kQStride = D + 8;
   static constexpr int kTileElems = kTileN * kStride;
+  static __device__ __forceinline__ int chunk(int row, int c) { return kSwizzle ? (c ^ (row & 7)) : c; }
   static constexpr int kStageBytes = 2 * kTileElems * static_cast<int>(sizeof(KV));
-  // Per-warp softmax state for the end-of-row merge, and scan scratch.
-  static constexpr int kFixedBytes = 4 * 16 * 2 * 4 + 64 * 8;
-  static constexpr int bytes(int stages) { return stages * kStageBytes + kFixedBytes; }
+  // After the stages: Q staging [16][kStride] KV, merge buffer [16][D] f32, producer row
+  // addresses [64][2] i64, softmax state of 4 warps [2][4][16] + [16][2] f32, barriers,
+  // scan scratch.
+  static constexpr int kQBytes = 16 * kQStride * static_cast<int>(sizeof(KV));
+  static constexpr int kMergeBytes = 16 * D * 4;
+  static constexpr int kOffBytes = kTileN * 2 * 8;
+  static constexpr int kMlBytes = (4 * 16 * 2 + 32) * 4;
+  static constexpr int kScanBytes = 16 * 8;
+  static constexpr int bytes(int stages) {
+    return stages * (kStageBytes + 16) + kQBytes + kMergeBytes + kOffBytes + kMlBytes + kScanBytes;
+  }
 };
 
 template <typename KV, int D> __device__ __forceinline__ void decode_body(const DecodeParams& p) {
   using Sm = DecodeSmem<KV, D>;
   constexpr int kStride = Sm::kStride;
+  constexpr int kQStride = Sm::kQStride;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem[];
-  KV* stages_base = reinterpret_cast<KV*>(smem);
-  float* s_ml = reinterpret_cast<float*>(smem + p.stages * Sm::kStageBytes);  // [2][4][16]
-  long long* s_scan = reinterpret_cast<long long*>(s_ml + 4 * 16 * 2);        // [64]
+  const int S_ = p.stages;
+  unsigned char* cursor_p = smem;
+  KV* stages_base = reinterpret_cast<KV*>(cursor_p);
+  cursor_p += S_ * Sm::kStageBytes;
+  KV* sq = reinterpret_cast<KV*>(cursor_p);
+  cursor_p += Sm::kQBytes;
+  float* s_merge = reinterpret_cast<float*>(cursor_p);
+  cursor_p += Sm::kMergeBytes;
+  long long* s_off = reinterpret_cast<long long*>(cursor_p);
+  cursor_p += Sm::kOffBytes;
+  float* s_ml = reinterpret_cast<float*>(cursor_p);
+  float* s_row = s_ml + 128;
+  cursor_p += Sm::kMlBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(cursor_p);
+  uint64_t* empty = full + S_;
+  cursor_p += S_ * 16;
+  long long* s_scan = reinterpret_cast<long long*>(cursor_p);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool producer = warp >= 4;
   const int Y = gridDim.y, y = blockIdx.y;
 
+  if (tid == 0) {
+    for (int s = 0; s < S_; ++s) {
+      mbar_init(&full[s], 64);  // the producer warps' 64 lanes, via cp.async arrivals
+      mbar_init(&empty[s], kConsumerThreads);  // every consumer thread releases its reads
+    }
+  }
+
   // ---- Work partition, recomputed by every CTA from the device lengths. ----
-  // Each thread sums the tiles of a contiguous chunk of batch rows; a block scan gives W.
   const int per = (p.B + kDecodeThreads - 1) / kDecodeThreads;
   const int b0 = min(p.B, tid * per), b1 = min(p.B, b0 + per);
   long long mine = 0;
@@ -152,7 +230,6 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     mine += nt;
   }
   mine *= p.Hkv;
-  // Block-wide inclusive scan of `mine` (4 warps).
   long long incl = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -161,9 +238,11 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   }
   if (lane == 31) s_scan[warp] = incl;
   __syncthreads();
-  long long warp_base = 0;
-  for (int w = 0; w < warp; ++w) warp_base += s_scan[w];
-  const long long W = s_scan[0] + s_scan[1] + s_scan[2] + s_scan[3];
+  long long warp_base = 0, W = 0;
+  for (int w = 0; w < kWarpsTotal; ++w) {
+    if (w < warp) warp_base += s_scan[w];
+    W += s_scan[w];
+  }
   const long long excl = warp_base + incl - mine;
   long long N = W / max(1, p.min_tiles_per_cta);
   if (N < 1) N = 1;
@@ -172,7 +251,6 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   if (c >= N) return;
   const long long S = range_start(c, W, N), E = range_start(c + 1, W, N);
   if (S >= E) return;
-  // The thread whose chunk holds tile S finds its row.
   __syncthreads();
   if (S >= excl && S < excl + mine) {
     long long acc = excl;
@@ -183,9 +261,9 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       if (S < acc + span) {
         const long long off = S - acc;
         s_scan[8] = b;
-        s_scan[9] = off / nt;            // head
-        s_scan[10] = off % nt;           // tile in row
-        s_scan[11] = acc + (off / nt) * nt;  // row_first
+        s_scan[9] = off / nt;
+        s_scan[10] = off % nt;
+        s_scan[11] = acc + (off / nt) * nt;
         break;
       }
       acc += span;
@@ -199,8 +277,66 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   start.row_first = s_scan[11];
   cursor_load_row(p, start);
   const int n_tiles = static_cast<int>(E - S);
+  auto stage_k = [&](int s) { return stages_base + s * 2 * Sm::kTileElems; };
+  auto stage_v = [&](int s) { return stages_base + s * 2 * Sm::kTileElems + Sm::kTileElems; };
 
-  // Rows of this CTA's 16-row query tile: two per thread (lane/4 and lane/4 + 8).
+  // ============ Producer warps (2): stream tiles into the ring, 32 rows each. ============
+  if (producer) {
+    const int pw = warp - 4;           // rows pw*32 .. pw*32+31; this lane's row: pw*32+lane
+    const int my_row = pw * 32 + lane;
+    // Page id of this lane's row, fetched two tiles ahead.
+    auto page_id = [&](const RowCursor& rc) {
+      const int tok = (rc.first_tile + rc.tile) * kTileN + my_row;
+      if (rc.slot < 0 || tok >= rc.len) return -1;
+      const int32_t* trow = p.table + static_cast<int64_t>(rc.slot) * p.table_stride;
+      return __ldg(trow + p.page.div(static_cast<uint32_t>(tok)));
+    };
+    RowCursor lc = start, pc = start;  // tile to issue, tile to prefetch ids for
+    int id0 = -1, id1 = -1;
+    if (n_tiles > 0) { id0 = page_id(pc); cursor_advance(p, pc); }
+    if (n_tiles > 1) { id1 = page_id(pc); cursor_advance(p, pc); }
+    long long* off = s_off + pw * 32 * 2;
+    for (int i = 0; i < n_tiles; ++i) {
+      int id2 = -1;
+      if (i + 2 < n_tiles) { id2 = page_id(pc); cursor_advance(p, pc); }
+      const int s = i % S_;
+      if (i >= S_) mbar_wait(&empty[s], ((i / S_) - 1) & 1);
+      const int tok = (lc.first_tile + lc.tile) * kTileN + my_row;
+      long long ko = -1, vo = -1;
+      if (id0 >= 0) {
+        const uint32_t pi = p.page.div(static_cast<uint32_t>(tok));
+        const int64_t sl = tok - static_cast<int64_t>(pi) * p.page.d;
+        ko = id0 * p.k_sp + lc.h * p.k_sh + sl * p.k_st;
+        vo = id0 * p.v_sp + lc.h * p.v_sh + sl * p.v_st;
+      }
+      off[lane * 2] = ko;
+      off[lane * 2 + 1] = vo;
+      __syncwarp();
+      KV* sk = stage_k(s) + pw * 32 * kStride;
+      KV* sv = stage_v(s) + pw * 32 * kStride;
+      const KV* kb = static_cast<const KV*>(p.k);
+      const KV* vb = static_cast<const KV*>(p.v);
+#pragma unroll 4
+      for (int k = 0; k < kChunks; ++k) {
+        const int j = lane + k * 32;  // chunk j of this warp's 32 rows
+        const int row = j / kChunks, col = j % kChunks;
+        const longlong2 o = *reinterpret_cast<const longlong2*>(off + row * 2);
+        const bool valid = o.x >= 0;
+        const int pc = Sm::chunk(row, col) * 8;
+        cp_async_16(sk + row * kStride + pc, valid ? kb + o.x + col * 8 : kb, valid ? 16 : 0);
+        cp_async_16(sv + row * kStride + pc, valid ? vb + o.y + col * 8 : vb, valid ? 16 : 0);
+      }
+      mbar_arrive_cp_async(&full[s]);
+      __syncwarp();  // `off` is rewritten next tile
+      id0 = id1;
+      id1 = id2;
+      cursor_advance(p, lc);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // =================== Consumer warps: attention over the ring. ===================
   const int rows_total = p.G * p.T;
   int t_of[2];
 #pragma unroll
@@ -208,75 +344,42 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     const int R = y * 16 + (lane >> 2) + r * 8;
     t_of[r] = min(R, rows_total - 1) / p.G;
   }
-
-  // ---- K/V tile loader (all threads). ----
-  auto stage_k = [&](int s) { return stages_base + s * 2 * Sm::kTileElems; };
-  auto stage_v = [&](int s) { return stages_base + s * 2 * Sm::kTileElems + Sm::kTileElems; };
-  auto load_tile = [&](const RowCursor& lc, int s) {
-    KV* sk = stage_k(s);
-    KV* sv = stage_v(s);
-    const int tok0 = (lc.first_tile + lc.tile) * kTileN;
-    const KV* kb = static_cast<const KV*>(p.k) + lc.h * p.k_sh;
-    const KV* vb = static_cast<const KV*>(p.v) + lc.h * p.v_sh;
-    const int32_t* trow = p.table + static_cast<int64_t>(max(lc.slot, 0)) * p.table_stride;
-#pragma unroll 4
-    for (int j = tid; j < kTileN * kChunks; j += kDecodeThreads) {
-      const int row = j / kChunks, col = j % kChunks;
-      const int tok = tok0 + row;
-      const bool valid = tok < lc.len;
-      const KV* ksrc = static_cast<const KV*>(p.k);
-      const KV* vsrc = static_cast<const KV*>(p.v);
-      if (valid) {
-        const uint32_t pi = p.page.div(static_cast<uint32_t>(tok));
-        const int64_t page = trow[pi];
-        const int64_t sl = tok - static_cast<int64_t>(pi) * p.page.d;
-        ksrc = kb + page * p.k_sp + sl * p.k_st + col * 8;
-        vsrc = vb + page * p.v_sp + sl * p.v_st + col * 8;
-      }
-      cp_async_16(sk + row * kStride + col * 8, ksrc, valid ? 16 : 0);
-      cp_async_16(sv + row * kStride + col * 8, vsrc, valid ? 16 : 0);
-    }
-  };
-
-  // ---- Per-row state. ----
-  uint32_t qf[D / 16][4];
   float acc[D / 8][4];
   float m_run[2], l_run[2];
 
-  auto begin_row = [&](const RowCursor& rc, int free_stage) {
-    // Stage the 16 query rows (converted to the KV type) in the free stage, then load the
-    // MMA A fragments.
-    KV* sq = stage_k(free_stage);
-    for (int i = tid; i < 16 * D; i += kDecodeThreads) {
+  auto begin_row = [&](const RowCursor& rc) {
+    consumer_sync();  // the Q buffer may still be read by the previous row's fragments load
+    for (int i = tid; i < 16 * D; i += kConsumerThreads) {
       const int r = i / D, d = i % D;
       const int R = y * 16 + r;
       float x = 0.f;
       if (R < rows_total && rc.slot >= 0) {
         const int t = R / p.G, g = R % p.G;
-        const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d;
-        x = load_any(p.q, off, p.q_dtype);
+        x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d, p.q_dtype);
       }
-      sq[r * kStride + d] = from_float<KV>(x);
+      sq[r * kQStride + d] = from_float<KV>(x);
     }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int r = (lane & 7) + ((lane >> 3) & 1) * 8;
-      const int col = kk * 16 + (lane >> 4) * 8;
-      ldmatrix_x4(qf[kk], sq + r * kStride + col);
-    }
+    consumer_sync();
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     m_run[0] = m_run[1] = -INFINITY;
     l_run[0] = l_run[1] = 0.f;
-    __syncthreads();  // the stage is reused by the loader afterwards
   };
 
-  auto end_row = [&](const RowCursor& rc, int free_stage) {
-    // Merge the 4 warps: per-row max and sum through shared memory, accumulators by
-    // shared-memory atomics into a [16][D] f32 buffer in the free stage.
-    float* s_acc = reinterpret_cast<float*>(stage_k(free_stage));
-    for (int i = tid; i < 16 * D; i += kDecodeThreads) s_acc[i] = 0.f;
+  auto store_row = [&](const RowCursor& rc, int r, int d, float4 o, float lse2) {
+    const int R = y * 16 + r;
+    const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
+    const int64_t base = rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d;
+    store_any(p.out, base, p.out_dtype, o.x);
+    store_any(p.out, base + 1, p.out_dtype, o.y);
+    store_any(p.out, base + 2, p.out_dtype, o.z);
+    store_any(p.out, base + 3, p.out_dtype, o.w);
+    if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
+  };
+
+  auto end_row = [&](const RowCursor& rc) {
+    // Merge the 4 warps: shared max and sum per row, then the accumulators, rescaled to
+    // the common max, summed warp by warp into the [16][D] merge buffer.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
@@ -289,7 +392,19 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         s_ml[64 + warp * 16 + (lane >> 2) + r * 8] = l_run[r];
       }
     }
-    __syncthreads();
+    consumer_sync();
+    if (tid < 16) {
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) M = fmaxf(M, s_ml[w * 16 + tid]);
+      float L = 0.f;
+      if (M != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) L += s_ml[64 + w * 16 + tid] * exp2f(s_ml[w * 16 + tid] - M);
+      }
+      s_row[tid * 2] = M;
+      s_row[tid * 2 + 1] = L;
+    }
     float f[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -299,48 +414,51 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       for (int w = 0; w < 4; ++w) M = fmaxf(M, s_ml[w * 16 + rr]);
       f[r] = (M == -INFINITY) ? 0.f : exp2f(m_run[r] - M);
     }
+    for (int w = 0; w < 4; ++w) {
+      if (warp == w) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = (lane >> 2) + (e >> 1) * 8;
-        const int col = n * 8 + (lane & 3) * 2 + (e & 1);
-        atomicAdd(&s_acc[rr * D + col], acc[n][e] * f[e >> 1]);
+        for (int n = 0; n < D / 8; ++n) {
+          const int col = n * 8 + (lane & 3) * 2;
+          const int r0 = lane >> 2;
+          float2* a = reinterpret_cast<float2*>(s_merge + r0 * D + col);
+          float2* b = reinterpret_cast<float2*>(s_merge + (r0 + 8) * D + col);
+          float2 x = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
+          float2 z = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
+          if (w > 0) {
+            x.x += a->x; x.y += a->y;
+            z.x += b->x; z.y += b->y;
+          }
+          *a = x;
+          *b = z;
+        }
       }
+      consumer_sync();
     }
-    __syncthreads();
-    // This CTA covers the whole row unless the row's tiles reach past its range.
-    const long long W_ = W, N_ = N;
-    const long long c_first = cta_of(rc.row_first, W_, N_);
-    const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, W_, N_);
+    // Rows covered by this CTA alone are written directly; split rows go out as partials.
+    const long long c_first = cta_of(rc.row_first, W, N);
+    const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, W, N);
     const bool split = c_first != c_last;
     const int pslot = (S >= rc.row_first) ? 0 : 1;
     const long long pidx = (static_cast<long long>(y) * gridDim.x + c) * 2 + pslot;
-    for (int i = tid; i < 16 * D; i += kDecodeThreads) {
+    const int rows_here = min(16, rows_total - y * 16);
+    for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+      const int i = i4 * 4;
       const int r = i / D, d = i % D;
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) M = fmaxf(M, s_ml[w * 16 + r]);
-      float L = 0.f;
-      if (M != -INFINITY) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) L += s_ml[64 + w * 16 + r] * exp2f(s_ml[w * 16 + r] - M);
-      }
-      const float o = L > 0.f ? s_acc[i] / L : 0.f;
-      const float lse2 = L > 0.f ? M + __log2f(L) : -INFINITY;
-      const int R = y * 16 + r;
+      const float L = s_row[r * 2 + 1];
+      float4 o = *reinterpret_cast<const float4*>(s_merge + i);
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+      const float lse2 = L > 0.f ? s_row[r * 2] + __log2f(L) : -INFINITY;
       if (split) {
-        p.part_o[pidx * 16 * D + i] = o;
+        *reinterpret_cast<float4*>(p.part_o + pidx * 16 * D + i) = o;
         if (d == 0) p.part_lse[pidx * 16 + r] = lse2;
-      } else if (R < rows_total) {
-        const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
-        store_any(p.out, rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d, p.out_dtype, o);
-        if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
+      } else {
+        store_row(rc, r, d, o, lse2);
       }
     }
     if (split) {
       __threadfence();
-      __syncthreads();
+      consumer_sync();
       int* s_last_p = reinterpret_cast<int*>(s_scan + 12);
       if (tid == 0) {
         int32_t* counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
@@ -349,64 +467,97 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         *s_last_p = (prev == need - 1);
         if (prev == need - 1) *counter = 0;  // ready for the next launch
       }
-      __syncthreads();
+      consumer_sync();
       if (*s_last_p) {
         __threadfence();
-        for (int i = tid; i < 16 * D; i += kDecodeThreads) {
-          const int r = i / D, d = i % D;
-          const int R = y * 16 + r;
-          if (R >= rows_total) continue;
+        // The last CTA to finish the row merges the partials by log-sum-exp: per-row max
+        // and denominator first, then outputs with independent float4 loads.
+        // Only the first CTA's range can start before the row (its partial is in slot 1).
+        const int first_slot = (range_start(c_first, W, N) >= rc.row_first) ? 0 : 1;
+        auto part_index = [&](long long cc) {
+          return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
+        };
+        const int n_parts = static_cast<int>(c_last - c_first + 1);
+        float* s_stat = s_row;  // reuse: [16] max, [16] denominator
+        for (int r = warp; r < rows_here; r += 4) {
           float M = -INFINITY;
-          for (long long cc = c_first; cc <= c_last; ++cc) {
-            const int sl = (range_start(cc, W_, N_) >= rc.row_first) ? 0 : 1;
-            const long long pi = (static_cast<long long>(y) * gridDim.x + cc) * 2 + sl;
-            M = fmaxf(M, __ldcg(p.part_lse + pi * 16 + r));
+          for (int k = lane; k < n_parts; k += 32)
+            M = fmaxf(M, __ldcg(p.part_lse + part_index(c_first + k) * 16 + r));
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+          float den = 0.f;
+          if (M != -INFINITY)
+            for (int k = lane; k < n_parts; k += 32)
+              den += exp2f(__ldcg(p.part_lse + part_index(c_first + k) * 16 + r) - M);
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+          if (lane == 0) {
+            s_stat[r] = M;
+            s_stat[16 + r] = den;
           }
-          float num = 0.f, den = 0.f;
+        }
+        consumer_sync();
+        for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+          const int i = i4 * 4;
+          const int r = i / D, d = i % D;
+          const float M = s_stat[r], den = s_stat[16 + r];
+          float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
           if (M != -INFINITY) {
+#pragma unroll 4
             for (long long cc = c_first; cc <= c_last; ++cc) {
-              const int sl = (range_start(cc, W_, N_) >= rc.row_first) ? 0 : 1;
-              const long long pi = (static_cast<long long>(y) * gridDim.x + cc) * 2 + sl;
+              const long long pi = part_index(cc);
               const float w = exp2f(__ldcg(p.part_lse + pi * 16 + r) - M);
-              num += w * __ldcg(p.part_o + pi * 16 * D + i);
-              den += w;
+              const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
+              o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
             }
           }
-          const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
-          store_any(p.out, rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d, p.out_dtype,
-                    den > 0.f ? num / den : 0.f);
-          if (p.lse && d == 0)
-            p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] =
-                den > 0.f ? (M + __log2f(den)) * kLn2 : -INFINITY;
+          const float inv = den > 0.f ? 1.f / den : 0.f;
+          o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+          store_row(rc, r, d, o, den > 0.f ? M + __log2f(den) : -INFINITY);
         }
       }
     }
-    __syncthreads();
+    consumer_sync();  // merge buffer and s_row are reused by the next row
   };
 
-  // ---- Compute one tile (each warp: its 16 tokens). ----
   auto compute_tile = [&](const RowCursor& rc, int s) {
     const KV* sk = stage_k(s);
     const KV* sv = stage_v(s);
     const int tok0 = (rc.first_tile + rc.tile) * kTileN + warp * 16;
     if (rc.slot < 0 || tok0 >= rc.len) return;  // nothing visible in this warp's slice
-    float sc[2][4];
+    // S = Q K^T, Q fragments read from shared memory (saves 32+ registers), in two
+    // independent accumulator chains (even / odd k-steps) for more MMAs in flight.
+    float sc[2][4], sd[2][4];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    for (int j = 0; j < 2; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      sd[j][0] = sd[j][1] = sd[j][2] = sd[j][3] = 0.f;
+    }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t kb[4];
+      uint32_t qa[4], kb[4];
+      const int qr = (lane & 7) + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4(qa, sq + qr * kQStride + kk * 16 + (lane >> 4) * 8);
       const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
-      const int col = kk * 16 + ((lane >> 3) & 1) * 8;
-      ldmatrix_x4(kb, sk + r * kStride + col);
-      Mma<KV>::run(sc[0], qf[kk], kb[0], kb[1]);
-      Mma<KV>::run(sc[1], qf[kk], kb[2], kb[3]);
+      const int c = kk * 2 + ((lane >> 3) & 1);
+      ldmatrix_x4(kb, sk + r * kStride + Sm::chunk(r, c) * 8);
+      if (kk & 1) {
+        Mma<KV>::run(sd[0], qa, kb[0], kb[1]);
+        Mma<KV>::run(sd[1], qa, kb[2], kb[3]);
+      } else {
+        Mma<KV>::run(sc[0], qa, kb[0], kb[1]);
+        Mma<KV>::run(sc[1], qa, kb[2], kb[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[j][e] += sd[j][e];
     }
     // Scale (or softcap), then mask what a query may not see: keys past its own position
     // (causal within the draft window and the end of the sequence) or before its window.
     const int last_pos = rc.len - p.T;  // position of query t is last_pos + t
-    const bool full = (tok0 + 15 <= last_pos) &&
-                      (p.window <= 0 || tok0 >= rc.len - 1 - p.window + 1);
+    const bool full_vis = (tok0 + 15 <= last_pos) && (p.window <= 0 || tok0 >= rc.len - p.window);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -417,7 +568,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         } else {
           x *= p.scale_log2;
         }
-        if (!full) {
+        if (!full_vis) {
           const int kp = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
           const int qpos = last_pos + t_of[e >> 1];
           const bool vis = kp <= qpos && (p.window <= 0 || kp > qpos - p.window);
@@ -434,23 +585,26 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_run[r], mx);
       const float m_use = (m_new == -INFINITY) ? 0.f : m_new;
-      corr[r] = exp2f(m_run[r] - m_use);
+      corr[r] = fast_exp2(m_run[r] - m_use);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        sc[j][2 * r] = exp2f(sc[j][2 * r] - m_use);
-        sc[j][2 * r + 1] = exp2f(sc[j][2 * r + 1] - m_use);
+        sc[j][2 * r] = fast_exp2(sc[j][2 * r] - m_use);
+        sc[j][2 * r + 1] = fast_exp2(sc[j][2 * r + 1] - m_use);
         sum += sc[j][2 * r] + sc[j][2 * r + 1];
       }
       l_run[r] = l_run[r] * corr[r] + sum;
       m_run[r] = m_new;
     }
+    // Rescale only when some row's max moved (rare once a row's max has settled).
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      acc[n][0] *= corr[0];
-      acc[n][1] *= corr[0];
-      acc[n][2] *= corr[1];
-      acc[n][3] *= corr[1];
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][0] *= corr[0];
+        acc[n][1] *= corr[0];
+        acc[n][2] *= corr[1];
+        acc[n][3] *= corr[1];
+      }
     }
     uint32_t pa[4];
     pa[0] = Mma<KV>::pack(sc[0][0], sc[0][1]);
@@ -461,59 +615,37 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     for (int jj = 0; jj < D / 16; ++jj) {
       uint32_t vb[4];
       const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      const int col = jj * 16 + (lane >> 4) * 8;
-      ldmatrix_x4_trans(vb, sv + r * kStride + col);
+      const int c = jj * 2 + (lane >> 4);
+      ldmatrix_x4_trans(vb, sv + r * kStride + Sm::chunk(r, c) * 8);
       Mma<KV>::run(acc[2 * jj], pa, vb[0], vb[1]);
       Mma<KV>::run(acc[2 * jj + 1], pa, vb[2], vb[3]);
     }
   };
 
-  // ---- Main loop: prefetch stages-1 tiles ahead, across row boundaries. ----
-  const int S_ = p.stages;
-  RowCursor lc = start;   // next tile to load
-  RowCursor cur = start;  // tile being computed
-  RowCursor active = start;  // row whose softmax state is in registers
-  int issued = 0;
-  for (int s = 0; s < S_ - 1; ++s) {
-    if (issued < n_tiles) {
-      load_tile(lc, issued % S_);
-      cursor_advance(p, lc);
-    }
-    ++issued;
-    cp_async_commit();
-  }
+  RowCursor cur = start;
+  RowCursor active = start;
+  begin_row(cur);
   for (int i = 0; i < n_tiles; ++i) {
-    // The stage that held tile i-1 (or, at i = 0, the one the prologue left empty) is free
-    // until the load issued below.
-    const int free_stage = (i + S_ - 1) % S_;
-    if (i == 0) {
-      begin_row(cur, free_stage);
-    } else if (cur.tile == 0) {
-      end_row(active, free_stage);
+    const int s = i % S_;
+    if (i > 0 && cur.tile == 0) {
+      end_row(active);
       active = cur;
-      begin_row(cur, free_stage);
+      begin_row(cur);
     }
-    if (issued < n_tiles) {
-      load_tile(lc, issued % S_);
-      cursor_advance(p, lc);
-    }
-    ++issued;
-    cp_async_commit();
-    if (S_ == 3) cp_async_wait<2>();
-    else if (S_ == 2) cp_async_wait<1>();
-    else cp_async_wait<0>();
-    __syncthreads();
-    compute_tile(cur, i % S_);
-    __syncthreads();
+    mbar_wait(&full[s], (i / S_) & 1);
+    compute_tile(cur, s);
+    mbar_arrive(&empty[s]);
     cursor_advance(p, cur);
   }
-  end_row(active, (n_tiles + S_ - 1) % S_);
+  end_row(active);
 }
 
 }  // namespace kvr
 
+// Two CTAs per SM (10 warps) up to head dim 128: the register cap that allows it matters
+// more than a deeper ring with one CTA. Head dim 256 needs the registers.
 #define KVR_DECODE_KERNEL(NAME, KV, D)                                                          \
-  extern "C" __global__ void __launch_bounds__(kvr::kDecodeThreads)                              \
+  extern "C" __global__ void __launch_bounds__(kvr::kDecodeThreads, (D) <= 128 ? 2 : 1)          \
       kvr_kv_decode_##NAME##_d##D(const __grid_constant__ kvr::DecodeParams p) {                   \
     kvr::decode_body<KV, D>(p);                                                                \
   }

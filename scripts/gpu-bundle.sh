@@ -44,7 +44,7 @@ if ls src/bin/bench_*.rs >/dev/null 2>&1; then
 fi
 # Python peers / drivers for benchmarks, if any.
 if ls bench/*.py >/dev/null 2>&1; then
-  cp bench/*.py "$out/scripts/"
+  cp bench/*.py bench/*.sh "$out/scripts/"
   rm -f "$out/scripts/selftest_cpu.py"
 fi
 cp target/release/libkvreplay.so "$out/lib/"

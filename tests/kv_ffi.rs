@@ -25,14 +25,14 @@ fn params(layers: i32, heads: i32, dim: i32, page: i32, pages: i64) -> kvr_kv_po
     p
 }
 
-fn stats(pool: *const kvr_kv_pool) -> kvr_kv_pool_stats {
-    let mut s: kvr_kv_pool_stats = unsafe { std::mem::zeroed() };
-    s.struct_size = size_of::<kvr_kv_pool_stats>() as u32;
+fn stats(pool: *const kvr_kv_pool) -> kvr_kv_stats {
+    let mut s: kvr_kv_stats = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_kv_stats>() as u32;
     ok(kvr_kv_pool_stats(pool, &mut s));
     s
 }
 
-fn same(a: &kvr_kv_pool_stats, b: &kvr_kv_pool_stats) -> bool {
+fn same(a: &kvr_kv_stats, b: &kvr_kv_stats) -> bool {
     format!("{a:?}") == format!("{b:?}")
 }
 

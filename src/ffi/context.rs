@@ -45,7 +45,9 @@ pub struct kvr_context_params {
     pub device: i32,
     /// The `CUstream` / `cudaStream_t` used when a call passes a NULL stream. NULL (default):
     /// the context creates its own non-blocking stream. A stream passed here must belong to
-    /// the device's primary context (the CUDA runtime's) and outlive the context.
+    /// the device's primary context (the CUDA runtime's) and outlive the context. NULL never
+    /// means the legacy default stream here or in any call: pass `CU_STREAM_LEGACY`
+    /// (`cudaStreamLegacy`, `(void *)0x1`) or `CU_STREAM_PER_THREAD` (`(void *)0x2`) for those.
     pub stream: *mut c_void,
     /// CPU threads including the caller's; 0 (default) = all available cores.
     pub n_threads: i32,

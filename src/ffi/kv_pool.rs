@@ -554,8 +554,8 @@ pub extern "C" fn kvr_kv_pool_admit(
 /// Pool occupancy, filled by `kvr_kv_pool_stats`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct kvr_kv_pool_stats {
-    /// Set to `sizeof(kvr_kv_pool_stats)` before the call.
+pub struct kvr_kv_stats {
+    /// Set to `sizeof(kvr_kv_stats)` before the call.
     pub struct_size: u32,
     /// Reserved, 0.
     pub reserved: u32,
@@ -585,14 +585,14 @@ pub struct kvr_kv_pool_stats {
 #[must_use]
 pub extern "C" fn kvr_kv_pool_stats(
     pool: *const kvr_kv_pool,
-    out: *mut kvr_kv_pool_stats,
+    out: *mut kvr_kv_stats,
 ) -> kvr_status {
     guard("kvr_kv_pool_stats", || {
         let pool = pool_from(pool)?;
         non_null(out, "out")?;
         let s = pool.stats();
-        let c = kvr_kv_pool_stats {
-            struct_size: size_of::<kvr_kv_pool_stats>() as u32,
+        let c = kvr_kv_stats {
+            struct_size: size_of::<kvr_kv_stats>() as u32,
             reserved: 0,
             pages_total: s.pages_total as i64,
             pages_used: s.pages_used as i64,
@@ -604,7 +604,7 @@ pub extern "C" fn kvr_kv_pool_stats(
             page_bytes: s.page_bytes as i64,
         };
         // SAFETY: non-NULL, `struct_size` writable bytes.
-        unsafe { write_versioned(out, c, size_of::<kvr_kv_pool_stats>(), "kvr_kv_pool_stats") }
+        unsafe { write_versioned(out, c, size_of::<kvr_kv_stats>(), "kvr_kv_stats") }
     })
 }
 

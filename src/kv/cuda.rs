@@ -16,8 +16,13 @@ const MAX_PATCHES: usize = 480;
 pub(super) const MAX_WRITE_GROUPS: usize = 120;
 const MAX_PAGE_COPIES: usize = 240;
 const MAX_INLINE_BATCH: usize = 512;
-const DECODE_THREADS: u32 = 128;
+/// Deepest decode pipeline (ring of tiles between the producer and consumer warps).
+const MAX_STAGES: usize = 8;
+/// 4 consumer warps + 2 producer warps (kernels/kv_decode.cu).
+const DECODE_THREADS: u32 = 192;
 const DECODE_TILE: usize = 64;
+/// Smallest share of a CTA, in 64-token tiles: short batches use fewer, longer ranges.
+const MIN_TILES_PER_CTA: i32 = 4;
 /// Most 16-row query tiles per decode: 16 heads x 8 tokens / 16.
 const MAX_Y_TILES: usize = 8;
 
@@ -153,9 +158,25 @@ fn dtype_code(d: DType) -> i32 {
     }
 }
 
+/// Bytes of one pipeline stage (K and V tiles; rows swizzled when the head dim is a
+/// multiple of 64, else padded by 16 bytes).
+fn decode_stage_bytes(head_dim: usize, elem: usize) -> usize {
+    let stride = if head_dim % 64 == 0 {
+        head_dim
+    } else {
+        head_dim + 8
+    };
+    2 * DECODE_TILE * stride * elem
+}
+
 /// Dynamic shared memory of the decode kernel; matches `DecodeSmem::bytes`.
 fn decode_smem(head_dim: usize, elem: usize, stages: usize) -> usize {
-    stages * 2 * DECODE_TILE * (head_dim + 8) * elem + 4 * 16 * 2 * 4 + 64 * 8
+    let q = 16 * (head_dim + 8) * elem;
+    let merge = 16 * head_dim * 4;
+    let offsets = DECODE_TILE * 2 * 8;
+    let softmax_state = (4 * 16 * 2 + 32) * 4;
+    let scan = 16 * 8;
+    stages * (decode_stage_bytes(head_dim, elem) + 16) + q + merge + offsets + softmax_state + scan
 }
 
 /// How decode launches on this device for the pool's (dtype, head dim).
@@ -238,7 +259,19 @@ impl DeviceState {
             kv: cfg.dtype,
             head_dim: cfg.head_dim,
         };
-        for stages in [3usize, 2, 1] {
+        // Most CTAs per SM first (more consumer warps hide the math latency; measured on
+        // H100), then the deepest ring that still allows it. KVR_DECODE_STAGES forces the
+        // ring depth (for benchmarking).
+        let stage = decode_stage_bytes(cfg.head_dim, cfg.dtype.size());
+        let forced: Option<usize> = std::env::var("KVR_DECODE_STAGES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| (1..=MAX_STAGES).contains(&n));
+        let mut best: Option<(u32, usize, u32)> = None; // (per SM, in flight, stages)
+        for stages in (1..=MAX_STAGES).rev() {
+            if forced.is_some_and(|f| f != stages) {
+                continue;
+            }
             let bytes = decode_smem(cfg.head_dim, cfg.dtype.size(), stages);
             if bytes > cuda.max_shared_per_block() as usize {
                 continue;
@@ -247,9 +280,17 @@ impl DeviceState {
             if per_sm == 0 {
                 continue;
             }
+            let in_flight = per_sm as usize * stages * stage;
+            if best.is_none_or(|(n, f, _)| (per_sm, in_flight) > (n, f)) {
+                best = Some((per_sm, in_flight, stages as u32));
+            }
+        }
+        if let Some((per_sm, _, stages)) = best {
+            let bytes = decode_smem(cfg.head_dim, cfg.dtype.size(), stages as usize);
+            cuda.prepare_kernel(kernel, bytes as u32, DECODE_THREADS)?;
             return Ok(Some(DecodeLaunch {
                 kernel,
-                stages: stages as u32,
+                stages,
                 shared_bytes: bytes as u32,
                 wave: per_sm * cuda.sm_count(),
             }));
@@ -516,7 +557,7 @@ impl DeviceState {
             q_dtype: dtype_code(plan.q.dtype()),
             out_dtype: dtype_code(plan.out.dtype()),
             window: plan.window as i32,
-            min_tiles_per_cta: 1,
+            min_tiles_per_cta: MIN_TILES_PER_CTA,
             stages: launch.stages as i32,
             scale_log2: plan.scale * std::f32::consts::LOG2_E,
             qk_scale: plan.scale,
