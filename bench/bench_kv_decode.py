@@ -33,78 +33,11 @@ DEV = torch.device("cuda")
 L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
 ROTATE_BYTES = 4 * L2_BYTES
 KV_CAP = 8 << 30  # bytes of K+V per implementation
-GIB = 1 << 30
 
-CU_STREAM_LEGACY = 1  # the legacy default stream's handle; torch reports it as 0
-
-
-def cur_stream():
-    """torch's current stream as a CUstream; NULL would mean kvreplay's own stream."""
-    return torch.cuda.current_stream().cuda_stream or CU_STREAM_LEGACY
-
+from benchutil import GIB, cur_stream, median, read_ceiling, time_eager, time_graph  # noqa: E402,F401
 
 lib = kvr.Lib()
 ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def time_eager(fn, n_sets, iters):
-    """Median per-call time (us) with events around each call."""
-    for i in range(max(3, n_sets)):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (a, b) in enumerate(ev):
-        a.record()
-        fn(i % n_sets)
-        b.record()
-    torch.cuda.synchronize()
-    return median([a.elapsed_time(b) * 1000.0 for a, b in ev])
-
-
-def time_graph(fn, n_sets, calls, replays=7):
-    """Per-call time (us) under CUDA Graph replay of `calls` calls rotating over the sets."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(n_sets):
-                fn(i)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(calls):
-                fn(i % n_sets)
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1000.0 / calls)
-        del g
-        return median(ts)
-    except Exception as e:  # noqa: BLE001 - report, do not stop the run
-        print(f"  graph capture failed: {type(e).__name__}: {e}", flush=True)
-        torch.cuda.synchronize()
-        return None
-
-
-def read_ceiling():
-    x = torch.empty((2 * GIB) // 2, dtype=torch.bfloat16, device=DEV)
-    x.normal_()
-    t = time_eager(lambda i: x.sum(), 1, 20)
-    del x
-    torch.cuda.empty_cache()
-    return 2 * GIB / (t * 1e-6) / 1e12
 
 
 class KvData:

@@ -95,6 +95,52 @@ class DecodeParams(ctypes.Structure):
     ]
 
 
+class GdnStateStorage(ctypes.Structure):
+    _fields_ = [("state", ctypes.c_void_p), ("seq_stride", ctypes.c_int64)]
+
+
+class GdnPoolParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32)] + [
+        (n, ctypes.c_int32)
+        for n in (
+            "n_layers",
+            "n_k_heads",
+            "n_v_heads",
+            "dk",
+            "dv",
+            "ring_len",
+            "kv_only_threshold",
+            "max_drafts",
+            "state_dtype",
+            "entry_dtype",
+            "layout",
+            "max_seqs",
+            "conv_dim",
+            "conv_kernel",
+            "conv_dtype",
+        )
+    ] + [("states", ctypes.POINTER(GdnStateStorage))]
+
+
+class GdnMemory(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("reserved", ctypes.c_uint32)] + [
+        (n, ctypes.c_int64)
+        for n in ("state_bytes", "ring_bytes", "conv_bytes", "snapshot_bytes", "total_bytes", "kv_only_threshold")
+    ]
+
+
+class GdnStepParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("scale", ctypes.c_float), ("l2norm_qk", ctypes.c_int32)]
+
+
+class GdnSeqInfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("mode", "ring_start", "buffered", "pending")]
+
+
+STATE_K_MAJOR, STATE_V_MAJOR = 0, 1
+GDN_MODE_KV_ONLY, GDN_MODE_REPLAY, GDN_MODE_RECURRENT = 0, 1, 2
+
+
 class KvrError(RuntimeError):
     pass
 
@@ -203,6 +249,87 @@ class Lib:
             ctypes.byref(params) if params is not None else None,
             ctypes.c_void_p(stream),
         )
+
+
+    # --- Gated DeltaNet replay pools -------------------------------------------------
+
+    def gdn_params(self, **kw):
+        p = GdnPoolParams()
+        self.check(self.lib.kvr_gdn_pool_params_default(ctypes.byref(p)), "gdn params")
+        for k, v in kw.items():
+            setattr(p, k, v)
+        return p
+
+    def gdn_pool(self, ctx, **kw):
+        p = self.gdn_params(**kw)
+        pool = ctypes.c_void_p()
+        self.check(self.lib.kvr_gdn_pool_new(ctx, ctypes.byref(p), ctypes.byref(pool)), "kvr_gdn_pool_new")
+        return pool
+
+    def gdn_memory_for(self, **kw):
+        p = self.gdn_params(**kw)
+        m = GdnMemory()
+        m.struct_size = ctypes.sizeof(GdnMemory)
+        self.check(self.lib.kvr_gdn_memory_for(ctypes.byref(p), ctypes.byref(m)), "kvr_gdn_memory_for")
+        return m
+
+    def gdn_seq_add(self, pool, stream=None):
+        s = ctypes.c_int32()
+        self.check(self.lib.kvr_gdn_seq_add(pool, ctypes.c_void_p(stream), ctypes.byref(s)), "gdn seq_add")
+        return s.value
+
+    def gdn_step_params(self, scale=0.0, l2norm=True):
+        p = GdnStepParams()
+        self.check(self.lib.kvr_gdn_step_params_default(ctypes.byref(p)), "gdn step params")
+        p.scale, p.l2norm_qk = scale, int(l2norm)
+        return p
+
+    def gdn_step(self, verify, pool, layer, ids, q, k, v, g, beta, conv, out, params, stream=None):
+        f = self.lib.kvr_gdn_verify if verify else self.lib.kvr_gdn_decode
+        return f(
+            pool,
+            layer,
+            ctypes.byref(ids),
+            ctypes.byref(q),
+            ctypes.byref(k),
+            ctypes.byref(v),
+            ctypes.byref(g),
+            ctypes.byref(beta),
+            ctypes.byref(conv) if conv is not None else None,
+            ctypes.byref(out),
+            ctypes.byref(params) if params is not None else None,
+            ctypes.c_void_p(stream),
+        )
+
+    def gdn_commit(self, pool, layer, ids, accepted, conv_state=None, stream=None):
+        return self.lib.kvr_gdn_commit(
+            pool,
+            layer,
+            ctypes.byref(ids),
+            ctypes.byref(accepted),
+            ctypes.byref(conv_state) if conv_state is not None else None,
+            ctypes.c_void_p(stream),
+        )
+
+    def gdn_import(self, pool, layer, seq, state, conv=None, stream=None):
+        self.check(
+            self.lib.kvr_gdn_import_state(pool, layer, seq, ctypes.byref(state),
+                                          ctypes.byref(conv) if conv is not None else None, ctypes.c_void_p(stream)),
+            "kvr_gdn_import_state",
+        )
+
+    def gdn_export(self, pool, layer, seq, out, conv_out=None, stream=None):
+        self.check(
+            self.lib.kvr_gdn_export_state(pool, layer, seq, ctypes.byref(out),
+                                          ctypes.byref(conv_out) if conv_out is not None else None,
+                                          ctypes.c_void_p(stream)),
+            "kvr_gdn_export_state",
+        )
+
+    def gdn_info(self, pool, layer, seq):
+        i = GdnSeqInfo()
+        self.check(self.lib.kvr_gdn_seq_cursor(pool, layer, seq, ctypes.byref(i)), "kvr_gdn_seq_cursor")
+        return i
 
 
 def tensor(ptr, dtype, device, shape, strides=None):

@@ -26,6 +26,7 @@ static CUresult (*p_cuMemAlloc)(CUdeviceptr *, size_t);
 static CUresult (*p_cuMemFree)(CUdeviceptr);
 static CUresult (*p_cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
 static CUresult (*p_cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+static CUresult (*p_cuCtxSynchronize)(void);
 
 static int skip(const char *why) {
     const char *req = getenv("KVR_REQUIRE_GPU");
@@ -59,6 +60,7 @@ int main(void) {
     LOAD(p_cuMemFree, "cuMemFree_v2");
     LOAD(p_cuMemcpyHtoD, "cuMemcpyHtoD_v2");
     LOAD(p_cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+    LOAD(p_cuCtxSynchronize, "cuCtxSynchronize");
     if (p_cuInit(0) != 0) return skip("cuInit failed (no GPU?)");
     CUdevice dev;
     CUcontext pctx;
@@ -84,6 +86,9 @@ int main(void) {
     CHECK(p_cuMemAlloc(&d_half, N * 2) == 0);
     CHECK(p_cuMemAlloc(&d_back, N * 4) == 0);
     CHECK(p_cuMemcpyHtoD(d_src, host_src, N * 4) == 0);
+    /* From pageable memory the copy may return before its DMA lands, and the legacy stream
+     * does not order work on non-blocking streams: wait for it. */
+    CHECK(p_cuCtxSynchronize() == 0);
     int64_t shape[1] = {N};
     kvr_tensor a, h, b;
     CHECK_STATUS(kvr_tensor_init(&a, (void *)(uintptr_t)d_src, KVR_DTYPE_F32, KVR_DEVICE_CUDA, 1, shape), KVR_STATUS_OK);

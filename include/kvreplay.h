@@ -36,6 +36,27 @@
 
 
 /**
+ * `kv_only_threshold` value that picks the default: min(dk, what one head's state memory
+ * holds).
+ */
+#define KVR_GDN_DEFAULT_THRESHOLD -1
+
+/**
+ * Per-sequence modes reported by `kvr_gdn_seq_cursor`.
+ */
+#define KVR_GDN_MODE_KV_ONLY 0
+
+/**
+ * Checkpoint state plus ring.
+ */
+#define KVR_GDN_MODE_REPLAY 1
+
+/**
+ * State read and written every step (pools with `ring_len` 0).
+ */
+#define KVR_GDN_MODE_RECURRENT 2
+
+/**
  * `layer` value of `kvr_kv_pool_write` that writes every layer.
  */
 #define KVR_ALL_LAYERS -1
@@ -49,6 +70,12 @@
  * An execution context (opaque). Created by `kvr_context_new`, freed by `kvr_context_free`.
  */
 typedef struct kvr_context kvr_context;
+
+/**
+ * A Gated DeltaNet replay pool (opaque). Created by `kvr_gdn_pool_new`, freed by
+ * `kvr_gdn_pool_free`.
+ */
+typedef struct kvr_gdn_pool kvr_gdn_pool;
 
 /**
  * A paged KV pool (opaque). Created by `kvr_kv_pool_new`, freed by `kvr_kv_pool_free`.
@@ -158,6 +185,226 @@ typedef struct kvr_device_info {
 typedef int32_t kvr_dtype;
 
 /**
+ * How a state matrix is stored.
+ */
+typedef int32_t kvr_state_layout;
+
+/**
+ * One layer's state memory in a pool over caller-owned states: sequence slot `s`, value
+ * head `h` starts at `state + (s * seq_stride + h * dk * dv) * sizeof(state_dtype)`.
+ * Must be 16-byte aligned on CUDA, with `seq_stride * sizeof(state_dtype)` a multiple of 16.
+ */
+typedef struct kvr_gdn_state_storage {
+    /**
+     * Sequence slot 0's state.
+     */
+    void *state;
+    /**
+     * Elements between sequence slots (>= n_v_heads * dk * dv).
+     */
+    int64_t seq_stride;
+} kvr_gdn_state_storage;
+
+/**
+ * Options for `kvr_gdn_pool_new`; fill with `kvr_gdn_pool_params_default`.
+ */
+typedef struct kvr_gdn_pool_params {
+    /**
+     * `sizeof(kvr_gdn_pool_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * GDN layers (required, >= 1).
+     */
+    int32_t n_layers;
+    /**
+     * Key heads Hk (required).
+     */
+    int32_t n_k_heads;
+    /**
+     * Value heads Hv (required, a multiple of Hk).
+     */
+    int32_t n_v_heads;
+    /**
+     * Key head dim (required; CUDA: 32, 64, 128 or 256).
+     */
+    int32_t dk;
+    /**
+     * Value head dim (required; CUDA: 32, 64, 128 or 256).
+     */
+    int32_t dv;
+    /**
+     * Ring length L, the inputs kept beside the checkpoint (default 16); 0 = recurrent
+     * mode (state read and written every step, one state snapshot per draft).
+     */
+    int32_t ring_len;
+    /**
+     * Sequences of at most this many tokens keep no state (KV-only);
+     * `KVR_GDN_DEFAULT_THRESHOLD` (default) = min(dk, capacity), 0 = off.
+     */
+    int32_t kv_only_threshold;
+    /**
+     * Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
+     */
+    int32_t max_drafts;
+    /**
+     * State element type: `KVR_DTYPE_F32` (default) or `_BF16`.
+     */
+    kvr_dtype state_dtype;
+    /**
+     * Ring element type (default `KVR_DTYPE_F32`: replay equals the recurrence to f32
+     * rounding; `_BF16` halves the ring and doubles the KV-only capacity).
+     */
+    kvr_dtype entry_dtype;
+    /**
+     * `KVR_STATE_K_MAJOR` (default) or `KVR_STATE_V_MAJOR`.
+     */
+    kvr_state_layout layout;
+    /**
+     * Sequence slots (default 256).
+     */
+    int32_t max_seqs;
+    /**
+     * Channels of the causal-conv input whose window the pool keeps (0 = none, default).
+     */
+    int32_t conv_dim;
+    /**
+     * Conv kernel width (default 4): the window is `conv_kernel - 1` inputs.
+     */
+    int32_t conv_kernel;
+    /**
+     * Conv window element type (default `KVR_DTYPE_F32`).
+     */
+    kvr_dtype conv_dtype;
+    /**
+     * NULL (default): the pool allocates the states. Otherwise `n_layers` entries of
+     * caller-owned state memory in the context's memory (copied; must outlive the pool).
+     */
+    const struct kvr_gdn_state_storage *states;
+} kvr_gdn_pool_params;
+
+/**
+ * Memory one sequence of a pool needs (all layers), by part. `snapshot_bytes` is what a
+ * recurrent pool spends on per-draft states; a replay pool spends `ring_bytes` instead.
+ */
+typedef struct kvr_gdn_memory {
+    /**
+     * `sizeof(kvr_gdn_memory)` as the library wrote it.
+     */
+    uint32_t struct_size;
+    /**
+     * Reserved, 0.
+     */
+    uint32_t reserved;
+    /**
+     * Checkpoint states.
+     */
+    int64_t state_bytes;
+    /**
+     * Rings.
+     */
+    int64_t ring_bytes;
+    /**
+     * Conv windows.
+     */
+    int64_t conv_bytes;
+    /**
+     * Per-draft snapshots (recurrent pools).
+     */
+    int64_t snapshot_bytes;
+    /**
+     * Sum of the above.
+     */
+    int64_t total_bytes;
+    /**
+     * The KV-only threshold the pool uses (tokens).
+     */
+    int64_t kv_only_threshold;
+} kvr_gdn_memory;
+
+/**
+ * What `kvr_gdn_seq_cursor` reports about one (layer, sequence).
+ */
+typedef struct kvr_gdn_cursor {
+    /**
+     * `KVR_GDN_MODE_*`.
+     */
+    int32_t mode;
+    /**
+     * Ring position of the oldest buffered entry.
+     */
+    int32_t ring_start;
+    /**
+     * Buffered committed entries (tokens since the checkpoint, or the KV-only length).
+     */
+    int32_t buffered;
+    /**
+     * Verified drafts awaiting commit.
+     */
+    int32_t pending;
+} kvr_gdn_cursor;
+
+/**
+ * Where a tensor's memory lives.
+ */
+typedef int32_t kvr_device_type;
+
+/**
+ * Describes memory the caller owns: kvreplay reads or writes it during a call (or, on
+ * CUDA, in the work the call queues) and never keeps the pointer afterwards unless a
+ * function says so.
+ *
+ * Element (i0, ..., i{ndim-1}) is at `data + sum(ik * strides[k]) * sizeof(dtype)`.
+ * Strides count elements, not bytes, and must be >= 0. Entries past `ndim` are ignored.
+ */
+typedef struct kvr_tensor {
+    /**
+     * Address of element 0; may be NULL only when the tensor has no elements. Must be
+     * aligned to the element size.
+     */
+    void *data;
+    /**
+     * `KVR_DTYPE_*`.
+     */
+    kvr_dtype dtype;
+    /**
+     * `KVR_DEVICE_*`: must match the context's backend (host for CPU, CUDA for CUDA).
+     */
+    kvr_device_type device;
+    /**
+     * Number of dimensions, 0 (a scalar) to `KVR_MAX_DIMS`.
+     */
+    int32_t ndim;
+    /**
+     * Extent of each dimension (>= 0).
+     */
+    int64_t shape[KVR_MAX_DIMS];
+    /**
+     * Stride of each dimension, in elements (>= 0).
+     */
+    int64_t strides[KVR_MAX_DIMS];
+} kvr_tensor;
+
+/**
+ * Options of `kvr_gdn_decode` / `kvr_gdn_verify`; fill with `kvr_gdn_step_params_default`.
+ */
+typedef struct kvr_gdn_step_params {
+    /**
+     * `sizeof(kvr_gdn_step_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Scale applied to q after the optional L2 norm; 0 (default) = 1/sqrt(dk).
+     */
+    float scale;
+    /**
+     * Non-zero: L2-normalize q and k in the kernel, as flash-linear-attention's
+     * `use_qk_l2norm_in_kernel` (default 0).
+     */
+    int32_t l2norm_qk;
+} kvr_gdn_step_params;
+
+/**
  * One layer's K and V memory for a pool over caller-owned tensors. Element `d` of head `h`
  * at slot `s` of page `p` is at `k + (p * k_stride_page + h * k_stride_head +
  * s * k_stride_token + d) * sizeof(dtype)` (likewise V). Strides are in elements; the head
@@ -254,47 +501,6 @@ typedef struct kvr_kv_pool_params {
      */
     const struct kvr_kv_layer_layout *layers;
 } kvr_kv_pool_params;
-
-/**
- * Where a tensor's memory lives.
- */
-typedef int32_t kvr_device_type;
-
-/**
- * Describes memory the caller owns: kvreplay reads or writes it during a call (or, on
- * CUDA, in the work the call queues) and never keeps the pointer afterwards unless a
- * function says so.
- *
- * Element (i0, ..., i{ndim-1}) is at `data + sum(ik * strides[k]) * sizeof(dtype)`.
- * Strides count elements, not bytes, and must be >= 0. Entries past `ndim` are ignored.
- */
-typedef struct kvr_tensor {
-    /**
-     * Address of element 0; may be NULL only when the tensor has no elements. Must be
-     * aligned to the element size.
-     */
-    void *data;
-    /**
-     * `KVR_DTYPE_*`.
-     */
-    kvr_dtype dtype;
-    /**
-     * `KVR_DEVICE_*`: must match the context's backend (host for CPU, CUDA for CUDA).
-     */
-    kvr_device_type device;
-    /**
-     * Number of dimensions, 0 (a scalar) to `KVR_MAX_DIMS`.
-     */
-    int32_t ndim;
-    /**
-     * Extent of each dimension (>= 0).
-     */
-    int64_t shape[KVR_MAX_DIMS];
-    /**
-     * Stride of each dimension, in elements (>= 0).
-     */
-    int64_t strides[KVR_MAX_DIMS];
-} kvr_tensor;
 
 /**
  * Admission verdict of `kvr_kv_pool_admit`.
@@ -394,6 +600,16 @@ typedef struct kvr_decode_params {
  * CUDA device memory and kernels on a stream.
  */
 #define KVR_BACKEND_CUDA 2
+
+/**
+ * `[dk][dv]` per value head, dv contiguous (llama.cpp, flash-linear-attention).
+ */
+#define KVR_STATE_K_MAJOR 0
+
+/**
+ * `[dv][dk]` per value head, dk contiguous (vLLM, FlashInfer).
+ */
+#define KVR_STATE_V_MAJOR 1
 
 /**
  * Fits now.
@@ -598,6 +814,199 @@ KVR_NODISCARD kvr_status kvr_context_synchronize(const struct kvr_context *ctx, 
  * `*out` is written only on success. Thread-safe.
  */
 KVR_NODISCARD kvr_status kvr_cuda_device_count(int32_t *out);
+
+/**
+ * Fills `*params` with the defaults (ring of 16, default KV-only threshold, f32 state and
+ * ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
+ * `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
+ *
+ * Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+ */
+KVR_NODISCARD kvr_status kvr_gdn_pool_params_default(struct kvr_gdn_pool_params *params);
+
+/**
+ * Creates a GDN pool on `ctx` and stores it in `*out`. Owned memory is allocated zeroed in
+ * the context's memory (synchronously: setup time only).
+ *
+ * Errors: NULL_ARG; INVALID_ARG (zero or negative sizes, Hv not a multiple of Hk,
+ * ring_len < max_drafts, unknown layout); OUT_OF_RANGE (max_drafts > 8, threshold above
+ * capacity, huge sizes); DTYPE_MISMATCH (state not f32/bf16); UNSUPPORTED (CUDA: head dims
+ * outside {32, 64, 128, 256}); OUT_OF_MEMORY; CUDA errors. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_pool_new(const struct kvr_context *ctx,
+                            const struct kvr_gdn_pool_params *params,
+                            struct kvr_gdn_pool **out);
+
+/**
+ * Frees a pool (NULL is a no-op). Work queued on CUDA streams that uses the pool must be
+ * finished or ordered before the caller reuses the memory. Thread-safe.
+ */
+void kvr_gdn_pool_free(struct kvr_gdn_pool *pool);
+
+/**
+ * Per-sequence memory of the pool `params` describes, without creating it (for sizing:
+ * e.g. "T drafts with snapshots" (`ring_len` 0, `max_drafts` T) against a ring). The
+ * configuration is validated as `kvr_gdn_pool_new` would (except backend limits).
+ * `out->struct_size` must be set by the caller. Thread-safe.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_memory_for(const struct kvr_gdn_pool_params *params,
+                              struct kvr_gdn_memory *out);
+
+/**
+ * Per-sequence memory of an existing pool. `out->struct_size` must be set by the caller.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_pool_memory(const struct kvr_gdn_pool *pool,
+                               struct kvr_gdn_memory *out);
+
+/**
+ * Adds a sequence (zero state, empty ring, zero conv window; KV-only when the pool has a
+ * threshold) and writes its id to `*out_seq`. Errors: POOL_EXHAUSTED when every slot is in
+ * use. On CUDA the reset is queued on `stream` (NULL: the context's stream).
+ */
+KVR_NODISCARD kvr_status kvr_gdn_seq_add(struct kvr_gdn_pool *pool, void *stream, int32_t *out_seq);
+
+/**
+ * Frees a sequence's slot. Errors: UNKNOWN_ID.
+ */
+KVR_NODISCARD kvr_status kvr_gdn_seq_free(struct kvr_gdn_pool *pool, int32_t seq, void *stream);
+
+/**
+ * Resets a sequence to the empty state (as just added), discarding pending drafts.
+ */
+KVR_NODISCARD kvr_status kvr_gdn_seq_reset(struct kvr_gdn_pool *pool, int32_t seq, void *stream);
+
+/**
+ * Reads a sequence's cursor for `layer`. On CUDA this waits for `stream` (NULL: the
+ * context's stream) and copies from the device: for diagnostics and tests, not the
+ * decode loop.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_seq_cursor(const struct kvr_gdn_pool *pool,
+                              int32_t layer,
+                              int32_t seq,
+                              struct kvr_gdn_cursor *out);
+
+/**
+ * Replaces a sequence's state in `layer` by `state` (the host's prefill result: shape
+ * `[Hv, dk, dv]` for K-major pools or `[Hv, dv, dk]` for V-major, any float dtype, any
+ * strides) and, if `conv` is not NULL, its conv window (`[conv_kernel - 1, conv_dim]`,
+ * oldest first). The ring empties and the sequence leaves KV-only mode. Errors:
+ * UNKNOWN_ID, OUT_OF_RANGE (layer), INVALID_ARG (shape, memory kind, pending drafts),
+ * DTYPE_MISMATCH.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_import_state(struct kvr_gdn_pool *pool,
+                                int32_t layer,
+                                int32_t seq,
+                                const struct kvr_tensor *state,
+                                const struct kvr_tensor *conv,
+                                void *stream);
+
+/**
+ * Writes a sequence's current state in `layer` (materialized from the checkpoint and the
+ * ring, or from the KV-only entries) into `out` (shape as for import, any float dtype)
+ * and, if `conv_out` is not NULL, its conv window. The pool does not change.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_export_state(const struct kvr_gdn_pool *pool,
+                                int32_t layer,
+                                int32_t seq,
+                                const struct kvr_tensor *out,
+                                const struct kvr_tensor *conv_out,
+                                void *stream);
+
+/**
+ * Fills `*params` with the defaults (scale 1/sqrt(dk), no L2 norm).
+ */
+KVR_NODISCARD kvr_status kvr_gdn_step_params_default(struct kvr_gdn_step_params *params);
+
+/**
+ * One token for each sequence of a batch, in one launch, committed at once.
+ *
+ * `seq_ids`: i32 `[B]`, host or device memory (-1: an unused row, output zeros; device ids
+ * must be distinct and live, and discard any uncommitted drafts). q, k: `[B, Hk, dk]` (or
+ * `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta (post-sigmoid): `[B, Hv]`;
+ * conv_in (required when the pool keeps conv windows, else NULL): `[B, conv_dim]`. Float
+ * dtypes f32/f16/bf16 (each tensor its own); on CUDA the last dimension of q, k, v, out
+ * must be contiguous. The output comes from the checkpoint and the ring; the state is
+ * written only for sequences whose ring is full (decided on the device) or that leave
+ * KV-only mode. Asynchronous on CUDA and capturable in a CUDA Graph (host ids travel in
+ * the launch parameters).
+ *
+ * Errors: UNKNOWN_ID, OUT_OF_RANGE (layer, batch), INVALID_ARG (shapes, memory kinds,
+ * pending drafts), DTYPE_MISMATCH; nothing changes on error.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_decode(struct kvr_gdn_pool *pool,
+                          int32_t layer,
+                          const struct kvr_tensor *seq_ids,
+                          const struct kvr_tensor *q,
+                          const struct kvr_tensor *k,
+                          const struct kvr_tensor *v,
+                          const struct kvr_tensor *g,
+                          const struct kvr_tensor *beta,
+                          const struct kvr_tensor *conv_in,
+                          const struct kvr_tensor *out,
+                          const struct kvr_gdn_step_params *params,
+                          void *stream);
+
+/**
+ * T draft tokens per sequence (1..=max_drafts, <= ring_len) in one launch: outputs for
+ * every draft without any per-draft state (recurrent pools: one snapshot per draft). The
+ * drafts stay pending until `kvr_gdn_commit`; a sequence whose ring cannot take 2T more
+ * entries flushes first.
+ *
+ * Tensors as for `kvr_gdn_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
+ * `[B, T, Hv, dv]`; g, beta `[B, T, Hv]`; conv_in `[B, T, conv_dim]`. `seq_ids` must be in
+ * host memory. Errors as for decode, plus OUT_OF_RANGE for T.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_verify(struct kvr_gdn_pool *pool,
+                          int32_t layer,
+                          const struct kvr_tensor *seq_ids,
+                          const struct kvr_tensor *q,
+                          const struct kvr_tensor *k,
+                          const struct kvr_tensor *v,
+                          const struct kvr_tensor *g,
+                          const struct kvr_tensor *beta,
+                          const struct kvr_tensor *conv_in,
+                          const struct kvr_tensor *out,
+                          const struct kvr_gdn_step_params *params,
+                          void *stream);
+
+/**
+ * Commits `accepted[i]` of the verified drafts of `seq_ids[i]` in `layer`
+ * (`KVR_ALL_LAYERS`: every layer, one launch). Accepted drafts stay in the ring where
+ * verify put them; the rest vanish; recurrent pools adopt the last accepted draft's
+ * snapshot. `accepted` is i32 `[B]` in host memory (checked: 0..=T) or device memory
+ * (clamped to 0..=T on the device; the host never waits). `seq_ids` is host i32 `[B]`.
+ * With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, one layer only), the conv window of
+ * each accepted prefix is written there: the conv state the host's next step needs.
+ *
+ * Errors: INVALID_ARG (no verified drafts, shapes), OUT_OF_RANGE (host counts),
+ * UNKNOWN_ID, DTYPE_MISMATCH; nothing changes on error.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_commit(struct kvr_gdn_pool *pool,
+                          int32_t layer,
+                          const struct kvr_tensor *seq_ids,
+                          const struct kvr_tensor *accepted,
+                          const struct kvr_tensor *conv_state,
+                          void *stream);
+
+/**
+ * Writes each listed sequence's current state into its checkpoint and empties its ring
+ * (before saving a checkpoint or preempting); KV-only sequences get their state
+ * materialized. `layer` may be `KVR_ALL_LAYERS`; `seq_ids` is host i32 `[B]`.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_flush(struct kvr_gdn_pool *pool,
+                         int32_t layer,
+                         const struct kvr_tensor *seq_ids,
+                         void *stream);
 
 /**
  * Returns a NUL-terminated message describing the last failure on the calling thread, or

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod error;
 pub mod ffi;
 pub mod kv;
+pub mod linear;
 pub mod tensor;
 
 pub use backend::{BackendKind, BackendRequest, Context, ContextOptions, DeviceInfo, Stream};

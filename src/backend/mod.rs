@@ -1,6 +1,7 @@
 //! Execution contexts: a CPU backend (threaded, always available) and a CUDA backend
 //! (driver API through cudarc, kernels from the embedded fatbin).
 
+pub mod buffer;
 pub mod cpu;
 pub mod cuda;
 

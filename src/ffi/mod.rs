@@ -11,6 +11,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod context;
+pub mod gdn;
 pub mod guard;
 pub(crate) mod handles;
 pub mod kv_pool;
@@ -19,6 +20,7 @@ pub mod tensor;
 pub mod version;
 
 pub use context::*;
+pub use gdn::*;
 pub use guard::kvr_last_error_message;
 pub use kv_pool::*;
 pub use status::*;

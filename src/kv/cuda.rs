@@ -189,6 +189,40 @@ struct DecodeLaunch {
     wave: u32,
 }
 
+/// Writes `value` at `dst[index]` (i32 elements) for each pair, on the stream: the
+/// values travel in the kernel parameters, so this is asynchronous and capturable.
+pub(crate) fn patch_i32(
+    cuda: &CudaBackend,
+    dst: usize,
+    patches: &[(u32, i32)],
+    stream: Stream,
+) -> Result<()> {
+    for chunk in patches.chunks(MAX_PATCHES) {
+        let mut p = Box::new(PatchParams {
+            dst: dst as u64,
+            count: chunk.len() as i32,
+            pad: 0,
+            index: [0; MAX_PATCHES],
+            value: [0; MAX_PATCHES],
+        });
+        for (i, &(idx, val)) in chunk.iter().enumerate() {
+            p.index[i] = idx;
+            p.value[i] = val;
+        }
+        let mut args = [&mut *p as *mut PatchParams as *mut c_void];
+        let blocks = chunk.len().div_ceil(128) as u32;
+        cuda.launch(
+            Kernel::KvPatch,
+            (blocks, 1, 1),
+            (128, 1, 1),
+            0,
+            stream,
+            &mut args,
+        )?;
+    }
+    Ok(())
+}
+
 /// Device memory and launch settings of one pool.
 pub(super) struct DeviceState {
     /// Block table `[max_seqs][pages_per_seq]` followed by lengths `[max_seqs]`.
@@ -315,30 +349,7 @@ impl DeviceState {
         patches: &[(u32, i32)],
         stream: Stream,
     ) -> Result<()> {
-        for chunk in patches.chunks(MAX_PATCHES) {
-            let mut p = Box::new(PatchParams {
-                dst: self.tables.addr() as u64,
-                count: chunk.len() as i32,
-                pad: 0,
-                index: [0; MAX_PATCHES],
-                value: [0; MAX_PATCHES],
-            });
-            for (i, &(idx, val)) in chunk.iter().enumerate() {
-                p.index[i] = idx;
-                p.value[i] = val;
-            }
-            let mut args = [&mut *p as *mut PatchParams as *mut c_void];
-            let blocks = chunk.len().div_ceil(128) as u32;
-            cuda.launch(
-                Kernel::KvPatch,
-                (blocks, 1, 1),
-                (128, 1, 1),
-                0,
-                stream,
-                &mut args,
-            )?;
-        }
-        Ok(())
+        patch_i32(cuda, self.tables.addr(), patches, stream)
     }
 
     /// Copies whole pages (copy-on-write), all layers.

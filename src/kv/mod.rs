@@ -4,7 +4,7 @@
 
 pub mod allocator;
 mod cpu;
-mod cuda;
+pub(crate) mod cuda;
 pub mod decode;
 pub mod pool;
 pub mod sizing;

@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::allocator::BlockAllocator;
 use super::cuda::DeviceState;
 use super::decode::{self, DecodeIo, DecodeOptions};
-use crate::backend::cuda::memory::DeviceBuffer;
+use crate::backend::buffer::Buffer;
 use crate::backend::{BackendKind, Context, Stream};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, MemoryKind, TensorView};
@@ -201,52 +201,13 @@ pub(crate) struct PoolState {
     page_copies: Vec<(u32, u32)>,
 }
 
-/// Memory the pool owns; held only to be freed with the pool.
-#[allow(dead_code)]
-enum OwnedMemory {
-    Host(HostMemory),
-    Device(DeviceBuffer),
-}
-
-/// Zeroed, 64-byte aligned host memory.
-struct HostMemory {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-// SAFETY: plain memory owned by the pool; access is governed by the pool's API.
-unsafe impl Send for HostMemory {}
-unsafe impl Sync for HostMemory {}
-
-impl HostMemory {
-    fn new(bytes: usize) -> Result<Self> {
-        let layout = std::alloc::Layout::from_size_align(bytes.max(64), 64)
-            .map_err(|e| Error::OutOfMemory(format!("cannot lay out {bytes} bytes: {e}")))?;
-        // SAFETY: non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(Error::OutOfMemory(format!(
-                "cannot allocate {bytes} bytes of host memory for the KV pool"
-            )));
-        }
-        Ok(HostMemory { ptr, layout })
-    }
-}
-
-impl Drop for HostMemory {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
-}
-
 /// A paged KV pool. Thread-safe: calls may come from several threads (they serialize on
 /// the pool's mutex); device work must still be stream-ordered by the caller.
 pub struct KvPool {
     ctx: Arc<Context>,
     cfg: KvPoolConfig,
     layout: Vec<LayerLayout>,
-    _owned: Option<OwnedMemory>,
+    _owned: Option<Buffer>,
     state: Mutex<PoolState>,
     device: Option<DeviceState>,
 }
@@ -265,19 +226,8 @@ impl KvPool {
                 let total_bytes = per_array
                     .checked_mul(2 * cfg.layers * elem)
                     .ok_or_else(|| Error::OutOfRange("pool size overflows".into()))?;
-                let (base, owned) = match ctx.backend() {
-                    BackendKind::Cpu => {
-                        let m = HostMemory::new(total_bytes)?;
-                        (m.ptr as usize, OwnedMemory::Host(m))
-                    }
-                    BackendKind::Cuda => {
-                        let cuda = ctx.cuda().expect("CUDA backend");
-                        let buf = DeviceBuffer::new(cuda, total_bytes)?;
-                        buf.fill_async(cuda, 0, Stream::DEFAULT)?;
-                        ctx.synchronize(Stream::DEFAULT)?;
-                        (buf.addr(), OwnedMemory::Device(buf))
-                    }
-                };
+                let owned = Buffer::zeroed(&ctx, total_bytes)?;
+                let base = owned.addr();
                 let strides = [per_page, cfg.page_size * cfg.head_dim, cfg.head_dim];
                 let layout = (0..cfg.layers)
                     .map(|l| LayerLayout {

@@ -7,6 +7,7 @@ use std::ffi::{c_void, CStr};
 use half::{bf16, f16};
 use kvreplay::ffi::*;
 
+pub mod gdn;
 pub mod gpu;
 pub mod kv;
 

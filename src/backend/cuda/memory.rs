@@ -72,7 +72,10 @@ impl DeviceBuffer {
         self.bytes == 0
     }
 
-    /// Copies `data` to the start of the buffer and waits (synchronous; setup and tests).
+    /// Copies `data` to the start of the buffer and waits until the device holds it
+    /// (synchronous; setup and tests). A plain `cuMemcpyHtoD` from pageable memory may
+    /// return before its DMA lands, and work queued afterwards on a non-blocking stream is
+    /// not ordered after it, so this synchronizes the context before returning.
     pub fn upload<T: Copy>(&self, data: &[T]) -> Result<()> {
         let bytes = std::mem::size_of_val(data);
         if bytes > self.bytes {
@@ -87,7 +90,8 @@ impl DeviceBuffer {
             check(
                 "cuMemcpyHtoD",
                 sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const _, bytes),
-            )
+            )?;
+            check("cuCtxSynchronize", sys::cuCtxSynchronize())
         }
     }
 

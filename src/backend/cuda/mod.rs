@@ -336,6 +336,43 @@ impl CudaBackend {
         })
     }
 
+    /// Queues a byte fill of `bytes` bytes at device address `dst` on `stream`.
+    pub(crate) fn memset_async(
+        &self,
+        dst: usize,
+        byte: u8,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _cur = self.make_current()?;
+        // SAFETY: the caller guarantees `dst` has room for `bytes` bytes.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(
+                dst as sys::CUdeviceptr,
+                byte,
+                bytes,
+                self.resolve_stream(stream),
+            )
+        })
+    }
+
+    /// Waits for `stream`, then copies `out.len()` bytes from device address `src`.
+    pub(crate) fn read_device(&self, src: usize, out: &mut [u8], stream: Stream) -> Result<()> {
+        self.synchronize(stream)?;
+        let _cur = self.make_current()?;
+        // SAFETY: the caller guarantees `src` holds `out.len()` readable bytes.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(
+                out.as_mut_ptr() as *mut c_void,
+                src as sys::CUdeviceptr,
+                out.len(),
+            )
+        })
+    }
+
     /// Waits for `stream`.
     pub fn synchronize(&self, stream: Stream) -> Result<()> {
         let _cur = self.make_current()?;

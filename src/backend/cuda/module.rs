@@ -52,6 +52,17 @@ pub(crate) enum Kernel {
     KvWrite { src: DType, dst: DType },
     /// `kvr_kv_decode_<kv>_d<head_dim>` (kernels/kv_decode.cu); kv is f16 or bf16.
     KvDecode { kv: DType, head_dim: usize },
+    /// `kvr_gdn_step_<state>_<k|v>_nv<8|16>` (kernels/gdn.cu); state is f32 or bf16,
+    /// V-major or not; `wide` holds 16 float4 of state per thread instead of 8.
+    GdnStep {
+        state: DType,
+        vmajor: bool,
+        wide: bool,
+    },
+    /// `kvr_gdn_commit` (kernels/gdn.cu).
+    GdnCommit,
+    /// `kvr_gdn_finish` (kernels/gdn.cu): per-sequence bookkeeping after a step.
+    GdnFinish,
 }
 
 const COPY_BASE: usize = 0;
@@ -59,7 +70,10 @@ const KV_PATCH: usize = 9;
 const KV_COPY_PAGES: usize = 10;
 const KV_WRITE_BASE: usize = 11;
 const KV_DECODE_BASE: usize = 20;
-const KERNEL_COUNT: usize = 30;
+const GDN_STEP_BASE: usize = 30;
+const GDN_COMMIT: usize = 38;
+const GDN_FINISH: usize = 39;
+const KERNEL_COUNT: usize = 40;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -82,6 +96,19 @@ impl Kernel {
                 v.push(Kernel::KvDecode { kv, head_dim });
             }
         }
+        for wide in [false, true] {
+            for state in [DType::F32, DType::BF16] {
+                for vmajor in [false, true] {
+                    v.push(Kernel::GdnStep {
+                        state,
+                        vmajor,
+                        wide,
+                    });
+                }
+            }
+        }
+        v.push(Kernel::GdnCommit);
+        v.push(Kernel::GdnFinish);
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -100,6 +127,18 @@ impl Kernel {
                     .expect("a compiled head dim");
                 KV_DECODE_BASE + (dtype_index(kv) - 1) * DECODE_HEAD_DIMS.len() + d
             }
+            Kernel::GdnStep {
+                state,
+                vmajor,
+                wide,
+            } => {
+                GDN_STEP_BASE
+                    + 4 * wide as usize
+                    + if state == DType::BF16 { 2 } else { 0 }
+                    + vmajor as usize
+            }
+            Kernel::GdnCommit => GDN_COMMIT,
+            Kernel::GdnFinish => GDN_FINISH,
         }
     }
 
@@ -111,6 +150,18 @@ impl Kernel {
             Kernel::KvCopyPages => "kvr_kv_copy_pages".into(),
             Kernel::KvWrite { src, dst } => format!("kvr_kv_write_{}_{}", src.name(), dst.name()),
             Kernel::KvDecode { kv, head_dim } => format!("kvr_kv_decode_{}_d{head_dim}", kv.name()),
+            Kernel::GdnStep {
+                state,
+                vmajor,
+                wide,
+            } => format!(
+                "kvr_gdn_step_{}_{}_nv{}",
+                state.name(),
+                if vmajor { "v" } else { "k" },
+                if wide { 16 } else { 8 }
+            ),
+            Kernel::GdnCommit => "kvr_gdn_commit".into(),
+            Kernel::GdnFinish => "kvr_gdn_finish".into(),
         }
     }
 }

@@ -1,0 +1,365 @@
+"""Gated DeltaNet replay benchmark (issue 4), one process, one run, on the device GPU.
+
+Qwen3-Next layer shape (16 key heads, 32 value heads, dk = dv = 128), fp32 state, bf16
+q/k/v/beta, fp32 g, L2-normalized q and k in the kernel. On the same inputs:
+
+  decode   kvreplay recurrent mode (state read + written every step), kvreplay replay
+           decode (checkpoint + ring, L in {8, 16, 32, 64}, averaged over whole flush
+           cycles: the graph holds L steps per layer, so every replay crosses one flush
+           per sequence) and flash-linear-attention 0.6.0 fused_recurrent_gated_delta_rule,
+           B in {1, 8, 32, 64, 128, 256}; outputs compared with fla (and a 20-step chained
+           run compares outputs and final states).
+  verify   speculative rounds (verify T drafts + commit with device-side accepted counts):
+           replay (no per-draft state) vs the recurrent mode (one state snapshot per draft,
+           commit copies the accepted one), T in {2, 4, 8}.
+  kv-only  decode of short sequences (context 8..120) with no state vs the recurrent mode.
+  memory   bytes per sequence and layer: T snapshots vs a ring.
+
+Method (DESIGN.md section 4): every implementation runs under CUDA Graph replay (no host
+launch overhead); states rotate over sets larger than 4x L2 (each set is a layer of our
+pool and a separate state tensor for fla), as the other layers of a model would evict them.
+Bandwidth counts the bytes each implementation must move (below), against a read+write
+streaming ceiling (1 GiB copy) measured in the same run.
+
+    python3 bench_gdn.py [--quick]      # writes $OUT/gdn_bench.json if $OUT is set
+"""
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+import kvr
+from benchutil import copy_ceiling, cur_stream, read_ceiling, time_graph
+
+QUICK = "--quick" in sys.argv
+DEV = torch.device("cuda")
+HK, HV, D = 16, 32, 128
+STATE = HV * D * D * 4  # bytes of one sequence's fp32 state in one layer
+ENTRY = (HV * D + HK * D) * 4 + HV * 4  # one f32 ring entry (u, k, g) of one sequence
+L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
+ROTATE = 4 * L2_BYTES
+BATCHES = [1, 8, 32, 64, 128, 256]
+RINGS = [8, 16, 32, 64]
+
+lib = kvr.Lib()
+ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
+STEP = lib.gdn_step_params(scale=0.0, l2norm=True)
+
+try:
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr
+    import fla
+
+    FLA_VERSION = getattr(fla, "__version__", "?")
+except Exception as e:  # noqa: BLE001
+    fla_fr = None
+    FLA_VERSION = f"unavailable ({type(e).__name__}: {e})"
+
+
+def n_sets_for(B):
+    return max(1, min(32, math.ceil(ROTATE / (B * STATE))))
+
+
+class Inputs:
+    """n_sets sets of inputs for B sequences x T tokens (q, k, v, beta bf16; g fp32)."""
+
+    def __init__(self, B, T, n_sets, seed=0):
+        g = torch.Generator(device=DEV)
+        g.manual_seed(seed)
+        self.B, self.T, self.n = B, T, n_sets
+
+        def r(*shape, lo=-1.0, hi=1.0, dt=torch.bfloat16):
+            return (torch.rand(*shape, generator=g, device=DEV) * (hi - lo) + lo).to(dt)
+
+        self.q = [r(B, T, HK, D) for _ in range(n_sets)]
+        self.k = [r(B, T, HK, D) for _ in range(n_sets)]
+        self.v = [r(B, T, HV, D) for _ in range(n_sets)]
+        self.g = [r(B, T, HV, lo=-0.4, hi=-0.01, dt=torch.float32) for _ in range(n_sets)]
+        self.beta = [r(B, T, HV, lo=0.1, hi=0.9) for _ in range(n_sets)]
+        self.t = [
+            tuple(kvr.torch_tensor(x) for x in (self.q[i], self.k[i], self.v[i], self.g[i], self.beta[i]))
+            for i in range(n_sets)
+        ]
+
+
+def pool(B, ring, layers, thr=0, entry=kvr.DTYPE_F32, drafts=0):
+    p = lib.gdn_pool(ctx, n_layers=layers, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=ring,
+                     kv_only_threshold=thr, max_drafts=drafts, max_seqs=B, entry_dtype=entry)
+    seqs = [lib.gdn_seq_add(p, cur_stream()) for _ in range(B)]
+    return p, seqs
+
+
+def free(p):
+    lib.lib.kvr_gdn_pool_free(p)
+
+
+def import_states(p, seqs, layer, S):
+    """S: [B, HV, D, D] fp32 (K-major, as fla)."""
+    for b, s in enumerate(seqs):
+        lib.gdn_import(p, layer, s, kvr.torch_tensor(S[b]), None, cur_stream())
+
+
+class Ours:
+    """Decode (T = 1) or verify calls on a pool, rotating over its layers."""
+
+    def __init__(self, p, seqs, inp, verify=False):
+        self.ids = torch.tensor(seqs, dtype=torch.int32)  # host: travels in the launch parameters
+        self.ids_t = kvr.torch_tensor(self.ids)
+        self.out = torch.empty(inp.B, inp.T, HV, D, dtype=torch.bfloat16, device=DEV)
+        self.out_t = kvr.torch_tensor(self.out)
+        self.p, self.inp, self.verify = p, inp, verify
+
+    def __call__(self, i):
+        q, k, v, g, beta = self.inp.t[i]
+        r = lib.gdn_step(self.verify, self.p, i, self.ids_t, q, k, v, g, beta, None, self.out_t, STEP, cur_stream())
+        if r != 0:
+            lib.check(r, "gdn step")
+
+
+class Commit:
+    def __init__(self, p, seqs, accepted):
+        self.ids = torch.tensor(seqs, dtype=torch.int32)
+        self.ids_t = kvr.torch_tensor(self.ids)
+        self.acc = torch.full((len(seqs),), accepted, dtype=torch.int32, device=DEV)  # device counts
+        self.acc_t = kvr.torch_tensor(self.acc)
+        self.p = p
+
+    def __call__(self, i):
+        r = lib.gdn_commit(self.p, i, self.ids_t, self.acc_t, None, cur_stream())
+        if r != 0:
+            lib.check(r, "gdn commit")
+
+
+def fla_fn(inp, states):
+    def fn(i):
+        return fla_fr(inp.q[i], inp.k[i], inp.v[i], g=inp.g[i], beta=inp.beta[i], scale=D ** -0.5,
+                      initial_state=states[i], output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    return fn
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+
+
+def chained_check(results):
+    """20 chained steps from the same random state: fla vs our replay (L = 16) and recurrent
+    pools; outputs every step and the final states."""
+    if fla_fr is None:
+        return
+    B = 8
+    inp = Inputs(B, 1, 20, seed=7)
+    S0 = torch.randn(B, HV, D, D, device=DEV) * 0.05
+    report = {}
+    for name, ring in (("replay16", 16), ("recurrent", 0)):
+        p, seqs = pool(B, ring, 1)
+        import_states(p, seqs, 0, S0)
+        ours = Ours(p, seqs, Inputs(B, 1, 1))
+        h = S0.clone()
+        worst = 0.0
+        for s in range(20):
+            q, k, v, g, beta = (kvr.torch_tensor(x) for x in (inp.q[s], inp.k[s], inp.v[s], inp.g[s], inp.beta[s]))
+            lib.check(lib.gdn_step(False, p, 0, ours.ids_t, q, k, v, g, beta, None, ours.out_t, STEP, cur_stream()), "step")
+            o, h = fla_fr(inp.q[s], inp.k[s], inp.v[s], g=inp.g[s], beta=inp.beta[s], scale=D ** -0.5,
+                          initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            torch.cuda.synchronize()
+            worst = max(worst, rel(ours.out, o))
+        st = torch.empty(HV, D, D, device=DEV)
+        state_err = 0.0
+        for b, sq in enumerate(seqs):
+            lib.gdn_export(p, 0, sq, kvr.torch_tensor(st), None, cur_stream())
+            torch.cuda.synchronize()
+            state_err = max(state_err, rel(st, h[b]))
+        report[name] = {"max_out_rel_err": worst, "max_state_rel_err": state_err}
+        free(p)
+    results["chained_vs_fla"] = report
+    print(f"20 chained steps vs fla (B=8): {report}", flush=True)
+
+
+def decode_sweep(ceil_copy, results):
+    print("\n== decode: us per step (graph), GB/s on the bytes each must move, % of floor", flush=True)
+    rows = []
+    for B in BATCHES:
+        ns = n_sets_for(B)
+        inp = Inputs(B, 1, ns, seed=B)
+        row = {"B": B, "sets": ns}
+        S = torch.randn(B, HV, D, D, device=DEV) * 0.05
+        # fla
+        if fla_fr is not None:
+            states = [S] + [torch.randn(B, HV, D, D, device=DEV) * 0.05 for _ in range(ns - 1)]
+            f = fla_fn(inp, states)
+            ref, _ = f(0)
+            torch.cuda.synchronize()
+            t = time_graph(f, ns, ns * 16, replays=5)
+            row["fla_us"] = t
+            del states
+        else:
+            ref = None
+        rec_bytes = 2 * B * STATE
+        # ours: recurrent
+        p, seqs = pool(B, 0, ns)
+        import_states(p, seqs, 0, S)
+        o = Ours(p, seqs, inp)
+        o(0)
+        torch.cuda.synchronize()
+        if ref is not None:
+            row["err_recurrent_vs_fla"] = rel(o.out, ref)
+        row["recurrent_us"] = time_graph(o, ns, ns * 16, replays=5)
+        free(p)
+        # ours: replay, whole flush cycles
+        for L in RINGS:
+            p, seqs = pool(B, L, ns)
+            import_states(p, seqs, 0, S)
+            o = Ours(p, seqs, inp)
+            o(0)
+            torch.cuda.synchronize()
+            if ref is not None:
+                row[f"err_replay{L}_vs_fla"] = rel(o.out, ref)
+            # Bring every layer's ring to a cycle boundary, then time L steps per layer.
+            row[f"replay{L}_us"] = time_graph(o, ns, ns * L, replays=3 if QUICK else 5, warm=False)
+            row[f"replay{L}_bytes"] = B * (STATE * (1 + 1 / L) + ENTRY * ((L + 1) / 2 + 1))
+            free(p)
+        row["recurrent_bytes"] = rec_bytes
+        torch.cuda.empty_cache()
+        rows.append(row)
+        line = f"B={B:3d} sets={ns:2d}  "
+        if "fla_us" in row:
+            line += f"fla {row['fla_us']:8.1f} ({rec_bytes / row['fla_us'] / 1e3:5.0f} GB/s)  "
+        line += f"recurrent {row['recurrent_us']:8.1f} ({rec_bytes / row['recurrent_us'] / 1e3:5.0f} GB/s, "
+        line += f"{100 * rec_bytes / (ceil_copy * 1e6) / row['recurrent_us']:3.0f}% floor)  "
+        for L in RINGS:
+            t = row[f"replay{L}_us"]
+            by = row[f"replay{L}_bytes"]
+            line += f"L{L} {t:7.1f} ({100 * by / (ceil_copy * 1e6) / t:3.0f}%)  "
+        if "fla_us" in row:
+            line += "x fla: " + " ".join(f"{row['fla_us'] / row[f'replay{L}_us']:.2f}" for L in RINGS)
+        print(line, flush=True)
+    results["decode"] = rows
+
+
+def verify_sweep(results):
+    print("\n== verify + commit rounds (device-side accepted counts): us per round", flush=True)
+    rows = []
+    for B in ([32] if QUICK else [32, 128]):
+        ns = n_sets_for(B)
+        for T in (2, 4, 8):
+            inp = Inputs(B, T, ns, seed=100 + T)
+            acc = max(1, T // 2)
+            row = {"B": B, "T": T, "accepted": acc, "sets": ns}
+            for name, ring in (("replay64", 64), ("recurrent", 0)):
+                p, seqs = pool(B, ring, ns, drafts=8)
+                v = Ours(p, seqs, inp, verify=True)
+                c = Commit(p, seqs, acc)
+
+                def rnd(i, v=v, c=c):
+                    v(i)
+                    c(i)
+
+                rounds = 8
+                row[f"{name}_us"] = time_graph(rnd, ns, ns * rounds, replays=5, warm=False)
+                free(p)
+            row["speedup"] = row["recurrent_us"] / row["replay64_us"]
+            rows.append(row)
+            print(f"B={B:3d} T={T}  replay (L=64) {row['replay64_us']:8.1f}  recurrent+snapshots "
+                  f"{row['recurrent_us']:8.1f}  speedup {row['speedup']:.2f}x", flush=True)
+        torch.cuda.empty_cache()
+    results["verify"] = rows
+
+
+def kv_only_sweep(results):
+    print("\n== KV-only (no state, bf16 entries) vs recurrent: us per decode step", flush=True)
+    rows = []
+    B = 64
+    ns = n_sets_for(B)
+    inp = Inputs(B, 1, ns, seed=3)
+    p, seqs = pool(B, 0, ns)
+    rec = time_graph(Ours(p, seqs, inp), ns, ns * 8, replays=5)
+    free(p)
+    cap = lib.gdn_memory_for(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
+                             kv_only_threshold=-1).kv_only_threshold
+    p, seqs = pool(B, 16, ns, thr=int(cap), entry=kvr.DTYPE_BF16)
+    o = Ours(p, seqs, inp)
+    ctxs = [8, 16, 32, 64, 96, 120]
+    for c in ctxs:
+        for s in seqs:
+            lib.check(lib.lib.kvr_gdn_seq_reset(p, s, kvr.ctypes.c_void_p(cur_stream())), "reset")
+        for _ in range(c - 2):
+            for i in range(ns):
+                o(i)
+        torch.cuda.synchronize()
+        mode = lib.gdn_info(p, 0, seqs[0]).mode
+        t = time_graph(o, ns, ns * 4, replays=1, warm=False)
+        # time_graph replays once untimed first: the timed steps run at context c + 2..c + 5.
+        rows.append({"B": B, "context": c + 4, "kv_only_us": t, "recurrent_us": rec, "mode": mode,
+                     "speedup": rec / t})
+        print(f"B={B} context {c + 4:3d}  KV-only {t:7.1f}  recurrent {rec:7.1f}  speedup {rec / t:.2f}x "
+              f"(mode {mode})", flush=True)
+    free(p)
+    results["kv_only"] = {"threshold": int(cap), "rows": rows}
+
+
+def memory_table(results):
+    print("\n== memory per sequence and layer (Qwen3-Next GDN layer, fp32 state)", flush=True)
+    rows = []
+    for T in (2, 4, 8):
+        snap = lib.gdn_memory_for(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=0, max_drafts=T)
+        for L in RINGS:
+            for ename, e in (("f32", kvr.DTYPE_F32), ("bf16", kvr.DTYPE_BF16)):
+                if L < T:
+                    continue
+                m = lib.gdn_memory_for(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=L,
+                                       max_drafts=T, entry_dtype=e)
+                row = {"T": T, "L": L, "entries": ename, "snapshots_bytes": snap.total_bytes,
+                       "replay_bytes": m.total_bytes, "seqs_ratio": snap.total_bytes / m.total_bytes}
+                rows.append(row)
+                print(f"T={T} L={L:2d} {ename:4s}: {snap.total_bytes / 2**20:6.2f} MiB with snapshots vs "
+                      f"{m.total_bytes / 2**20:5.2f} MiB ring -> {row['seqs_ratio']:.2f}x sequences", flush=True)
+    results["memory"] = rows
+
+
+def tile_sweep(results):
+    """Value rows per CTA (KVR_GDN_TILE, read at pool creation): 128 uses the wide kernels."""
+    print("\n== tile sweep: us per decode step (graph)", flush=True)
+    rows = []
+    for B in (8, 64, 256):
+        ns = n_sets_for(B)
+        inp = Inputs(B, 1, ns, seed=11)
+        for tile in (16, 32, 64, 128):
+            os.environ["KVR_GDN_TILE"] = str(tile)
+            row = {"B": B, "tile": tile}
+            for name, ring in (("recurrent", 0), ("replay16", 16)):
+                p, seqs = pool(B, ring, ns)
+                row[name + "_us"] = time_graph(Ours(p, seqs, inp), ns, ns * 16, replays=3, warm=False)
+                free(p)
+            rows.append(row)
+            print(f"B={B:3d} tile {tile:3d}: recurrent {row['recurrent_us']:8.1f}  replay16 {row['replay16_us']:8.1f}",
+                  flush=True)
+        os.environ.pop("KVR_GDN_TILE", None)
+    results["tiles"] = rows
+
+
+def main():
+    props = torch.cuda.get_device_properties(0)
+    results = {"device": props.name, "fla": FLA_VERSION, "torch": torch.__version__,
+               "kvreplay": lib.lib.kvr_version().decode()}
+    results["read_tbs"] = read_ceiling()
+    results["copy_tbs"] = copy_ceiling()
+    print(f"{props.name}: read {results['read_tbs']:.2f} TB/s, copy {results['copy_tbs']:.2f} TB/s "
+          f"(both directions), fla {FLA_VERSION}", flush=True)
+    chained_check(results)
+    if "--tiles" in sys.argv:
+        tile_sweep(results)
+    decode_sweep(results["copy_tbs"], results)
+    verify_sweep(results)
+    kv_only_sweep(results)
+    memory_table(results)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gdn_bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,693 @@
+//! The GDN pool's device state and launches (kernels/gdn.cu).
+//!
+//! Everything a launch needs travels in its parameters (sequence ids and host accepted
+//! counts inline, in chunks), so decode, verify, commit and flush are asynchronous, need
+//! no staging memory and can be captured in a CUDA Graph; flush decisions and cursor
+//! moves are made by the kernels from the device metadata.
+
+use std::ffi::c_void;
+
+use super::gdn::{
+    GdnConfig, StepPlan, Storage, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING,
+    META_START,
+};
+use super::math::StateLayout;
+use crate::backend::cuda::memory::DeviceBuffer;
+use crate::backend::cuda::module::Kernel;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Stream;
+use crate::error::{Error, Result};
+use crate::kv::cuda::patch_i32;
+use crate::tensor::{DType, MemoryKind, TensorView};
+
+const THREADS: u32 = 256;
+/// Threads of the per-sequence finish kernel (`kFinishThreads`).
+const FINISH_THREADS: u32 = 128;
+/// float4 state vectors per thread: the narrow kernels hold up to 8, the wide ones 16
+/// (kernels/gdn.cu `NV`).
+const NARROW_NV: usize = 8;
+const MAX_NV: usize = 16;
+/// Entries per shared-memory chunk (`kChunk`).
+const CHUNK: usize = 16;
+const MAX_INLINE: usize = 512;
+const MAX_COMMIT_INLINE: usize = 256;
+const OP_STEP: i32 = 0;
+const OP_FLUSH: i32 = 1;
+const OP_EXPORT: i32 = 2;
+/// Dynamic shared memory the step kernels may use (the largest valid configuration needs
+/// about 100 KiB; see `smem_bytes`).
+const STEP_SMEM_LIMIT: u32 = 112 * 1024;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct DevTensor {
+    p: u64,
+    s: [i64; 4],
+    dtype: i32,
+    pad: i32,
+}
+
+/// Must match `kvr::gdn::StepParams` in kernels/gdn.cu field for field.
+#[repr(C)]
+struct StepParams {
+    state: u64,
+    snaps: u64,
+    ring_u: u64,
+    ring_k: u64,
+    ring_g: u64,
+    meta: u64,
+    conv: u64,
+    sync: u64,
+    ids: u64,
+    seq_stride: i64,
+    q: DevTensor,
+    k: DevTensor,
+    v: DevTensor,
+    g: DevTensor,
+    beta: DevTensor,
+    out: DevTensor,
+    conv_in: DevTensor,
+    op: i32,
+    b: i32,
+    t: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+    l: i32,
+    thr: i32,
+    kv_cap: i32,
+    max_drafts: i32,
+    conv_dim: i32,
+    conv_slots: i32,
+    entry_dtype: i32,
+    conv_dtype: i32,
+    tv: i32,
+    tiles: i32,
+    auto_commit: i32,
+    l2norm: i32,
+    hmax: i32,
+    export_seq: i32,
+    speculate: i32,
+    scale: f32,
+    pad1: i32,
+    ids_inline: [i32; MAX_INLINE],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LayerState {
+    state: u64,
+    seq_stride: i64,
+}
+
+/// Must match `kvr::gdn::CommitParams` in kernels/gdn.cu.
+#[repr(C)]
+struct CommitParams {
+    layers: u64,
+    snaps: u64,
+    meta: u64,
+    conv: u64,
+    accepted: u64,
+    conv_out: DevTensor,
+    snap_layer_bytes: i64,
+    state_bytes: i64,
+    conv_layer_bytes: i64,
+    layer0: i32,
+    max_seqs: i32,
+    max_drafts: i32,
+    recurrent: i32,
+    conv_dim: i32,
+    conv_slots: i32,
+    conv_k1: i32,
+    conv_dtype: i32,
+    chunks: i32,
+    acc_stride: i32,
+    state_es: i32,
+    pad: i32,
+    ids: [i32; MAX_COMMIT_INLINE],
+    acc_inline: [i32; MAX_COMMIT_INLINE],
+}
+
+fn code(d: DType) -> i32 {
+    match d {
+        DType::F32 | DType::I32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
+}
+
+/// A view as a kernel tensor argument (strides padded to 4 dims), shifted by `row0` rows
+/// of its first dimension.
+fn dev_tensor(t: &TensorView, row0: usize) -> DevTensor {
+    let mut s = [0i64; 4];
+    for (i, &x) in t.strides().iter().enumerate().take(4) {
+        s[i] = x as i64;
+    }
+    let shift = row0 as i64 * s[0] * t.dtype().size() as i64;
+    DevTensor {
+        p: (t.addr() as i64 + shift) as u64,
+        s,
+        dtype: code(t.dtype()),
+        pad: 0,
+    }
+}
+
+/// Shared memory of one step launch (floats, as `carve` in kernels/gdn.cu lays it out).
+fn smem_bytes(dk: usize, tv: usize, t: usize, hmax: usize) -> u32 {
+    // xs, hist, vrow + urow, coefficients, kc, uc, cx, ga + gb, red (8 warps x 2 x tv).
+    let floats = 2 * t * dk
+        + 2 * t * tv
+        + 2 * t * tv
+        + 256
+        + CHUNK * dk
+        + CHUNK * tv
+        + 2 * t * CHUNK
+        + 2 * hmax.div_ceil(4) * 4
+        + 8 * 2 * tv;
+    // Plus the double-buffered raw entry chunks (f32 entries at most).
+    let raw = 2 * CHUNK * (dk + tv) * 4;
+    (floats * 4 + raw) as u32
+}
+
+/// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
+/// float4 vectors and V-major rows have at most 32 threads.
+fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
+    let lo = 8usize.max(1024 / dk);
+    // At most 128 rows: K-major rows then have one partial per warp (kernels/gdn.cu).
+    let hi = dv.min(MAX_NV * 4 * THREADS as usize / dk).min(128);
+    (lo <= hi).then_some((lo, hi))
+}
+
+pub(crate) struct DeviceState {
+    /// Per-(sequence, value head) arrival counters for the KV-only transition.
+    sync: DeviceBuffer,
+    /// Per-layer state address and stride (for the commit kernel).
+    layers: DeviceBuffer,
+    sm_count: u32,
+    tiles: (usize, usize),
+    forced_tile: Option<usize>,
+}
+
+impl DeviceState {
+    pub(crate) fn new(cuda: &CudaBackend, cfg: &GdnConfig, st: &Storage) -> Result<Self> {
+        let pow2 = |d: usize| d.is_power_of_two() && (32..=256).contains(&d);
+        if !pow2(cfg.dk) || !pow2(cfg.dv) {
+            return Err(Error::Unsupported(format!(
+                "the CUDA GDN kernels take dk and dv in {{32, 64, 128, 256}}, not {} and {}",
+                cfg.dk, cfg.dv
+            )));
+        }
+        let tiles = tile_range(cfg.dk, cfg.dv).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "no CUDA tiling for dk {} and dv {}",
+                cfg.dk, cfg.dv
+            ))
+        })?;
+        for wide in [false, true] {
+            for state in [DType::F32, DType::BF16] {
+                for vmajor in [false, true] {
+                    let per_sm = cuda.prepare_kernel(
+                        Kernel::GdnStep {
+                            state,
+                            vmajor,
+                            wide,
+                        },
+                        STEP_SMEM_LIMIT,
+                        THREADS,
+                    )?;
+                    if per_sm == 0 {
+                        return Err(Error::Unsupported(
+                            "this GPU cannot run the GDN step kernel".into(),
+                        ));
+                    }
+                }
+            }
+        }
+        // KVR_GDN_TILE forces the value rows per CTA (for benchmarking), read once here.
+        let forced_tile = std::env::var("KVR_GDN_TILE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|t| t.is_power_of_two() && (tiles.0..=tiles.1).contains(t));
+        let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
+        sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
+        let descs: Vec<LayerState> = st
+            .states
+            .iter()
+            .map(|s| LayerState {
+                state: s.addr as u64,
+                seq_stride: s.seq_stride as i64,
+            })
+            .collect();
+        let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerState>())?;
+        layers.upload(&descs)?;
+        Ok(DeviceState {
+            sync,
+            layers,
+            sm_count: cuda.sm_count(),
+            tiles,
+            forced_tile,
+        })
+    }
+
+    /// Value rows per CTA for a batch of `rows` sequences: the widest tile (least repeated
+    /// work per head; measured fastest on H100) that still gives every SM two CTAs.
+    fn tile(&self, cfg: &GdnConfig, rows: usize) -> usize {
+        let (lo, hi) = self.tiles;
+        if let Some(t) = self.forced_tile {
+            return t;
+        }
+        let want = 2 * self.sm_count as usize;
+        let mut tv = hi;
+        while tv > lo && rows * cfg.v_heads * (cfg.dv / tv) < want {
+            tv /= 2;
+        }
+        tv
+    }
+
+    fn layer_base(
+        cfg: &GdnConfig,
+        st: &Storage,
+        layer: usize,
+    ) -> (u64, u64, u64, u64, u64, u64, u64) {
+        let (l, n) = (layer, cfg.max_seqs);
+        let e = cfg.entry_dtype.size();
+        let snaps = if st.snaps != 0 {
+            st.snaps + l * n * cfg.max_drafts * cfg.state_bytes()
+        } else {
+            0
+        };
+        let ring_u = st.ring_u + l * n * cfg.ring_len * cfg.v_heads * cfg.dv * e;
+        let ring_k = st.ring_k + l * n * cfg.ring_len * cfg.k_heads * cfg.dk * e;
+        let ring_g = st.ring_g + l * n * cfg.ring_len * cfg.v_heads * 4;
+        let meta = st.meta + l * n * META_INTS * 4;
+        let conv = st.conv + l * n * cfg.conv_slots() * cfg.conv_dim * cfg.conv_dtype.size();
+        (
+            st.states[layer].addr as u64,
+            snaps as u64,
+            ring_u as u64,
+            ring_k as u64,
+            ring_g as u64,
+            meta as u64,
+            conv as u64,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn base_params(
+        &self,
+        cfg: &GdnConfig,
+        st: &Storage,
+        layer: usize,
+        op: i32,
+        t: usize,
+        tv: usize,
+    ) -> Box<StepParams> {
+        let (state, snaps, ring_u, ring_k, ring_g, meta, conv) = Self::layer_base(cfg, st, layer);
+        Box::new(StepParams {
+            state,
+            snaps,
+            ring_u,
+            ring_k,
+            ring_g,
+            meta,
+            conv,
+            sync: self.sync.addr() as u64,
+            ids: 0,
+            seq_stride: st.states[layer].seq_stride as i64,
+            q: DevTensor::default(),
+            k: DevTensor::default(),
+            v: DevTensor::default(),
+            g: DevTensor::default(),
+            beta: DevTensor::default(),
+            out: DevTensor::default(),
+            conv_in: DevTensor::default(),
+            op,
+            b: 0,
+            t: t as i32,
+            hk: cfg.k_heads as i32,
+            hv: cfg.v_heads as i32,
+            dk: cfg.dk as i32,
+            dv: cfg.dv as i32,
+            l: cfg.ring_len as i32,
+            thr: cfg.kv_only_threshold as i32,
+            kv_cap: cfg.kv_only_capacity() as i32,
+            max_drafts: cfg.max_drafts as i32,
+            conv_dim: cfg.conv_dim as i32,
+            conv_slots: cfg.conv_slots() as i32,
+            entry_dtype: code(cfg.entry_dtype),
+            conv_dtype: code(cfg.conv_dtype),
+            tv: tv as i32,
+            tiles: (cfg.dv / tv) as i32,
+            auto_commit: 0,
+            l2norm: 0,
+            hmax: cfg.ring_len.max(cfg.kv_only_threshold) as i32,
+            export_seq: -1,
+            speculate: 0,
+            scale: 1.0,
+            pad1: 0,
+            ids_inline: [0; MAX_INLINE],
+        })
+    }
+
+    fn launch_step(
+        &self,
+        cuda: &CudaBackend,
+        cfg: &GdnConfig,
+        p: &mut StepParams,
+        rows: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let kernel = Kernel::GdnStep {
+            state: cfg.state_dtype,
+            vmajor: cfg.layout == StateLayout::VMajor,
+            wide: p.tv as usize * cfg.dk > NARROW_NV * 4 * THREADS as usize,
+        };
+        let t = if p.op == OP_STEP { p.t as usize } else { 1 };
+        let smem = smem_bytes(cfg.dk, p.tv as usize, t, p.hmax as usize);
+        debug_assert!(smem <= STEP_SMEM_LIMIT);
+        let grid = rows * cfg.v_heads * p.tiles as usize;
+        let mut args = [p as *mut StepParams as *mut c_void];
+        cuda.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (THREADS, 1, 1),
+            smem,
+            stream,
+            &mut args,
+        )?;
+        if p.op != OP_EXPORT {
+            // Metadata, ring keys and decays, after every CTA of the step has read them.
+            cuda.launch(
+                Kernel::GdnFinish,
+                (rows as u32, 1, 1),
+                (FINISH_THREADS, 1, 1),
+                0,
+                stream,
+                &mut args,
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn reset_slot(
+        &self,
+        c: &CudaBackend,
+        cfg: &GdnConfig,
+        st: &Storage,
+        s: usize,
+        m: &[i32; META_INTS],
+        stream: Stream,
+    ) -> Result<()> {
+        let mut patches = Vec::with_capacity(cfg.layers * META_INTS);
+        for (layer, ls) in st.states.iter().enumerate() {
+            let addr = ls.addr + s * ls.seq_stride * cfg.state_dtype.size();
+            c.memset_async(addr, 0, cfg.state_bytes(), stream)?;
+            for (f, &v) in m.iter().enumerate() {
+                patches.push((((layer * cfg.max_seqs + s) * META_INTS + f) as u32, v));
+            }
+        }
+        let conv_bytes = cfg.conv_slots() * cfg.conv_dim * cfg.conv_dtype.size();
+        if conv_bytes > 0 {
+            for layer in 0..cfg.layers {
+                c.memset_async(
+                    st.conv + (layer * cfg.max_seqs + s) * conv_bytes,
+                    0,
+                    conv_bytes,
+                    stream,
+                )?;
+            }
+        }
+        patch_i32(c, st.meta, &patches, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn import_state(
+        &self,
+        c: &CudaBackend,
+        cfg: &GdnConfig,
+        st: &Storage,
+        l: usize,
+        s: usize,
+        state: &TensorView,
+        conv: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        let ls = &st.states[l];
+        let slot = TensorView::contiguous(
+            ls.addr + s * ls.seq_stride * cfg.state_dtype.size(),
+            cfg.state_dtype,
+            MemoryKind::Cuda,
+            state.shape(),
+        )?;
+        c.copy(state, &slot, stream)?;
+        let ls_idx = l * cfg.max_seqs + s;
+        let field = |f: usize| ((ls_idx * META_INTS) + f) as u32;
+        let mut patches = vec![
+            (
+                field(META_MODE),
+                if cfg.ring_len == 0 {
+                    super::gdn::MODE_RECURRENT
+                } else {
+                    super::gdn::MODE_REPLAY
+                },
+            ),
+            (field(META_START), 0),
+            (field(META_H), 0),
+            (field(META_PENDING), 0),
+        ];
+        if let Some(cw) = conv {
+            let ce = cfg.conv_dtype.size();
+            let dst = TensorView::contiguous(
+                st.conv + ls_idx * cfg.conv_slots() * cfg.conv_dim * ce,
+                cfg.conv_dtype,
+                MemoryKind::Cuda,
+                cw.shape(),
+            )?;
+            c.copy(cw, &dst, stream)?;
+            patches.push((field(META_CONV_END), (cfg.conv_kernel - 1) as i32));
+        }
+        patch_i32(c, st.meta, &patches, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn export_state(
+        &self,
+        c: &CudaBackend,
+        cfg: &GdnConfig,
+        st: &Storage,
+        l: usize,
+        s: usize,
+        out: &TensorView,
+        conv: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        let tv = self.tile(cfg, 1);
+        let mut p = self.base_params(cfg, st, l, OP_EXPORT, 0, tv);
+        p.b = 1;
+        p.export_seq = s as i32;
+        p.out = dev_tensor(out, 0);
+        self.launch_step(c, cfg, &mut p, 1, stream)?;
+        if let Some(cw) = conv {
+            // The commit kernel with nothing pending writes the window and changes nothing.
+            let view = TensorView::new(
+                cw.addr(),
+                cw.dtype(),
+                cw.memory(),
+                &[1, cw.shape()[0], cw.shape()[1]],
+                &[0, cw.strides()[0], cw.strides()[1]],
+            )?;
+            let zero = [0i32];
+            self.commit(
+                c,
+                cfg,
+                st,
+                l..l + 1,
+                &[s as i32],
+                Some(&zero),
+                None,
+                Some(&view),
+                stream,
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn step(
+        &self,
+        c: &CudaBackend,
+        cfg: &GdnConfig,
+        st: &Storage,
+        l: usize,
+        plan: &StepPlan,
+        stream: Stream,
+    ) -> Result<()> {
+        if plan.b == 0 {
+            return Ok(());
+        }
+        let tv = self.tile(cfg, plan.b);
+        let chunk_rows = if plan.host_ids.is_some() {
+            MAX_INLINE
+        } else {
+            usize::MAX
+        };
+        let mut b0 = 0;
+        while b0 < plan.b {
+            let rows = (plan.b - b0).min(chunk_rows);
+            let mut p = self.base_params(cfg, st, l, OP_STEP, plan.t, tv);
+            p.b = rows as i32;
+            p.auto_commit = plan.auto_commit as i32;
+            p.l2norm = plan.l2norm as i32;
+            p.speculate = plan.speculate as i32;
+            p.scale = plan.scale;
+            p.q = dev_tensor(&plan.q, b0);
+            p.k = dev_tensor(&plan.k, b0);
+            p.v = dev_tensor(&plan.v, b0);
+            p.g = dev_tensor(&plan.g, b0);
+            p.beta = dev_tensor(&plan.beta, b0);
+            p.out = dev_tensor(&plan.out, b0);
+            if let Some(ci) = &plan.conv_in {
+                p.conv_in = dev_tensor(ci, b0);
+            }
+            match (&plan.host_ids, plan.device_ids) {
+                (Some(ids), _) => p.ids_inline[..rows].copy_from_slice(&ids[b0..b0 + rows]),
+                (None, Some(addr)) => p.ids = (addr + b0 * 4) as u64,
+                (None, None) => unreachable!("a batch always has ids"),
+            }
+            self.launch_step(c, cfg, &mut p, rows, stream)?;
+            b0 += rows;
+        }
+        Ok(())
+    }
+
+    /// Commits layers `layers` for the listed sequences in one launch per 256 rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn commit(
+        &self,
+        c: &CudaBackend,
+        cfg: &GdnConfig,
+        st: &Storage,
+        layers: std::ops::Range<usize>,
+        ids: &[i32],
+        host: Option<&[i32]>,
+        acc: Option<&TensorView>,
+        conv: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        let recurrent = cfg.ring_len == 0;
+        let chunks = if recurrent {
+            cfg.state_bytes().div_ceil(64 * 1024).clamp(1, 64)
+        } else {
+            1
+        };
+        let mut b0 = 0;
+        while b0 < ids.len() {
+            let rows = (ids.len() - b0).min(MAX_COMMIT_INLINE);
+            let mut p = Box::new(CommitParams {
+                layers: self.layers.addr() as u64,
+                snaps: st.snaps as u64,
+                meta: st.meta as u64,
+                conv: st.conv as u64,
+                accepted: 0,
+                conv_out: conv.map_or(DevTensor::default(), |t| dev_tensor(t, b0)),
+                snap_layer_bytes: (cfg.max_seqs * cfg.max_drafts * cfg.state_bytes()) as i64,
+                state_bytes: cfg.state_bytes() as i64,
+                conv_layer_bytes: (cfg.max_seqs
+                    * cfg.conv_slots()
+                    * cfg.conv_dim
+                    * cfg.conv_dtype.size()) as i64,
+                layer0: layers.start as i32,
+                max_seqs: cfg.max_seqs as i32,
+                max_drafts: cfg.max_drafts as i32,
+                recurrent: recurrent as i32,
+                conv_dim: cfg.conv_dim as i32,
+                conv_slots: cfg.conv_slots() as i32,
+                conv_k1: cfg.conv_kernel as i32 - 1,
+                conv_dtype: code(cfg.conv_dtype),
+                chunks: chunks as i32,
+                acc_stride: 1,
+                state_es: cfg.state_dtype.size() as i32,
+                pad: 0,
+                ids: [0; MAX_COMMIT_INLINE],
+                acc_inline: [0; MAX_COMMIT_INLINE],
+            });
+            p.ids[..rows].copy_from_slice(&ids[b0..b0 + rows]);
+            match (host, acc) {
+                (Some(h), _) => p.acc_inline[..rows].copy_from_slice(&h[b0..b0 + rows]),
+                (None, Some(t)) => {
+                    p.accepted = (t.addr() + b0 * t.strides()[0] as usize * 4) as u64;
+                    p.acc_stride = t.strides()[0] as i32;
+                }
+                (None, None) => unreachable!("commit always has counts"),
+            }
+            let mut args = [&mut *p as *mut CommitParams as *mut c_void];
+            c.launch(
+                Kernel::GdnCommit,
+                (rows as u32, chunks as u32, layers.len() as u32),
+                (256, 1, 1),
+                0,
+                stream,
+                &mut args,
+            )?;
+            b0 += rows;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn flush(
+        &self,
+        c: &CudaBackend,
+        cfg: &GdnConfig,
+        st: &Storage,
+        l: usize,
+        ids: &[i32],
+        stream: Stream,
+    ) -> Result<()> {
+        let tv = self.tile(cfg, ids.len());
+        for chunk in ids.chunks(MAX_INLINE) {
+            let mut p = self.base_params(cfg, st, l, OP_FLUSH, 0, tv);
+            p.b = chunk.len() as i32;
+            p.ids_inline[..chunk.len()].copy_from_slice(chunk);
+            self.launch_step(c, cfg, &mut p, chunk.len(), stream)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read_meta(
+        &self,
+        c: &CudaBackend,
+        addr: usize,
+        m: &mut [i32; META_INTS],
+        stream: Stream,
+    ) -> Result<()> {
+        let mut bytes = [0u8; META_INTS * 4];
+        c.read_device(addr, &mut bytes, stream)?;
+        for (i, v) in m.iter_mut().enumerate() {
+            *v = i32::from_ne_bytes(bytes[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_fit_and_tiles_exist() {
+        assert!(
+            size_of::<StepParams>() <= 4096,
+            "{}",
+            size_of::<StepParams>()
+        );
+        assert!(size_of::<CommitParams>() <= 4096);
+        for dk in [32, 64, 128, 256] {
+            for dv in [32, 64, 128, 256] {
+                let (lo, hi) = tile_range(dk, dv).expect("a tiling");
+                assert!(lo <= hi && dv % hi == 0);
+                assert!(smem_bytes(dk, hi, 8, 1024) <= STEP_SMEM_LIMIT);
+                assert!(smem_bytes(dk, lo, 8, 1024) <= STEP_SMEM_LIMIT);
+            }
+        }
+    }
+}
