@@ -25,7 +25,8 @@ static void test_status_strings(void) {
                         KVR_STATUS_CUDA_ERROR,  KVR_STATUS_UNSUPPORTED,
                         KVR_STATUS_PANIC,       KVR_STATUS_DTYPE_MISMATCH,
                         KVR_STATUS_OUT_OF_RANGE, KVR_STATUS_UNKNOWN_ID,
-                        KVR_STATUS_POOL_EXHAUSTED};
+                        KVR_STATUS_POOL_EXHAUSTED, KVR_STATUS_IO_ERROR,
+                        KVR_STATUS_MALFORMED_FILE};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) {
         CHECK(kvr_status_str(all[i]) != NULL);
         CHECK(strcmp(kvr_status_str(all[i]), "unknown status") != 0);

@@ -83,6 +83,12 @@ typedef struct kvr_gdn_pool kvr_gdn_pool;
 typedef struct kvr_kv_pool kvr_kv_pool;
 
 /**
+ * An opened GGUF model (opaque): its plan, and views into its mapped weights. Created by
+ * `kvr_model_open`, freed by `kvr_model_free`.
+ */
+typedef struct kvr_model kvr_model;
+
+/**
  * Result of every fallible call: `KVR_STATUS_OK` (0) or a negative error code. Values are
  * explicit and never reused; `kvr_last_error_message()` gives the details of a failure.
  */
@@ -582,6 +588,207 @@ typedef struct kvr_decode_params {
 } kvr_decode_params;
 
 /**
+ * Counts from a model's plan.
+ */
+typedef struct kvr_model_info {
+    /**
+     * `sizeof(kvr_model_info)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Layers (`{arch}.block_count`).
+     */
+    int32_t n_layers;
+    int32_t n_attention_layers;
+    int32_t n_gdn_layers;
+    int32_t n_mamba2_layers;
+    int32_t n_mlp_layers;
+    /**
+     * `{arch}.context_length` (0 if absent).
+     */
+    int64_t context_length;
+    /**
+     * `{arch}.embedding_length`.
+     */
+    int64_t embedding_length;
+    /**
+     * Tensors in the file.
+     */
+    int64_t n_tensors;
+    /**
+     * File size in bytes.
+     */
+    int64_t file_bytes;
+} kvr_model_info;
+
+/**
+ * Layer kinds of `kvr_layer_plan`.
+ */
+typedef int32_t kvr_layer_kind;
+
+/**
+ * One layer's plan; fields that do not apply to the kind are 0.
+ */
+typedef struct kvr_layer_plan {
+    /**
+     * `KVR_LAYER_*`.
+     */
+    kvr_layer_kind kind;
+    /**
+     * Attention: query heads, KV heads, K and V head dims, sliding window (0: none).
+     */
+    int32_t heads;
+    int32_t kv_heads;
+    int32_t head_dim_k;
+    int32_t head_dim_v;
+    int32_t sliding_window;
+    /**
+     * GDN: key heads, value heads, key and value head dims.
+     */
+    int32_t k_heads;
+    int32_t v_heads;
+    int32_t dk;
+    int32_t dv;
+    /**
+     * Mamba-2: heads, head dim, groups, state size.
+     */
+    int32_t ssm_heads;
+    int32_t ssm_head_dim;
+    int32_t ssm_groups;
+    int32_t ssm_state;
+    /**
+     * GDN and Mamba-2: causal-conv kernel width and channels.
+     */
+    int32_t conv_kernel;
+    int32_t conv_dim;
+} kvr_layer_plan;
+
+/**
+ * A tensor of the file, any ggml type.
+ */
+typedef struct kvr_model_tensor_info {
+    /**
+     * ggml type id (`enum ggml_type`: 0 f32, 1 f16, 30 bf16, 8 q8_0, ...).
+     */
+    int32_t ggml_type;
+    /**
+     * Dimensions.
+     */
+    int32_t ndim;
+    /**
+     * Extents, outermost first (row-major, as in a `kvr_tensor`).
+     */
+    int64_t shape[4];
+    /**
+     * Bytes of data.
+     */
+    int64_t bytes;
+    /**
+     * Offset of the data in the file.
+     */
+    int64_t file_offset;
+} kvr_model_tensor_info;
+
+/**
+ * What an engine plans for; fill with `kvr_sizing_params_default`.
+ */
+typedef struct kvr_sizing_params {
+    /**
+     * `sizeof(kvr_sizing_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * KV page size in tokens (default 16).
+     */
+    int32_t page_size;
+    /**
+     * Bytes for caches and states, all layers and sequences (required).
+     */
+    int64_t budget_bytes;
+    /**
+     * Tokens per sequence (prompt + output); 0 (default) = the model's context length.
+     */
+    int64_t seq_len;
+    /**
+     * GDN ring length (default 16).
+     */
+    int32_t ring_len;
+    /**
+     * Draft tokens per speculative round, 0..8 (default 0).
+     */
+    int32_t spec_window;
+    /**
+     * KV element type (default f16).
+     */
+    kvr_dtype kv_dtype;
+    /**
+     * Recurrent state element type (default f32).
+     */
+    kvr_dtype state_dtype;
+    /**
+     * Ring entry element type (default f32).
+     */
+    kvr_dtype entry_dtype;
+    /**
+     * Conv window element type (default f32).
+     */
+    kvr_dtype conv_dtype;
+} kvr_sizing_params;
+
+/**
+ * Per-sequence costs and how many sequences fit, for four layouts: index 0 paged KV +
+ * GDN ring (kvreplay), 1 paged KV + per-draft snapshots, 2 contiguous KV (the model's
+ * context reserved per sequence) + ring, 3 contiguous KV + snapshots.
+ */
+typedef struct kvr_sizing {
+    /**
+     * `sizeof(kvr_sizing)` as the library wrote it.
+     */
+    uint32_t struct_size;
+    int32_t n_attention_layers;
+    int32_t n_gdn_layers;
+    int32_t n_mamba2_layers;
+    /**
+     * Tokens per sequence used (seq_len, or the context length).
+     */
+    int64_t seq_len;
+    /**
+     * KV bytes per token, all attention layers.
+     */
+    int64_t kv_bytes_per_token;
+    /**
+     * Pages per sequence (seq_len + spec_window tokens).
+     */
+    int64_t pages_per_seq;
+    int64_t paged_kv_bytes_per_seq;
+    int64_t contiguous_kv_bytes_per_seq;
+    /**
+     * GDN and Mamba-2 states.
+     */
+    int64_t state_bytes_per_seq;
+    /**
+     * GDN rings and conv window rings.
+     */
+    int64_t ring_bytes_per_seq;
+    /**
+     * Per-draft states and conv windows (GDN and Mamba-2).
+     */
+    int64_t snapshot_bytes_per_seq;
+    /**
+     * Mamba-2 conv windows and per-draft states (every layout: no Mamba-2 ring yet).
+     */
+    int64_t mamba2_extra_bytes_per_seq;
+    /**
+     * Bytes per sequence for the four layouts.
+     */
+    int64_t bytes_per_seq[4];
+    /**
+     * Sequences that fit in the budget for the four layouts.
+     */
+    int64_t max_seqs[4];
+} kvr_sizing;
+
+/**
  * Only returned by `kvr_context_backend` for a NULL or dead handle.
  */
 #define KVR_BACKEND_INVALID -1
@@ -625,6 +832,26 @@ typedef struct kvr_decode_params {
  * Can never fit: longer than `max_seq_len` or more pages than the pool has.
  */
 #define KVR_ADMIT_NEVER 2
+
+/**
+ * Softmax attention (a KV cache).
+ */
+#define KVR_LAYER_ATTENTION 0
+
+/**
+ * Gated DeltaNet (a linear-attention state).
+ */
+#define KVR_LAYER_GDN 1
+
+/**
+ * Mamba-2 (an SSM state).
+ */
+#define KVR_LAYER_MAMBA2 2
+
+/**
+ * A block without a sequence mixer (no cache).
+ */
+#define KVR_LAYER_MLP 3
 
 /**
  * Success.
@@ -691,6 +918,16 @@ typedef struct kvr_decode_params {
  * The pool is full: not enough free pages, or no free sequence slot. Nothing changed.
  */
 #define KVR_STATUS_POOL_EXHAUSTED -12
+
+/**
+ * A file could not be opened, read or mapped.
+ */
+#define KVR_STATUS_IO_ERROR -13
+
+/**
+ * A file is truncated, corrupted or inconsistent (a model file kvreplay will not use).
+ */
+#define KVR_STATUS_MALFORMED_FILE -14
 
 /**
  * 32-bit IEEE float.
@@ -1247,6 +1484,104 @@ kvr_status kvr_kv_decode(struct kvr_kv_pool *pool,
                          const struct kvr_tensor *lse,
                          const struct kvr_decode_params *params,
                          void *stream);
+
+/**
+ * Opens a GGUF file (memory-mapped, not read into memory), validates it and plans its
+ * layers. Architectures: llama, qwen2, qwen3, qwen3next, qwen35, mamba2, nemotron_h,
+ * granitehybrid.
+ *
+ * Errors: NULL_ARG; IO_ERROR (cannot open or map); MALFORMED_FILE (truncated, corrupted
+ * or inconsistent: counts or lengths past the end, tensors past the end, misaligned or
+ * overlapping, missing or out-of-range keys); UNSUPPORTED (another architecture,
+ * big-endian, GGUF v1). Thread-safe.
+ */
+KVR_NODISCARD kvr_status kvr_model_open(const char *path, struct kvr_model **out);
+
+/**
+ * Frees a model (NULL is a no-op). Views taken from it become invalid.
+ */
+void kvr_model_free(struct kvr_model *model);
+
+/**
+ * The architecture name (`general.architecture`), valid until `kvr_model_free`; NULL for
+ * an invalid handle.
+ */
+const char *kvr_model_arch(const struct kvr_model *model);
+
+/**
+ * Writes the plan's counts. `out->struct_size` must be set.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_info_get(const struct kvr_model *model,
+                              struct kvr_model_info *out);
+
+/**
+ * Writes the plan of layer `layer` (0-based). Errors: OUT_OF_RANGE, NULL_ARG.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_layer(const struct kvr_model *model,
+                           int32_t layer,
+                           struct kvr_layer_plan *out);
+
+/**
+ * Describes tensor `name`. Errors: UNKNOWN_ID (no such tensor), NULL_ARG.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_tensor_info_get(const struct kvr_model *model,
+                                     const char *name,
+                                     struct kvr_model_tensor_info *out);
+
+/**
+ * A zero-copy view of tensor `name` (host memory: the mapped file, read-only), valid
+ * until `kvr_model_free`: f32, f16 or bf16, shape outermost first, contiguous. To use it
+ * on a CUDA context, copy it with `kvr_tensor_copy` into device memory. With
+ * `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
+ *
+ * Errors: UNKNOWN_ID (no such tensor); UNSUPPORTED (a quantized or integer ggml type:
+ * reported, never misread); INVALID_ARG (shape mismatch); NULL_ARG.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_tensor(const struct kvr_model *model,
+                            const char *name,
+                            int32_t expect_ndim,
+                            const int64_t *expect_shape,
+                            struct kvr_tensor *out);
+
+/**
+ * Fills `*params` with the defaults (page 16, ring 16, no speculation, f16 KV, f32 state,
+ * ring and conv window); the caller sets `budget_bytes` (and usually `seq_len`).
+ */
+KVR_NODISCARD kvr_status kvr_sizing_params_default(struct kvr_sizing_params *params);
+
+/**
+ * Sizes pools for the model under `params`. `out->struct_size` must be set.
+ * Errors: INVALID_ARG, OUT_OF_RANGE (spec_window > 8), DTYPE_MISMATCH, NULL_ARG.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_sizing(const struct kvr_model *model,
+                            const struct kvr_sizing_params *params,
+                            struct kvr_sizing *out);
+
+/**
+ * Fills `*out` (after `kvr_kv_pool_params_default`) with the KV pool for the sizing's
+ * paged + ring layout: attention layers, KV heads, head dim, page size, dtype, capacity
+ * and sequence slots. Errors: UNSUPPORTED (no attention layers, layers of different
+ * shapes, or K and V head dims that differ), OUT_OF_RANGE (nothing fits the budget).
+ */
+KVR_NODISCARD
+kvr_status kvr_model_kv_pool_params(const struct kvr_model *model,
+                                    const struct kvr_sizing_params *params,
+                                    struct kvr_kv_pool_params *out);
+
+/**
+ * Fills `*out` with the GDN pool for the sizing's paged + ring layout (layers, heads,
+ * dims, ring, drafts, dtypes, conv window, sequence slots; K-major state). Errors:
+ * UNSUPPORTED (no GDN layers), OUT_OF_RANGE (nothing fits the budget).
+ */
+KVR_NODISCARD
+kvr_status kvr_model_gdn_pool_params(const struct kvr_model *model,
+                                     const struct kvr_sizing_params *params,
+                                     struct kvr_gdn_pool_params *out);
 
 /**
  * Returns a static, NUL-terminated description of `status`; "unknown status" for a value

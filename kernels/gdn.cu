@@ -67,8 +67,7 @@ struct StepParams {
   Tensor q, k, v, g, beta, out, conv_in;
   int32_t op, B, T, Hk, Hv, dk, dv, L;
   int32_t thr, kv_cap, max_drafts, conv_dim, conv_slots, entry_dtype, conv_dtype, tv;
-  int32_t tiles, auto_commit, l2norm, hmax, export_seq;
-  int32_t speculate;  // every sequence surely has a state: load it before the metadata
+  int32_t tiles, auto_commit, l2norm, hmax, export_seq, pad0;
   float scale;
   int32_t pad1;
   int32_t ids_inline[kMaxInline];
@@ -421,16 +420,6 @@ __device__ void step_body(const StepParams& p) {
   const int es = sizeof(SD);
   char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * dk * dv) * es;
   const Geo geo = make_geo<VM>(dk, dv, tv, v0, tid);
-  // The state slice. When the host knows every sequence has a state, its loads go out
-  // before the metadata is read (no dependent round trip under a saturated memory system).
-  float4 sv[NV];
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    if (i < geo.nv && p.speculate)
-      sv[i] = IO::load(head, geo.base + i * geo.step);
-    else
-      sv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   const int mode = __ldcg(meta + kMetaMode), start = __ldcg(meta + kMetaStart);
   const int hcnt = __ldcg(meta + kMetaH), conv_end = __ldcg(meta + kMetaConvEnd);
@@ -480,13 +469,16 @@ __device__ void step_body(const StepParams& p) {
   };
   if (nchunks > 0) issue_chunk(0);
 
-  // Otherwise the state slice goes out now, so its loads are in flight during the setup
-  // below; a KV-only sequence has none (a speculative load of its memory is dropped).
+  // The state slice, loaded now so the loads are in flight during the setup below (a
+  // KV-only sequence has none).
+  float4 sv[NV];
   const bool has_s0 = recurrent || mode == kModeReplay;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    if (i < geo.nv && has_s0 && !p.speculate) sv[i] = IO::load(head, geo.base + i * geo.step);
-    if (!has_s0) sv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i < geo.nv && has_s0)
+      sv[i] = IO::load(head, geo.base + i * geo.step);
+    else
+      sv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
   if (p.op == kOpStep) {

@@ -12,7 +12,8 @@ cd "$root"
 export KVR_REQUIRE_KERNELS=1
 out="$root/gpu-bundle"
 rm -rf "$out"
-mkdir -p "$out/bin" "$out/lib" "$out/scripts"
+mkdir -p "$out/bin" "$out/lib" "$out/scripts" "$out/data"
+cp tests/data/tiny-qwen3next.gguf "$out/data/"
 
 cargo build --release --lib
 # GPU test binaries: each tests/gpu_*.rs, built in release mode.
@@ -86,7 +87,10 @@ done
 run test_cuda_stream bin/test_cuda_stream
 for e in bin/example_*; do
   [ -x "$e" ] || continue
-  run "$(basename "$e")" "$e"
+  case "$(basename "$e")" in
+    example_gguf_plan) run example_gguf_plan "$e" data/tiny-qwen3next.gguf 1 128 4 ;;
+    *) run "$(basename "$e")" "$e" ;;
+  esac
 done
 echo
 echo "GPU test results"

@@ -5,7 +5,8 @@
 #      documented for static linking still match what rustc prints
 #   3. ffi-tests: C and C++ against the header and both libraries, an ASan+UBSan build,
 #      and valgrind over the static-library test
-#   4. examples: built with Make (static and shared) and with CMake, and the demo run
+#   4. examples: built with Make (static and shared) and with CMake; the demo, the GDN
+#      speculative-decoding example (CPU backend) and the GGUF planner run
 # Installs CMake into .tools/ (pip) when it is missing. Set KVR_REQUIRE_KERNELS=1 to fail
 # when the CUDA kernels cannot be compiled (CI does).
 set -euo pipefail
@@ -51,9 +52,14 @@ fi
 
 step "examples (make, static and shared)"
 make -C examples run
+./examples/build/spec_decode_gdn cpu
+./examples/build/gguf_plan tests/data/tiny-qwen3next.gguf 1 128 4
+./examples/build/gguf_plan tests/data/qwen3next-80b-a3b-header.gguf 40 8192 4 | tail -n 8
 make -C examples clean >/dev/null
 make -C examples SHARED=1
 ./examples/build/info >/dev/null
+./examples/build/spec_decode_gdn cpu >/dev/null
+./examples/build/gguf_plan tests/data/tiny-nemotron_h.gguf >/dev/null
 
 step "examples (cmake)"
 if ! command -v cmake >/dev/null 2>&1; then
@@ -69,6 +75,7 @@ rm -rf target/cmake-examples
 cmake -S examples -B target/cmake-examples -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build target/cmake-examples -j 2 >/dev/null
 target/cmake-examples/info >/dev/null
+target/cmake-examples/gguf_plan tests/data/tiny-mamba2.gguf >/dev/null
 cmake -S examples -B target/cmake-examples-shared -DKVREPLAY_SHARED=ON >/dev/null
 cmake --build target/cmake-examples-shared -j 2 >/dev/null
 target/cmake-examples-shared/info >/dev/null

@@ -41,6 +41,12 @@ pub enum Error {
     /// The operation or combination is not supported (yet, or on this backend).
     #[error("{0}")]
     Unsupported(String),
+    /// A file could not be opened, read or mapped.
+    #[error("{0}")]
+    Io(String),
+    /// A file's contents are malformed: truncated, corrupted or inconsistent.
+    #[error("{0}")]
+    MalformedFile(String),
     /// A panic inside the library (a bug), caught at the C boundary.
     #[error("internal error (panic): {0}")]
     Panic(String),

@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod error;
 pub mod ffi;
+pub mod gguf;
 pub mod kv;
 pub mod linear;
 pub mod tensor;

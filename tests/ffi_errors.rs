@@ -40,6 +40,8 @@ fn status_strings() {
         KVR_STATUS_OUT_OF_RANGE,
         KVR_STATUS_UNKNOWN_ID,
         KVR_STATUS_POOL_EXHAUSTED,
+        KVR_STATUS_IO_ERROR,
+        KVR_STATUS_MALFORMED_FILE,
     ];
     let mut seen = std::collections::HashSet::new();
     for s in all {

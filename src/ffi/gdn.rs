@@ -99,7 +99,7 @@ pub struct kvr_gdn_pool_params {
 
 const POOL_PARAMS_V1: usize = size_of::<kvr_gdn_pool_params>();
 
-fn default_pool_params() -> kvr_gdn_pool_params {
+pub(crate) fn default_pool_params() -> kvr_gdn_pool_params {
     kvr_gdn_pool_params {
         struct_size: size_of::<kvr_gdn_pool_params>() as u32,
         n_layers: 0,

@@ -83,7 +83,7 @@ pub struct kvr_kv_pool_params {
 
 const POOL_PARAMS_V1: usize = size_of::<kvr_kv_pool_params>();
 
-fn default_pool_params() -> kvr_kv_pool_params {
+pub(crate) fn default_pool_params() -> kvr_kv_pool_params {
     kvr_kv_pool_params {
         struct_size: size_of::<kvr_kv_pool_params>() as u32,
         n_layers: 0,

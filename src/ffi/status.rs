@@ -35,6 +35,10 @@ pub const KVR_STATUS_OUT_OF_RANGE: kvr_status = -10;
 pub const KVR_STATUS_UNKNOWN_ID: kvr_status = -11;
 /// The pool is full: not enough free pages, or no free sequence slot. Nothing changed.
 pub const KVR_STATUS_POOL_EXHAUSTED: kvr_status = -12;
+/// A file could not be opened, read or mapped.
+pub const KVR_STATUS_IO_ERROR: kvr_status = -13;
+/// A file is truncated, corrupted or inconsistent (a model file kvreplay will not use).
+pub const KVR_STATUS_MALFORMED_FILE: kvr_status = -14;
 
 /// The status code for a core error (the one place errors become codes).
 pub fn status_of(e: &Error) -> kvr_status {
@@ -50,6 +54,8 @@ pub fn status_of(e: &Error) -> kvr_status {
         Error::NotCompiled(_) => KVR_STATUS_NOT_COMPILED,
         Error::Cuda { .. } => KVR_STATUS_CUDA_ERROR,
         Error::Unsupported(_) => KVR_STATUS_UNSUPPORTED,
+        Error::Io(_) => KVR_STATUS_IO_ERROR,
+        Error::MalformedFile(_) => KVR_STATUS_MALFORMED_FILE,
         Error::Panic(_) => KVR_STATUS_PANIC,
     }
 }
@@ -87,6 +93,11 @@ pub const STATUS_STRINGS: &[(kvr_status, &str)] = &[
     (KVR_STATUS_OUT_OF_RANGE, "a size or index is out of range\0"),
     (KVR_STATUS_UNKNOWN_ID, "unknown sequence id\0"),
     (KVR_STATUS_POOL_EXHAUSTED, "the pool is full\0"),
+    (KVR_STATUS_IO_ERROR, "a file could not be opened or read\0"),
+    (
+        KVR_STATUS_MALFORMED_FILE,
+        "a file is truncated, corrupted or inconsistent\0",
+    ),
 ];
 
 /// Returns a static, NUL-terminated description of `status`; "unknown status" for a value

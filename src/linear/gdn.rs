@@ -281,34 +281,12 @@ pub(crate) struct StepPlan {
     pub conv_in: Option<TensorView>,
     pub scale: f32,
     pub l2norm: bool,
-    /// Every sequence of the batch surely has a state: the kernels may load it before
-    /// reading the metadata (a hint; correct either way).
-    pub speculate: bool,
 }
 
 #[derive(Clone, Debug)]
 pub(crate) struct SeqHost {
     /// Drafts verified and not yet committed, per layer.
     pub pending: Vec<u8>,
-    /// A lower bound on the committed tokens per layer (device-side commits count 0).
-    pub min_len: Vec<usize>,
-    /// Per layer: the sequence surely has a state (imported, flushed, or never KV-only).
-    pub has_state: Vec<bool>,
-}
-
-impl SeqHost {
-    fn new(layers: usize, has_state: bool) -> SeqHost {
-        SeqHost {
-            pending: vec![0; layers],
-            min_len: vec![0; layers],
-            has_state: vec![has_state; layers],
-        }
-    }
-    /// True when the sequence is surely past KV-only mode in `layer`: a KV-only sequence
-    /// never holds more than the threshold.
-    fn surely_state(&self, layer: usize, threshold: usize) -> bool {
-        self.has_state[layer] || self.min_len[layer] > threshold
-    }
 }
 
 /// The pool's buffers (host memory for CPU, device memory for CUDA).
@@ -518,10 +496,9 @@ impl GdnPool {
             ))
         })?;
         self.reset_slot(s, stream)?;
-        seqs[s] = Some(SeqHost::new(
-            self.cfg.layers,
-            self.initial_mode() != MODE_KV_ONLY,
-        ));
+        seqs[s] = Some(SeqHost {
+            pending: vec![0; self.cfg.layers],
+        });
         Ok(s as i32)
     }
 
@@ -538,10 +515,12 @@ impl GdnPool {
         let mut seqs = self.lock();
         let s = Self::live(&seqs, seq)?;
         self.reset_slot(s, stream)?;
-        seqs[s] = Some(SeqHost::new(
-            self.cfg.layers,
-            self.initial_mode() != MODE_KV_ONLY,
-        ));
+        seqs[s]
+            .as_mut()
+            .expect("live")
+            .pending
+            .iter_mut()
+            .for_each(|p| *p = 0);
         Ok(())
     }
 
@@ -608,7 +587,7 @@ impl GdnPool {
         conv: Option<&TensorView>,
         stream: Stream,
     ) -> Result<()> {
-        let mut seqs = self.lock();
+        let seqs = self.lock();
         let s = Self::live(&seqs, seq)?;
         self.check_layer(layer)?;
         self.check_state_tensor(state, "state")?;
@@ -633,7 +612,6 @@ impl GdnPool {
                 stream,
             )?,
         }
-        seqs[s].as_mut().expect("live").has_state[layer] = true;
         Ok(())
     }
 
@@ -892,23 +870,7 @@ impl GdnPool {
                 }
             }
         }
-        let threshold = c.kv_only_threshold;
-        let speculate = c.ring_len == 0
-            || threshold == 0
-            || match &host_ids {
-                Some(ids) => ids.iter().filter(|&&i| i >= 0).all(|&i| {
-                    seqs[i as usize]
-                        .as_ref()
-                        .expect("live")
-                        .surely_state(layer, threshold)
-                }),
-                None => seqs
-                    .iter()
-                    .flatten()
-                    .all(|s| s.surely_state(layer, threshold)),
-            };
         Ok(StepPlan {
-            speculate,
             b,
             t,
             auto_commit: decode,
@@ -950,13 +912,10 @@ impl GdnPool {
                 stream,
             )?,
         }
-        if let Some(ids) = &plan.host_ids {
-            for &id in ids.iter().filter(|&&i| i >= 0) {
-                let s = seqs[id as usize].as_mut().expect("live");
-                if decode {
-                    s.min_len[layer] += plan.t;
-                } else {
-                    s.pending[layer] = plan.t as u8;
+        if !decode {
+            if let Some(ids) = &plan.host_ids {
+                for &id in ids.iter().filter(|&&i| i >= 0) {
+                    seqs[id as usize].as_mut().expect("live").pending[layer] = plan.t as u8;
                 }
             }
         }
@@ -1117,13 +1076,9 @@ impl GdnPool {
                 stream,
             )?,
         }
-        for (i, &id) in ids.iter().enumerate().filter(|&(_, &id)| id >= 0) {
-            let s = seqs[id as usize].as_mut().expect("live");
+        for &id in ids.iter().filter(|&&i| i >= 0) {
             for &l in &layers {
-                s.pending[l] = 0;
-                if let Some(a) = &host_accepted {
-                    s.min_len[l] += a[i].max(0) as usize;
-                }
+                seqs[id as usize].as_mut().expect("live").pending[l] = 0;
             }
         }
         Ok(())
@@ -1133,7 +1088,7 @@ impl GdnPool {
     /// ring (before saving a checkpoint or preempting); KV-only sequences get their state
     /// materialized. `layer` None = every layer.
     pub fn flush(&self, layer: Option<usize>, seq_ids: &TensorView, stream: Stream) -> Result<()> {
-        let mut seqs = self.lock();
+        let seqs = self.lock();
         if let Some(l) = layer {
             self.check_layer(l)?;
         }
@@ -1168,11 +1123,6 @@ impl GdnPool {
                     &ids,
                     stream,
                 )?,
-            }
-        }
-        for &id in ids.iter().filter(|&&i| i >= 0) {
-            for &l in &layers {
-                seqs[id as usize].as_mut().expect("live").has_state[l] = true;
             }
         }
         Ok(())

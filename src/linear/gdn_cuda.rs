@@ -88,7 +88,7 @@ struct StepParams {
     l2norm: i32,
     hmax: i32,
     export_seq: i32,
-    speculate: i32,
+    pad0: i32,
     scale: f32,
     pad1: i32,
     ids_inline: [i32; MAX_INLINE],
@@ -250,14 +250,16 @@ impl DeviceState {
         })
     }
 
-    /// Value rows per CTA for a batch of `rows` sequences: the widest tile (least repeated
-    /// work per head; measured fastest on H100) that still gives every SM two CTAs.
+    /// Value rows per CTA for a batch of `rows` sequences: the widest tile (least fixed
+    /// work per byte) that still gives every SM a CTA. Each CTA pays a few microseconds of
+    /// setup beside its state traffic, so fewer, wider CTAs win once the SMs are busy
+    /// (H100: 128 rows beat 64 by 5-14 % at B = 8..256, BENCHMARKS.md).
     fn tile(&self, cfg: &GdnConfig, rows: usize) -> usize {
         let (lo, hi) = self.tiles;
         if let Some(t) = self.forced_tile {
             return t;
         }
-        let want = 2 * self.sm_count as usize;
+        let want = self.sm_count as usize;
         let mut tv = hi;
         while tv > lo && rows * cfg.v_heads * (cfg.dv / tv) < want {
             tv /= 2;
@@ -343,7 +345,7 @@ impl DeviceState {
             l2norm: 0,
             hmax: cfg.ring_len.max(cfg.kv_only_threshold) as i32,
             export_seq: -1,
-            speculate: 0,
+            pad0: 0,
             scale: 1.0,
             pad1: 0,
             ids_inline: [0; MAX_INLINE],
@@ -538,7 +540,6 @@ impl DeviceState {
             p.b = rows as i32;
             p.auto_commit = plan.auto_commit as i32;
             p.l2norm = plan.l2norm as i32;
-            p.speculate = plan.speculate as i32;
             p.scale = plan.scale;
             p.q = dev_tensor(&plan.q, b0);
             p.k = dev_tensor(&plan.k, b0);

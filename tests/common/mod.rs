@@ -8,6 +8,7 @@ use half::{bf16, f16};
 use kvreplay::ffi::*;
 
 pub mod gdn;
+pub mod gguf;
 pub mod gpu;
 pub mod kv;
 

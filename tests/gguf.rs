@@ -1,0 +1,570 @@
+//! GGUF: plans of the generated tiny models (hand-checked), zero-copy views against known
+//! bytes, sizing against a direct computation, and every malformation the loader must
+//! refuse with a clear error (never a panic or a giant allocation).
+
+mod common;
+
+use common::gguf::*;
+use common::Rng;
+use kvreplay::gguf::{
+    self, AttentionPlan, GdnPlan, GgufFile, LayerPlan, Mamba2Plan, Model, SizingParams,
+};
+use kvreplay::{DType, Error};
+
+fn tiny(arch: &str) -> String {
+    format!("{}/tests/data/tiny-{arch}.gguf", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn attn(heads: usize, kv: usize, hd: usize) -> LayerPlan {
+    LayerPlan::Attention(AttentionPlan {
+        heads,
+        kv_heads: kv,
+        head_dim_k: hd,
+        head_dim_v: hd,
+        sliding_window: 0,
+    })
+}
+
+const GDN: LayerPlan = LayerPlan::Gdn(GdnPlan {
+    k_heads: 2,
+    v_heads: 4,
+    dk: 16,
+    dv: 16,
+    conv_kernel: 4,
+    conv_dim: 2 * 2 * 16 + 4 * 16,
+});
+const MAMBA: LayerPlan = LayerPlan::Mamba2(Mamba2Plan {
+    heads: 8,
+    head_dim: 16,
+    groups: 2,
+    state: 16,
+    conv_kernel: 4,
+    conv_dim: 128 + 2 * 2 * 16,
+});
+
+#[test]
+fn plans_of_the_tiny_models() {
+    let want: Vec<(&str, Vec<LayerPlan>)> = vec![
+        ("llama", vec![attn(4, 2, 16); 2]),
+        // The file states a sliding window; llama.cpp's qwen2 loader does not use one.
+        ("qwen2", vec![attn(4, 2, 16); 2]),
+        ("qwen3", vec![attn(4, 2, 32); 2]),
+        // full_attention_interval 4: layers 0-2 GDN, 3 attention (key_length 32).
+        ("qwen3next", vec![GDN, GDN, GDN, attn(4, 2, 32)]),
+        // ... plus one NextN/MTP block, attention.
+        (
+            "qwen35",
+            vec![GDN, GDN, GDN, attn(4, 2, 32), attn(4, 2, 32)],
+        ),
+        ("mamba2", vec![MAMBA; 2]),
+        // head_count_kv [0, 2, 0, 0], feed_forward_length [0, 0, 128, 0].
+        (
+            "nemotron_h",
+            vec![MAMBA, attn(4, 2, 16), LayerPlan::Mlp, MAMBA],
+        ),
+        // head_count_kv [0, 2, 0].
+        ("granitehybrid", vec![MAMBA, attn(4, 2, 16), MAMBA]),
+    ];
+    for (arch, layers) in want {
+        let m = Model::open(tiny(arch)).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(m.plan.arch, arch);
+        assert_eq!(m.plan.layers, layers, "{arch}");
+        assert_eq!(
+            (m.plan.context_length, m.plan.embedding_length),
+            (256, 64),
+            "{arch}"
+        );
+    }
+    assert_eq!(gguf::ARCHITECTURES.len(), 8);
+}
+
+#[test]
+fn weight_views_are_the_bytes_in_the_file() {
+    let b = llama_like();
+    let bytes = b.build();
+    let f = GgufFile::from_bytes(&bytes).unwrap();
+    let data0 = f.data_offset() as usize;
+    for t in &b.tensors {
+        let info = f.tensor(&t.name).unwrap();
+        assert_eq!(info.offset as usize, data0 + t.offset as usize);
+        assert_eq!(
+            f.tensor_bytes(&t.name).unwrap(),
+            &bytes[info.offset as usize..(info.offset + info.size) as usize]
+        );
+    }
+    // f32 [2][3] (GGUF extents 3, 2 innermost first).
+    let v = f.view("a.f32").unwrap();
+    assert_eq!((v.dtype(), v.shape()), (DType::F32, &[2usize, 3][..]));
+    let got: Vec<f32> = (0..6)
+        .map(|i| unsafe { (v.addr() as *const f32).add(i).read() })
+        .collect();
+    assert_eq!(
+        got,
+        (0..6).map(|i| i as f32 * 0.5 - 1.0).collect::<Vec<_>>()
+    );
+    let v = f.view("b.f16").unwrap();
+    let got: Vec<f32> = (0..4)
+        .map(|i| unsafe { (v.addr() as *const half::f16).add(i).read() }.to_f32())
+        .collect();
+    assert_eq!((v.dtype(), got), (DType::F16, vec![0.0, 1.0, 2.0, 3.0]));
+    let v = f.view_shaped("c.bf16", &[2, 2, 2]).unwrap();
+    let got: Vec<f32> = (0..8)
+        .map(|i| unsafe { (v.addr() as *const half::bf16).add(i).read() }.to_f32())
+        .collect();
+    assert_eq!(
+        (v.dtype(), got),
+        (DType::BF16, (0..8).map(|i| -(i as f32)).collect::<Vec<_>>())
+    );
+    // Other types are reported, not misread; shapes are checked; names must exist.
+    assert!(matches!(f.view("d.q8_0"), Err(Error::Unsupported(m)) if m.contains("Q8_0")));
+    assert!(matches!(
+        f.view_shaped("a.f32", &[3, 2]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(f.view("nope"), Err(Error::UnknownId(_))));
+    // The weights kvreplay reads itself, from the tiny models.
+    let m = Model::open(tiny("qwen3next")).unwrap();
+    assert_eq!(
+        m.file.view_shaped("blk.0.ssm_a", &[4]).unwrap().dtype(),
+        DType::F32
+    );
+    assert_eq!(
+        m.file
+            .view_shaped("blk.1.ssm_dt.bias", &[4])
+            .unwrap()
+            .dtype(),
+        DType::F32
+    );
+    assert_eq!(
+        m.file
+            .view_shaped("blk.2.ssm_conv1d.weight", &[128, 4])
+            .unwrap()
+            .dtype(),
+        DType::BF16
+    );
+    assert_eq!(
+        m.file.view("token_embd.weight").unwrap().dtype(),
+        DType::F16
+    );
+    assert!(matches!(
+        m.file.view("output.weight"),
+        Err(Error::Unsupported(_))
+    ));
+    let m = Model::open(tiny("mamba2")).unwrap();
+    for name in ["blk.1.ssm_a", "blk.1.ssm_d", "blk.1.ssm_dt.bias"] {
+        assert_eq!(m.file.view_shaped(name, &[8]).unwrap().dtype(), DType::F32);
+    }
+    assert_eq!(
+        m.file
+            .view_shaped("blk.0.ssm_conv1d.bias", &[192])
+            .unwrap()
+            .dtype(),
+        DType::F32
+    );
+}
+
+#[test]
+fn sizing_matches_a_direct_computation() {
+    let m = Model::open(tiny("qwen3next")).unwrap();
+    let p = SizingParams {
+        budget_bytes: 64 << 20,
+        seq_len: 100,
+        spec_window: 4,
+        ..Default::default()
+    };
+    let s = gguf::sizing(&m.plan, &p).unwrap();
+    // One attention layer: 2 KV heads x (32 + 32) dims x 2 bytes (f16) per token.
+    let kv_tok = 2 * (32 + 32) * 2;
+    assert_eq!(s.kv_bytes_per_token, kv_tok);
+    // 100 + 4 tokens in pages of 16: 7 pages.
+    assert_eq!(s.pages_per_seq, 7);
+    assert_eq!(s.paged_kv_bytes_per_seq, 7 * 16 * kv_tok);
+    assert_eq!(s.contiguous_kv_bytes_per_seq, (256 + 4) * kv_tok);
+    // Three GDN layers: Hv 4 x 16 x 16 f32 states; rings of 16 entries of
+    // (4 x 16 + 2 x 16) f32 + 4 decays; conv windows of 3 + 4 inputs x 128 channels f32.
+    let state = 3 * 4 * 16 * 16 * 4;
+    let ring = 3 * 16 * ((4 * 16 + 2 * 16) * 4 + 4 * 4);
+    let conv_ring = 3 * (3 + 4) * 128 * 4;
+    assert_eq!(s.state_bytes_per_seq, state);
+    assert_eq!(s.ring_bytes_per_seq, ring + conv_ring);
+    // Snapshots: 4 more states per layer and 1 + 4 conv windows of 3 x 128.
+    let snap = 4 * state + 3 * 5 * 3 * 128 * 4;
+    assert_eq!(s.snapshot_bytes_per_seq, snap);
+    let per = [
+        7 * 16 * kv_tok + state + ring + conv_ring,
+        7 * 16 * kv_tok + state + snap,
+    ];
+    assert_eq!(&s.per_seq[..2], &per);
+    assert_eq!(s.max_seqs[0], (64 << 20) / per[0]);
+    assert_eq!(s.max_seqs[1], (64 << 20) / per[1]);
+    let kv = s.kv_pool.unwrap();
+    assert_eq!(
+        (kv.layers, kv.kv_heads, kv.head_dim, kv.page_size),
+        (1, 2, 32, 16)
+    );
+    assert_eq!(kv.capacity_pages, 7 * s.max_seqs[0] as usize);
+    let g = s.gdn_pool.unwrap();
+    assert_eq!(
+        (
+            g.layers,
+            g.k_heads,
+            g.v_heads,
+            g.dk,
+            g.dv,
+            g.ring_len,
+            g.max_drafts
+        ),
+        (3, 2, 4, 16, 16, 16, 4)
+    );
+    assert_eq!(
+        (g.conv_dim, g.conv_kernel, g.max_seqs),
+        (128, 4, s.max_seqs[0] as usize)
+    );
+    // Mamba-2 layers: 8 x 16 x 16 f32 states, conv windows and snapshots in every layout.
+    let m = Model::open(tiny("nemotron_h")).unwrap();
+    let s = gguf::sizing(&m.plan, &p).unwrap();
+    let mstate = 2 * 8 * 16 * 16 * 4;
+    assert_eq!(s.state_bytes_per_seq, mstate);
+    assert_eq!(
+        s.mamba2_extra_bytes_per_seq,
+        2 * (5 * 3 * 192 * 4) + 4 * mstate
+    );
+    assert_eq!(s.ring_bytes_per_seq, 0);
+    assert!(s.gdn_pool.is_none() && s.kv_pool.is_some());
+    // Bad parameters.
+    assert!(gguf::sizing(&m.plan, &SizingParams { page_size: 0, ..p }).is_err());
+    assert!(matches!(
+        gguf::sizing(
+            &m.plan,
+            &SizingParams {
+                spec_window: 9,
+                ..p
+            }
+        ),
+        Err(Error::OutOfRange(_))
+    ));
+    assert!(matches!(
+        gguf::sizing(
+            &m.plan,
+            &SizingParams {
+                state_dtype: DType::F16,
+                ..p
+            }
+        ),
+        Err(Error::DTypeMismatch(_))
+    ));
+    // A budget too small for one sequence: nothing fits, no pool parameters.
+    let s = gguf::sizing(
+        &m.plan,
+        &SizingParams {
+            budget_bytes: 10,
+            ..p
+        },
+    )
+    .unwrap();
+    assert_eq!(s.max_seqs, [0; 4]);
+    assert!(s.kv_pool.is_none());
+}
+
+fn refused(bytes: &[u8]) -> Error {
+    match Model::from_bytes(bytes) {
+        Ok(_) => panic!("a malformed file was accepted"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn every_truncation_is_refused() {
+    let bytes = std::fs::read(tiny("mamba2")).unwrap();
+    Model::from_bytes(&bytes).unwrap();
+    for n in 0..bytes.len() {
+        let e = refused(&bytes[..n]);
+        assert!(matches!(e, Error::MalformedFile(_)), "prefix {n}: {e:?}");
+    }
+}
+
+#[test]
+fn hostile_headers_are_refused() {
+    let base = llama_like();
+    Model::from_bytes(&base.build()).unwrap();
+    let malformed = |b: &Builder, what: &str, word: &str| {
+        let e = refused(&b.build());
+        match &e {
+            Error::MalformedFile(m) => assert!(m.contains(word), "{what}: {m}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    };
+    let unsupported = |bytes: &[u8], what: &str| {
+        assert!(matches!(refused(bytes), Error::Unsupported(_)), "{what}");
+    };
+    // Magic and version.
+    let mut b = base.clone();
+    b.magic = 0x1234_5678;
+    malformed(&b, "bad magic", "not a GGUF file");
+    b.magic = 0x4747_5546;
+    unsupported(&b.build(), "big-endian");
+    let mut b = base.clone();
+    b.version = 1;
+    unsupported(&b.build(), "v1");
+    b.version = 77;
+    unsupported(&b.build(), "v77");
+    assert!(matches!(refused(&[]), Error::MalformedFile(_)));
+    // Counts that cannot fit.
+    let mut b = base.clone();
+    b.n_kv_override = Some(u64::MAX);
+    malformed(&b, "huge key count", "metadata keys");
+    let mut b = base.clone();
+    b.n_tensors_override = Some(1 << 60);
+    malformed(&b, "huge tensor count", "tensors cannot fit");
+    // Huge strings and arrays.
+    let mut b = Builder::new("llama");
+    b.raw_kv("general.name", T_STRING, &(1u64 << 40).to_le_bytes());
+    malformed(&b, "huge string", "truncated");
+    let mut b = Builder::new("llama");
+    let mut big = T_U32.to_le_bytes().to_vec();
+    big.extend((1u64 << 40).to_le_bytes());
+    b.raw_kv("llama.attention.head_count", T_ARRAY, &big);
+    malformed(&b, "huge array", "array");
+    let mut b = Builder::new("llama");
+    b.arr_i32("llama.attention.head_count_kv", &vec![1; 100_000]);
+    malformed(&b, "oversized configuration array", "configuration arrays");
+    let mut b = Builder::new("llama");
+    let mut nested = T_ARRAY.to_le_bytes().to_vec();
+    nested.extend(1u64.to_le_bytes());
+    b.raw_kv("x", T_ARRAY, &nested);
+    malformed(&b, "nested array", "nests arrays");
+    let mut b = Builder::new("llama");
+    b.raw_kv("x", 99, &[0; 8]);
+    malformed(&b, "unknown value type", "unknown value type");
+    let mut b = Builder::new("llama");
+    b.raw_kv("general.alignment", T_U32, &7u32.to_le_bytes());
+    malformed(&b, "alignment 7", "general.alignment");
+    let mut b = Builder::new("llama");
+    b.raw_kv("general.alignment", T_U32, &0u32.to_le_bytes());
+    malformed(&b, "alignment 0", "general.alignment");
+    // Tensor infos.
+    let mut b = base.clone();
+    b.tensor_at("five", &[1, 1, 1, 1, 1], GGML_F32, 0);
+    malformed(&b, "5 dims", "dimensions");
+    let mut b = base.clone();
+    b.tensor_at("big", &[1 << 40, 1 << 40], GGML_F32, 0);
+    malformed(&b, "element overflow", "64 bits");
+    let mut b = base.clone();
+    b.tensor_at("t99", &[4], 99, 0);
+    malformed(&b, "unknown ggml type", "unknown ggml type");
+    let mut b = base.clone();
+    b.tensor_at("t40", &[4], 40, 0);
+    malformed(&b, "ggml type count", "unknown ggml type");
+    let mut b = base.clone();
+    b.tensor_at("past", &[16], GGML_F32, 4096);
+    malformed(&b, "offset past the end", "past the end");
+    let mut b = base.clone();
+    b.tensor_at("wrap", &[16], GGML_F32, u64::MAX - 31);
+    malformed(&b, "offset overflow", "overflows");
+    let mut b = base.clone();
+    b.tensor_at("odd", &[2], GGML_F32, 4);
+    malformed(&b, "misaligned", "alignment");
+    let mut b = base.clone();
+    b.tensor_at("overlap", &[6], GGML_F32, 0);
+    malformed(&b, "overlapping tensors", "overlap");
+    let mut b = base.clone();
+    b.tensor_at("a.f32", &[1], GGML_F32, 128);
+    b.data.resize(256, 0);
+    malformed(&b, "duplicate names", "twice");
+    let mut b = base.clone();
+    b.tensor_at("q8_row", &[16], GGML_Q8_0, 160);
+    b.data.resize(256, 0);
+    malformed(
+        &b,
+        "row not a whole number of blocks",
+        "multiple of the 32-element blocks",
+    );
+    // Found by the fuzzer: a zero extent beside huge ones holds no bytes, but its view
+    // must not overflow computing strides (tests/data/fuzz-regressions).
+    let mut b = base.clone();
+    b.tensor_at("empty", &[0, 1 << 40, 1 << 40], GGML_F32, 0);
+    let f = GgufFile::from_bytes(&b.build()).unwrap();
+    assert!(f.view("empty").is_err(), "refused, not a panic");
+    assert!(kvreplay::gguf::exercise(&b.build()));
+    let mut b = base.clone();
+    b.tensor_at("empty2", &[1 << 40, 1 << 40, 0], GGML_F32, 0);
+    malformed(&b, "extents overflow in file order", "64 bits");
+}
+
+#[test]
+fn the_real_qwen3_next_80b_shape() {
+    // The configuration of Qwen3-Next-80B-A3B as a metadata-only GGUF (scripts/make_tiny_models.py).
+    let m = Model::open(tiny("qwen3next-80b-a3b-header").replace("tiny-", "")).unwrap();
+    assert_eq!(m.plan.counts(), (12, 36, 0, 0));
+    assert_eq!(
+        m.plan.layers[3],
+        LayerPlan::Attention(AttentionPlan {
+            heads: 16,
+            kv_heads: 2,
+            head_dim_k: 256,
+            head_dim_v: 256,
+            sliding_window: 0
+        })
+    );
+    assert_eq!(
+        m.plan.layers[0],
+        LayerPlan::Gdn(GdnPlan {
+            k_heads: 16,
+            v_heads: 32,
+            dk: 128,
+            dv: 128,
+            conv_kernel: 4,
+            conv_dim: 8192
+        })
+    );
+    let p = SizingParams {
+        budget_bytes: 40 << 30,
+        seq_len: 8192,
+        spec_window: 4,
+        ..Default::default()
+    };
+    let s = gguf::sizing(&m.plan, &p).unwrap();
+    // 12 layers x 2 KV heads x (256 + 256) x 2 bytes.
+    assert_eq!(s.kv_bytes_per_token, 12 * 2 * 512 * 2);
+    // 36 layers x 32 heads x 128 x 128 x 4 bytes = 72 MiB of state per sequence.
+    assert_eq!(s.state_bytes_per_seq, 72 << 20);
+    // Four snapshots are 4 x 72 MiB more; a ring of 16 is 16 x 36 x (32x128 + 16x128 + 32) x 4.
+    assert_eq!(
+        s.ring_bytes_per_seq,
+        16 * 36 * (48 * 128 + 32) * 4 + 36 * 7 * 8192 * 4
+    );
+    assert!(
+        s.max_seqs[0] as f64 >= 1.9 * s.max_seqs[1] as f64,
+        "{:?}",
+        s.max_seqs
+    );
+}
+
+#[test]
+fn bad_metadata_is_refused_when_planning() {
+    let plan = |b: &Builder| Model::from_bytes(&b.build());
+    let mut b = Builder::new("");
+    b.u32("llama.block_count", 2);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("general.architecture")));
+    let b = Builder::new("gpt2");
+    assert!(
+        matches!(plan(&b), Err(Error::Unsupported(m)) if m.contains("gpt2") && m.contains("qwen3next"))
+    );
+    let mut b = Builder::new("llama");
+    b.u32("llama.embedding_length", 64)
+        .u32("llama.attention.head_count", 4);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("block_count")));
+    let mut b = Builder::new("llama");
+    b.u32("llama.block_count", 1 << 30)
+        .u32("llama.embedding_length", 64);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("out of range")));
+    let mut b = Builder::new("llama");
+    b.u32("llama.block_count", 3)
+        .u32("llama.embedding_length", 64)
+        .arr_i32("llama.attention.head_count", &[4, 4]);
+    assert!(
+        matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("2 entries for 3 layers"))
+    );
+    let mut b = Builder::new("llama");
+    b.u32("llama.block_count", 2)
+        .u32("llama.embedding_length", 64)
+        .arr_i32("llama.attention.head_count", &[4, -4]);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(_))));
+    let mut b = Builder::new("llama");
+    b.u32("llama.block_count", 2)
+        .u32("llama.embedding_length", 64)
+        .u32("llama.attention.head_count", 4)
+        .u32("llama.attention.head_count_kv", 3);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("multiple")));
+    let ssm = |b: &mut Builder, arch: &str, inner: u32| {
+        b.u32(&format!("{arch}.block_count"), 4)
+            .u32(&format!("{arch}.embedding_length"), 64)
+            .u32(&format!("{arch}.attention.head_count"), 4)
+            .u32(&format!("{arch}.ssm.conv_kernel"), 4)
+            .u32(&format!("{arch}.ssm.inner_size"), inner)
+            .u32(&format!("{arch}.ssm.state_size"), 16)
+            .u32(&format!("{arch}.ssm.time_step_rank"), 4)
+            .u32(&format!("{arch}.ssm.group_count"), 2);
+    };
+    let mut b = Builder::new("qwen3next");
+    ssm(&mut b, "qwen3next", 64);
+    assert!(plan(&b).is_ok());
+    let mut b = Builder::new("qwen3next");
+    ssm(&mut b, "qwen3next", 66);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("inner_size")));
+    let mut b = Builder::new("qwen3next");
+    ssm(&mut b, "qwen3next", 64);
+    b.u32("qwen3next.full_attention_interval", 0);
+    assert!(
+        matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("full_attention_interval"))
+    );
+    let mut b = Builder::new("qwen35");
+    ssm(&mut b, "qwen35", 64);
+    b.u32("qwen35.nextn_predict_layers", 4);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("nextn")));
+    let mut b = Builder::new("mamba2");
+    b.u32("mamba2.block_count", 2)
+        .u32("mamba2.embedding_length", 64);
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(m)) if m.contains("ssm.conv_kernel")));
+    let mut b = Builder::new("llama");
+    b.string("llama.block_count", "two");
+    assert!(matches!(plan(&b), Err(Error::MalformedFile(_))));
+}
+
+#[test]
+fn files_that_cannot_be_opened() {
+    assert!(matches!(
+        Model::open("/nonexistent/kvreplay.gguf"),
+        Err(Error::Io(_))
+    ));
+    assert!(matches!(
+        Model::open(env!("CARGO_MANIFEST_DIR")),
+        Err(Error::Io(_))
+    ));
+    let dir = std::env::temp_dir().join(format!("kvr-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(matches!(Model::open(&empty), Err(Error::MalformedFile(_))));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Flips random bytes of the tiny models' headers (and sometimes the data): the loader
+/// accepts or refuses, never panics. The same inputs feed the cargo-fuzz target.
+#[test]
+fn random_corruption_never_panics() {
+    let mut rng = Rng::new(99);
+    let (mut ok, mut bad) = (0, 0);
+    for arch in ["mamba2", "granitehybrid", "qwen3next"] {
+        let bytes = std::fs::read(tiny(arch)).unwrap();
+        let header = GgufFile::from_bytes(&bytes).unwrap().data_offset() as usize;
+        for _ in 0..400 {
+            let mut b = bytes.clone();
+            for _ in 0..1 + rng.below(4) {
+                let at = if rng.below(8) == 0 {
+                    rng.below(b.len())
+                } else {
+                    rng.below(header)
+                };
+                b[at] = rng.next_u64() as u8;
+            }
+            match Model::from_bytes(&b) {
+                Ok(m) => {
+                    ok += 1;
+                    let _ = gguf::sizing(
+                        &m.plan,
+                        &SizingParams {
+                            budget_bytes: 1 << 30,
+                            ..Default::default()
+                        },
+                    );
+                    for t in m.file.tensors() {
+                        let _ = m.file.view(&t.name);
+                    }
+                }
+                Err(_) => bad += 1,
+            }
+        }
+    }
+    println!("corrupted files: {ok} still valid, {bad} refused");
+}

@@ -1,0 +1,288 @@
+//! The GGUF model API through C: plans, views, sizing, pool parameters that create working
+//! pools, and bad input (each a status with a message).
+
+mod common;
+
+use std::ffi::{CStr, CString};
+use std::ptr::{null, null_mut};
+
+use common::*;
+use kvreplay::ffi::*;
+
+fn tiny(arch: &str) -> CString {
+    CString::new(format!(
+        "{}/tests/data/tiny-{arch}.gguf",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
+}
+
+fn open(arch: &str) -> *mut kvr_model {
+    let mut m = null_mut();
+    ok(kvr_model_open(tiny(arch).as_ptr(), &mut m));
+    m
+}
+
+fn sizing_params(budget: i64, seq_len: i64, t: i32) -> kvr_sizing_params {
+    let mut p = std::mem::MaybeUninit::uninit();
+    ok(kvr_sizing_params_default(p.as_mut_ptr()));
+    let mut p: kvr_sizing_params = unsafe { p.assume_init() };
+    p.budget_bytes = budget;
+    p.seq_len = seq_len;
+    p.spec_window = t;
+    p
+}
+
+#[test]
+fn plan_views_sizing_and_pools_from_a_model() {
+    let m = open("qwen3next");
+    let arch = unsafe { CStr::from_ptr(kvr_model_arch(m)) };
+    assert_eq!(arch.to_str().unwrap(), "qwen3next");
+    let mut info: kvr_model_info = unsafe { std::mem::zeroed() };
+    info.struct_size = size_of::<kvr_model_info>() as u32;
+    ok(kvr_model_info_get(m, &mut info));
+    assert_eq!(
+        (
+            info.n_layers,
+            info.n_attention_layers,
+            info.n_gdn_layers,
+            info.n_mamba2_layers
+        ),
+        (4, 1, 3, 0)
+    );
+    assert_eq!((info.context_length, info.embedding_length), (256, 64));
+    let mut l = kvr_layer_plan::default();
+    ok(kvr_model_layer(m, 0, &mut l));
+    assert_eq!(
+        (
+            l.kind,
+            l.k_heads,
+            l.v_heads,
+            l.dk,
+            l.dv,
+            l.conv_kernel,
+            l.conv_dim
+        ),
+        (KVR_LAYER_GDN, 2, 4, 16, 16, 4, 128)
+    );
+    ok(kvr_model_layer(m, 3, &mut l));
+    assert_eq!(
+        (l.kind, l.heads, l.kv_heads, l.head_dim_k, l.head_dim_v),
+        (KVR_LAYER_ATTENTION, 4, 2, 32, 32)
+    );
+    // Views.
+    let name = CString::new("blk.0.ssm_conv1d.weight").unwrap();
+    let mut ti: kvr_model_tensor_info = unsafe { std::mem::zeroed() };
+    ok(kvr_model_tensor_info_get(m, name.as_ptr(), &mut ti));
+    assert_eq!(
+        (ti.ggml_type, ti.ndim, ti.shape[0], ti.shape[1], ti.bytes),
+        (30, 2, 128, 4, 128 * 4 * 2)
+    );
+    let mut t: kvr_tensor = unsafe { std::mem::zeroed() };
+    ok(kvr_model_tensor(
+        m,
+        name.as_ptr(),
+        2,
+        [128i64, 4].as_ptr(),
+        &mut t,
+    ));
+    assert_eq!(
+        (
+            t.dtype,
+            t.device,
+            t.ndim,
+            t.shape[0],
+            t.shape[1],
+            t.strides[0]
+        ),
+        (KVR_DTYPE_BF16, KVR_DEVICE_HOST, 2, 128, 4, 4)
+    );
+    // A view can be copied like any host tensor (here: converted to f32 on a CPU context).
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let mut f32s = vec![0f32; 512];
+    let dst = tensor(
+        f32s.as_mut_ptr() as *mut _,
+        KVR_DTYPE_F32,
+        KVR_DEVICE_HOST,
+        &[128, 4],
+        &[4, 1],
+    );
+    ok(kvr_tensor_copy(ctx, &t, &dst, null_mut()));
+    assert!(f32s.iter().all(|x| x.abs() <= 1.0) && f32s.iter().any(|&x| x != 0.0));
+    // Sizing and pools built from it.
+    let p = sizing_params(64 << 20, 100, 4);
+    let mut s: kvr_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_sizing>() as u32;
+    ok(kvr_model_sizing(m, &p, &mut s));
+    assert_eq!(
+        (
+            s.n_attention_layers,
+            s.n_gdn_layers,
+            s.pages_per_seq,
+            s.kv_bytes_per_token
+        ),
+        (1, 3, 7, 256)
+    );
+    assert!(
+        s.max_seqs[0] > s.max_seqs[1],
+        "a ring fits more sequences than snapshots"
+    );
+    let mut kp = std::mem::MaybeUninit::uninit();
+    ok(kvr_model_kv_pool_params(m, &p, kp.as_mut_ptr()));
+    let kp: kvr_kv_pool_params = unsafe { kp.assume_init() };
+    assert_eq!(
+        (
+            kp.n_layers,
+            kp.n_kv_heads,
+            kp.head_dim,
+            kp.page_size,
+            kp.max_seqs as i64
+        ),
+        (1, 2, 32, 16, s.max_seqs[0])
+    );
+    let mut kv = null_mut();
+    ok(kvr_kv_pool_new(ctx, &kp, &mut kv));
+    let mut gp = std::mem::MaybeUninit::uninit();
+    ok(kvr_model_gdn_pool_params(m, &p, gp.as_mut_ptr()));
+    let gp: kvr_gdn_pool_params = unsafe { gp.assume_init() };
+    assert_eq!(
+        (
+            gp.n_layers,
+            gp.n_k_heads,
+            gp.n_v_heads,
+            gp.dk,
+            gp.dv,
+            gp.max_drafts,
+            gp.conv_dim
+        ),
+        (3, 2, 4, 16, 16, 4, 128)
+    );
+    let mut gdn = null_mut();
+    ok(kvr_gdn_pool_new(ctx, &gp, &mut gdn));
+    let mut mem: kvr_gdn_memory = unsafe { std::mem::zeroed() };
+    mem.struct_size = size_of::<kvr_gdn_memory>() as u32;
+    ok(kvr_gdn_pool_memory(gdn, &mut mem));
+    assert_eq!(
+        mem.state_bytes + mem.ring_bytes + mem.conv_bytes,
+        s.state_bytes_per_seq + s.ring_bytes_per_seq
+    );
+    kvr_gdn_pool_free(gdn);
+    kvr_kv_pool_free(kv);
+    kvr_context_free(ctx);
+    kvr_model_free(m);
+}
+
+#[test]
+fn bad_input_is_a_status() {
+    let mut m = null_mut();
+    assert_eq!(kvr_model_open(null(), &mut m), KVR_STATUS_NULL_ARG);
+    assert_eq!(
+        kvr_model_open(tiny("llama").as_ptr(), null_mut()),
+        KVR_STATUS_NULL_ARG
+    );
+    let missing = CString::new("/nonexistent/model.gguf").unwrap();
+    assert_eq!(
+        kvr_model_open(missing.as_ptr(), &mut m),
+        KVR_STATUS_IO_ERROR
+    );
+    assert!(
+        last_error().contains("/nonexistent/model.gguf"),
+        "{}",
+        last_error()
+    );
+    // A truncated file.
+    let bytes = std::fs::read(tiny("mamba2").to_str().unwrap()).unwrap();
+    let path = std::env::temp_dir().join(format!("kvr-trunc-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let cpath = CString::new(path.to_str().unwrap()).unwrap();
+    assert_eq!(
+        kvr_model_open(cpath.as_ptr(), &mut m),
+        KVR_STATUS_MALFORMED_FILE
+    );
+    assert!(last_error().contains("past the end"), "{}", last_error());
+    let _ = std::fs::remove_file(&path);
+    assert!(m.is_null());
+    // Calls on a model.
+    let m = open("mamba2");
+    let mut l = kvr_layer_plan::default();
+    ok(kvr_model_layer(m, 1, &mut l));
+    assert_eq!(
+        (
+            l.kind,
+            l.ssm_heads,
+            l.ssm_head_dim,
+            l.ssm_groups,
+            l.ssm_state
+        ),
+        (KVR_LAYER_MAMBA2, 8, 16, 2, 16)
+    );
+    assert_eq!(kvr_model_layer(m, 2, &mut l), KVR_STATUS_OUT_OF_RANGE);
+    assert_eq!(kvr_model_layer(m, -1, &mut l), KVR_STATUS_OUT_OF_RANGE);
+    assert_eq!(kvr_model_layer(m, 0, null_mut()), KVR_STATUS_NULL_ARG);
+    let mut t: kvr_tensor = unsafe { std::mem::zeroed() };
+    let nope = CString::new("blk.9.ssm_a").unwrap();
+    assert_eq!(
+        kvr_model_tensor(m, nope.as_ptr(), 0, null(), &mut t),
+        KVR_STATUS_UNKNOWN_ID
+    );
+    let q8 = CString::new("output.weight").unwrap();
+    assert_eq!(
+        kvr_model_tensor(m, q8.as_ptr(), 0, null(), &mut t),
+        KVR_STATUS_UNSUPPORTED
+    );
+    assert!(last_error().contains("Q8_0"), "{}", last_error());
+    let a = CString::new("blk.0.ssm_a").unwrap();
+    assert_eq!(
+        kvr_model_tensor(m, a.as_ptr(), 1, [9i64].as_ptr(), &mut t),
+        KVR_STATUS_INVALID_ARG
+    );
+    assert_eq!(
+        kvr_model_tensor(m, a.as_ptr(), 1, null(), &mut t),
+        KVR_STATUS_NULL_ARG
+    );
+    assert_eq!(
+        kvr_model_tensor(m, a.as_ptr(), -1, null(), &mut t),
+        KVR_STATUS_INVALID_ARG
+    );
+    ok(kvr_model_tensor(m, a.as_ptr(), 1, [8i64].as_ptr(), &mut t));
+    assert_eq!(
+        kvr_model_tensor(m, null(), 0, null(), &mut t),
+        KVR_STATUS_NULL_ARG
+    );
+    // Sizing: no attention layers and no GDN layers in mamba2.
+    let p = sizing_params(1 << 30, 128, 2);
+    let mut kp = std::mem::MaybeUninit::uninit();
+    assert_eq!(
+        kvr_model_kv_pool_params(m, &p, kp.as_mut_ptr()),
+        KVR_STATUS_UNSUPPORTED
+    );
+    let mut gp = std::mem::MaybeUninit::uninit();
+    assert_eq!(
+        kvr_model_gdn_pool_params(m, &p, gp.as_mut_ptr()),
+        KVR_STATUS_UNSUPPORTED
+    );
+    let mut bad = p;
+    bad.spec_window = 9;
+    let mut s: kvr_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_sizing>() as u32;
+    assert_eq!(kvr_model_sizing(m, &bad, &mut s), KVR_STATUS_OUT_OF_RANGE);
+    bad = p;
+    bad.budget_bytes = -1;
+    assert_eq!(kvr_model_sizing(m, &bad, &mut s), KVR_STATUS_INVALID_ARG);
+    bad = p;
+    bad.kv_dtype = KVR_DTYPE_I32;
+    assert_eq!(kvr_model_sizing(m, &bad, &mut s), KVR_STATUS_DTYPE_MISMATCH);
+    assert_eq!(kvr_model_sizing(m, null(), &mut s), KVR_STATUS_NULL_ARG);
+    let q = open("qwen3next");
+    let tiny_budget = sizing_params(100, 128, 2);
+    assert_eq!(
+        kvr_model_kv_pool_params(q, &tiny_budget, kp.as_mut_ptr()),
+        KVR_STATUS_OUT_OF_RANGE
+    );
+    kvr_model_free(q);
+    // Stale handles.
+    kvr_model_free(m);
+    kvr_model_free(null_mut());
+    assert_eq!(kvr_model_layer(m, 0, &mut l), KVR_STATUS_INVALID_ARG);
+    assert!(kvr_model_arch(m).is_null());
+}
