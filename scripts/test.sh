@@ -5,8 +5,8 @@
 #      documented for static linking still match what rustc prints
 #   3. ffi-tests: C and C++ against the header and both libraries, an ASan+UBSan build,
 #      and valgrind over the static-library test
-#   4. examples: built with Make (static and shared) and with CMake; the demo, the GDN
-#      speculative-decoding example (CPU backend) and the GGUF planner run
+#   4. examples: built with Make (static and shared) and with CMake; the demo, the paged
+#      KV and GDN speculative-decoding examples (CPU backend) and the GGUF planner run
 # Installs CMake into .tools/ (pip) when it is missing. Set KVR_REQUIRE_KERNELS=1 to fail
 # when the CUDA kernels cannot be compiled (CI does).
 set -euo pipefail
@@ -52,6 +52,7 @@ fi
 
 step "examples (make, static and shared)"
 make -C examples run
+./examples/build/paged_decode cpu
 ./examples/build/spec_decode_gdn cpu
 ./examples/build/gguf_plan tests/data/tiny-qwen3next.gguf 1 128 4
 ./examples/build/gguf_plan tests/data/qwen3next-80b-a3b-header.gguf 40 8192 4 | tail -n 8
@@ -59,6 +60,7 @@ make -C examples clean >/dev/null
 make -C examples SHARED=1
 ./examples/build/info >/dev/null
 ./examples/build/spec_decode_gdn cpu >/dev/null
+./examples/build/paged_decode cpu >/dev/null
 ./examples/build/gguf_plan tests/data/tiny-nemotron_h.gguf >/dev/null
 
 step "examples (cmake)"

@@ -175,16 +175,7 @@ impl Pair {
             l2norm_qk: true,
         };
         let call = |pool: &GdnPool, v: &[TensorView], idv: &TensorView, out: &TensorView| {
-            let io = GdnIo {
-                seq_ids: idv,
-                q: &v[0],
-                k: &v[1],
-                v: &v[2],
-                g: &v[3],
-                beta: &v[4],
-                out,
-                conv_in: (c.conv_dim > 0).then_some(&v[5]),
-            };
+            let io = io_of(idv, v, out, (c.conv_dim > 0).then_some(&v[5]));
             if verify {
                 pool.verify(self.layer, &io, &opts, Stream::DEFAULT)
             } else {
@@ -313,6 +304,25 @@ impl Pair {
             "{what}: metadata of sequence {id} (mode, start, h, pending, conv end)"
         );
         assert_eq!(b[5], 0, "{what}: arrival counter left at {}", b[5]);
+    }
+}
+
+/// The tensors of a call: `v` holds q, k, v, g, beta (and conv_in) views, in that order.
+fn io_of<'a>(
+    ids: &'a TensorView,
+    v: &'a [TensorView],
+    out: &'a TensorView,
+    conv_in: Option<&'a TensorView>,
+) -> GdnIo<'a> {
+    GdnIo {
+        seq_ids: ids,
+        q: &v[0],
+        k: &v[1],
+        v: &v[2],
+        g: &v[3],
+        beta: &v[4],
+        out,
+        conv_in,
     }
 }
 
@@ -761,28 +771,10 @@ fn gpu_graph_replays_verify_commit_decode() {
     };
     g.load_kernels().unwrap();
     let graph = stream.capture(|| {
-        let io = GdnIo {
-            seq_ids: &idh,
-            q: &vv[0],
-            k: &vv[1],
-            v: &vv[2],
-            g: &vv[3],
-            beta: &vv[4],
-            out: &ovv,
-            conv_in: Some(&vv[5]),
-        };
+        let io = io_of(&idh, &vv, &ovv, Some(&vv[5]));
         p.gpu.verify(1, &io, &opts, s).unwrap();
         p.gpu.commit(Some(1), &idh, &accv, Some(&cwv), s).unwrap();
-        let io = GdnIo {
-            seq_ids: &idh,
-            q: &dv[0],
-            k: &dv[1],
-            v: &dv[2],
-            g: &dv[3],
-            beta: &dv[4],
-            out: &odv,
-            conv_in: Some(&dv[5]),
-        };
+        let io = io_of(&idh, &dv, &odv, Some(&dv[5]));
         p.gpu.decode(1, &io, &opts, s).unwrap();
     });
     let mut worst = 0f64;
@@ -879,16 +871,7 @@ fn cpu_only(p: &Pair, ids: &[i32], x: &Tokens, verify: bool) -> (Vec<f32>, ()) {
     )
     .unwrap();
     let idh = ids_host(ids);
-    let io = GdnIo {
-        seq_ids: &idh,
-        q: &v[0],
-        k: &v[1],
-        v: &v[2],
-        g: &v[3],
-        beta: &v[4],
-        out: &ov,
-        conv_in: (c.conv_dim > 0).then_some(&v[5]),
-    };
+    let io = io_of(&idh, &v, &ov, (c.conv_dim > 0).then_some(&v[5]));
     let opts = GdnOptions {
         scale: None,
         l2norm_qk: true,
@@ -974,16 +957,7 @@ fn gpu_bad_input_is_refused_and_changes_nothing() {
     // Verify with device ids; T above max_drafts; unknown sequence; commit without verify.
     let idd = upload(&g, &encode_i32(&[id]));
     let idv = TensorView::contiguous(idd.addr(), DType::I32, MemoryKind::Cuda, &[1]).unwrap();
-    let io = GdnIo {
-        seq_ids: &idv,
-        q: &dvw[0],
-        k: &dvw[1],
-        v: &dvw[2],
-        g: &dvw[3],
-        beta: &dvw[4],
-        out: &ov,
-        conv_in: None,
-    };
+    let io = io_of(&idv, &dvw, &ov, None);
     assert!(matches!(
         p.gpu.verify(1, &io, &opts, Stream::DEFAULT),
         Err(Error::Unsupported(_))
@@ -994,32 +968,14 @@ fn gpu_bad_input_is_refused_and_changes_nothing() {
     let o5 = alloc(&g, 5 * 2 * 64 * 4);
     let o5v =
         TensorView::contiguous(o5.addr(), DType::F32, MemoryKind::Cuda, &[1, 5, 2, 64]).unwrap();
-    let io = GdnIo {
-        seq_ids: &idh,
-        q: &v5[0],
-        k: &v5[1],
-        v: &v5[2],
-        g: &v5[3],
-        beta: &v5[4],
-        out: &o5v,
-        conv_in: None,
-    };
+    let io = io_of(&idh, &v5, &o5v, None);
     assert!(matches!(
         p.gpu.verify(1, &io, &opts, Stream::DEFAULT),
         Err(Error::OutOfRange(_))
     ));
     let unknown_id = [id + 3];
     let unknown = ids_host(&unknown_id);
-    let io = GdnIo {
-        seq_ids: &unknown,
-        q: &dvw[0],
-        k: &dvw[1],
-        v: &dvw[2],
-        g: &dvw[3],
-        beta: &dvw[4],
-        out: &ov,
-        conv_in: None,
-    };
+    let io = io_of(&unknown, &dvw, &ov, None);
     assert!(matches!(
         p.gpu.decode(1, &io, &opts, Stream::DEFAULT),
         Err(Error::UnknownId(_))

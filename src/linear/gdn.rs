@@ -576,6 +576,33 @@ impl GdnPool {
         t.expect_memory(self.ctx.memory(), name)
     }
 
+    /// Checks an import or export: a live sequence without pending drafts in `layer`, a
+    /// state tensor and an optional conv window of the right shapes. Returns the slot.
+    #[allow(clippy::too_many_arguments)]
+    fn check_state_io(
+        &self,
+        seqs: &[Option<SeqHost>],
+        layer: usize,
+        seq: i32,
+        state: &TensorView,
+        state_name: &str,
+        conv: Option<&TensorView>,
+        conv_name: &str,
+    ) -> Result<usize> {
+        let s = Self::live(seqs, seq)?;
+        self.check_layer(layer)?;
+        self.check_state_tensor(state, state_name)?;
+        if let Some(c) = conv {
+            self.check_conv_tensor(c, conv_name)?;
+        }
+        if seqs[s].as_ref().expect("live").pending[layer] > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {seq} has uncommitted drafts in layer {layer}; commit first"
+            )));
+        }
+        Ok(s)
+    }
+
     /// Replaces a sequence's state in `layer` by `state` (the host's prefill result; the
     /// pool's layout, any float dtype) and, if given, its conv window (`[conv_kernel-1,
     /// conv_dim]`). The ring empties and the sequence leaves KV-only mode.
@@ -588,17 +615,7 @@ impl GdnPool {
         stream: Stream,
     ) -> Result<()> {
         let seqs = self.lock();
-        let s = Self::live(&seqs, seq)?;
-        self.check_layer(layer)?;
-        self.check_state_tensor(state, "state")?;
-        if let Some(c) = conv {
-            self.check_conv_tensor(c, "conv window")?;
-        }
-        if seqs[s].as_ref().expect("live").pending[layer] > 0 {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {seq} has uncommitted drafts in layer {layer}; commit first"
-            )));
-        }
+        let s = self.check_state_io(&seqs, layer, seq, state, "state", conv, "conv window")?;
         match &self.device {
             None => super::gdn_cpu::import_state(&self.cfg, &self.storage, layer, s, state, conv),
             Some(dev) => dev.import_state(
@@ -627,17 +644,7 @@ impl GdnPool {
         stream: Stream,
     ) -> Result<()> {
         let seqs = self.lock();
-        let s = Self::live(&seqs, seq)?;
-        self.check_layer(layer)?;
-        self.check_state_tensor(out, "out")?;
-        if let Some(c) = conv_out {
-            self.check_conv_tensor(c, "conv_out")?;
-        }
-        if seqs[s].as_ref().expect("live").pending[layer] > 0 {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {seq} has uncommitted drafts in layer {layer}; commit first"
-            )));
-        }
+        let s = self.check_state_io(&seqs, layer, seq, out, "out", conv_out, "conv_out")?;
         match &self.device {
             None => {
                 super::gdn_cpu::export_state(&self.cfg, &self.storage, layer, s, out, conv_out);
@@ -955,6 +962,30 @@ impl GdnPool {
         self.run_step(layer, io, opts, false, stream)
     }
 
+    /// Host sequence ids (checked) and the layers a commit or flush covers.
+    fn host_ids_and_layers(
+        &self,
+        seqs: &[Option<SeqHost>],
+        layer: Option<usize>,
+        seq_ids: &TensorView,
+        what: &str,
+    ) -> Result<(Vec<i32>, Vec<usize>)> {
+        if let Some(l) = layer {
+            self.check_layer(l)?;
+        }
+        if seq_ids.memory() != MemoryKind::Host {
+            return Err(Error::Unsupported(format!(
+                "{what} takes seq_ids in host memory"
+            )));
+        }
+        let (ids, _) = self.check_ids(seqs, seq_ids)?;
+        let layers = match layer {
+            Some(l) => vec![l],
+            None => (0..self.cfg.layers).collect(),
+        };
+        Ok((ids.expect("host ids"), layers))
+    }
+
     /// Commits `accepted[i]` of the pending drafts of `seq_ids[i]` (for `layer`, or every
     /// layer with None): accepted entries stay in the ring, the rest vanish; recurrent
     /// pools adopt the accepted draft's snapshot. `accepted` is i32 `[B]` in host or device
@@ -970,16 +1001,7 @@ impl GdnPool {
         stream: Stream,
     ) -> Result<()> {
         let mut seqs = self.lock();
-        if let Some(l) = layer {
-            self.check_layer(l)?;
-        }
-        if seq_ids.memory() != MemoryKind::Host {
-            return Err(Error::Unsupported(
-                "commit takes seq_ids in host memory".into(),
-            ));
-        }
-        let (ids, _) = self.check_ids(&seqs, seq_ids)?;
-        let ids = ids.expect("host ids");
+        let (ids, layers) = self.host_ids_and_layers(&seqs, layer, seq_ids, "commit")?;
         let b = ids.len();
         if accepted.dtype() != DType::I32 || accepted.shape() != [b] {
             return Err(Error::DTypeMismatch(format!(
@@ -988,10 +1010,6 @@ impl GdnPool {
                 accepted.shape()
             )));
         }
-        let layers: Vec<usize> = match layer {
-            Some(l) => vec![l],
-            None => (0..self.cfg.layers).collect(),
-        };
         for &id in ids.iter().filter(|&&i| i >= 0) {
             for &l in &layers {
                 if seqs[id as usize].as_ref().expect("live").pending[l] == 0 {
@@ -1089,20 +1107,7 @@ impl GdnPool {
     /// materialized. `layer` None = every layer.
     pub fn flush(&self, layer: Option<usize>, seq_ids: &TensorView, stream: Stream) -> Result<()> {
         let seqs = self.lock();
-        if let Some(l) = layer {
-            self.check_layer(l)?;
-        }
-        if seq_ids.memory() != MemoryKind::Host {
-            return Err(Error::Unsupported(
-                "flush takes seq_ids in host memory".into(),
-            ));
-        }
-        let (ids, _) = self.check_ids(&seqs, seq_ids)?;
-        let ids = ids.expect("host ids");
-        let layers: Vec<usize> = match layer {
-            Some(l) => vec![l],
-            None => (0..self.cfg.layers).collect(),
-        };
+        let (ids, layers) = self.host_ids_and_layers(&seqs, layer, seq_ids, "flush")?;
         for &id in ids.iter().filter(|&&i| i >= 0) {
             for &l in &layers {
                 if seqs[id as usize].as_ref().expect("live").pending[l] > 0 {
