@@ -51,6 +51,8 @@ else
 fi
 
 step "examples (make, static and shared)"
+make -C examples clean >/dev/null
+make -C examples
 make -C examples run
 ./examples/build/paged_decode cpu
 ./examples/build/spec_decode_gdn cpu
