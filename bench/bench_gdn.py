@@ -32,7 +32,7 @@ import sys
 import torch
 
 import kvr
-from benchutil import copy_ceiling, cur_stream, read_ceiling, time_graph
+from benchutil import copy_ceiling, cur_stream, inplace_ceiling, read_ceiling, time_graph
 
 QUICK = "--quick" in sys.argv
 DEV = torch.device("cuda")
@@ -42,6 +42,8 @@ ENTRY = (HV * D + HK * D) * 4 + HV * 4  # one f32 ring entry (u, k, g) of one se
 L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
 ROTATE = 4 * L2_BYTES
 BATCHES = [1, 8, 32, 64, 128, 256]
+# --layout v: V-major pools ([dv][dk] states; imports transposed from fla's [dk][dv])
+LAYOUT = 1 if "--layout" in sys.argv and sys.argv[sys.argv.index("--layout") + 1] == "v" else 0
 RINGS = [8, 16, 32, 64]
 
 lib = kvr.Lib()
@@ -86,7 +88,7 @@ class Inputs:
 
 def pool(B, ring, layers, thr=0, entry=kvr.DTYPE_F32, drafts=0):
     p = lib.gdn_pool(ctx, n_layers=layers, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=ring,
-                     kv_only_threshold=thr, max_drafts=drafts, max_seqs=B, entry_dtype=entry)
+                     kv_only_threshold=thr, max_drafts=drafts, max_seqs=B, entry_dtype=entry, layout=LAYOUT)
     seqs = [lib.gdn_seq_add(p, cur_stream()) for _ in range(B)]
     return p, seqs
 
@@ -96,9 +98,11 @@ def free(p):
 
 
 def import_states(p, seqs, layer, S):
-    """S: [B, HV, D, D] fp32 (K-major, as fla)."""
+    """S: [B, HV, D, D] fp32 (K-major, as fla), transposed for a V-major pool."""
     for b, s in enumerate(seqs):
-        lib.gdn_import(p, layer, s, kvr.torch_tensor(S[b]), None, cur_stream())
+        x = S[b].transpose(-1, -2).contiguous() if LAYOUT else S[b]
+        lib.gdn_import(p, layer, s, kvr.torch_tensor(x), None, cur_stream())
+    torch.cuda.synchronize()
 
 
 class Ours:
@@ -171,7 +175,7 @@ def chained_check(results):
         for b, sq in enumerate(seqs):
             lib.gdn_export(p, 0, sq, kvr.torch_tensor(st), None, cur_stream())
             torch.cuda.synchronize()
-            state_err = max(state_err, rel(st, h[b]))
+            state_err = max(state_err, rel(st.transpose(-1, -2) if LAYOUT else st, h[b]))
         report[name] = {"max_out_rel_err": worst, "max_state_rel_err": state_err}
         free(p)
     results["chained_vs_fla"] = report
@@ -221,6 +225,19 @@ def decode_sweep(ceil_copy, results):
             row[f"replay{L}_us"] = time_graph(o, ns, ns * L, replays=3 if QUICK else 5, warm=False)
             row[f"replay{L}_bytes"] = B * (STATE * (1 + 1 / L) + ENTRY * ((L + 1) / 2 + 1))
             free(p)
+        # the general step kernel (kernels/gdn.cu) on the same work, for comparison
+        os.environ["KVR_GDN_DECODE"] = "general"
+        for name, L in (("general_recurrent", 0), ("general_replay16", 16)):
+            p, seqs = pool(B, L, ns)
+            import_states(p, seqs, 0, S)
+            o = Ours(p, seqs, inp)
+            o(0)
+            torch.cuda.synchronize()
+            if ref is not None:
+                row[f"err_{name}_vs_fla"] = rel(o.out, ref)
+            row[f"{name}_us"] = time_graph(o, ns, ns * max(L, 16), replays=3 if QUICK else 5, warm=False)
+            free(p)
+        os.environ.pop("KVR_GDN_DECODE", None)
         row["recurrent_bytes"] = rec_bytes
         torch.cuda.empty_cache()
         rows.append(row)
@@ -233,6 +250,7 @@ def decode_sweep(ceil_copy, results):
             t = row[f"replay{L}_us"]
             by = row[f"replay{L}_bytes"]
             line += f"L{L} {t:7.1f} ({100 * by / (ceil_copy * 1e6) / t:3.0f}%)  "
+        line += f"general: recurrent {row['general_recurrent_us']:7.1f} L16 {row['general_replay16_us']:7.1f}  "
         if "fla_us" in row:
             line += "x fla: " + " ".join(f"{row['fla_us'] / row[f'replay{L}_us']:.2f}" for L in RINGS)
         print(line, flush=True)
@@ -320,24 +338,24 @@ def memory_table(results):
 
 
 def tile_sweep(results):
-    """Value rows per CTA (KVR_GDN_TILE, read at pool creation): 128 uses the wide kernels."""
-    print("\n== tile sweep: us per decode step (graph)", flush=True)
+    """Value rows per CTA of the decode kernel (KVR_GDN_DECODE_ROWS, read at pool creation)."""
+    print("\n== decode rows per CTA: us per decode step (graph)", flush=True)
     rows = []
-    for B in (8, 64, 256):
+    for B in (1, 8, 64, 256):
         ns = n_sets_for(B)
         inp = Inputs(B, 1, ns, seed=11)
-        for tile in (16, 32, 64, 128):
-            os.environ["KVR_GDN_TILE"] = str(tile)
-            row = {"B": B, "tile": tile}
+        for r in (8, 16, 32):
+            os.environ["KVR_GDN_DECODE_ROWS"] = str(r)
+            row = {"B": B, "rows": r}
             for name, ring in (("recurrent", 0), ("replay16", 16)):
                 p, seqs = pool(B, ring, ns)
                 row[name + "_us"] = time_graph(Ours(p, seqs, inp), ns, ns * 16, replays=3, warm=False)
                 free(p)
             rows.append(row)
-            print(f"B={B:3d} tile {tile:3d}: recurrent {row['recurrent_us']:8.1f}  replay16 {row['replay16_us']:8.1f}",
+            print(f"B={B:3d} rows {r:3d}: recurrent {row['recurrent_us']:8.1f}  replay16 {row['replay16_us']:8.1f}",
                   flush=True)
-        os.environ.pop("KVR_GDN_TILE", None)
-    results["tiles"] = rows
+        os.environ.pop("KVR_GDN_DECODE_ROWS", None)
+    results["decode_rows"] = rows
 
 
 def main():
@@ -346,15 +364,18 @@ def main():
                "kvreplay": lib.lib.kvr_version().decode()}
     results["read_tbs"] = read_ceiling()
     results["copy_tbs"] = copy_ceiling()
-    print(f"{props.name}: read {results['read_tbs']:.2f} TB/s, copy {results['copy_tbs']:.2f} TB/s "
+    results["inplace_tbs"] = inplace_ceiling()
+    print(f"{props.name}: read {results['read_tbs']:.2f} TB/s, copy {results['copy_tbs']:.2f} TB/s, "
+          f"in place {results['inplace_tbs']:.2f} TB/s "
           f"(both directions), fla {FLA_VERSION}", flush=True)
     chained_check(results)
     if "--tiles" in sys.argv:
         tile_sweep(results)
     decode_sweep(results["copy_tbs"], results)
-    verify_sweep(results)
-    kv_only_sweep(results)
-    memory_table(results)
+    if "--decode-only" not in sys.argv:
+        verify_sweep(results)
+        kv_only_sweep(results)
+        memory_table(results)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gdn_bench.json"), "w") as f:

@@ -77,6 +77,17 @@ def read_ceiling():
     return 2 * GIB / (t * 1e-6) / 1e12
 
 
+def inplace_ceiling():
+    """In-place read-modify-write bandwidth (TB/s, both directions counted): x *= c on 1 GiB,
+    the access pattern of a state updated where it lives."""
+    x = torch.empty(GIB // 4, dtype=torch.float32, device=DEV)
+    x.normal_()
+    t = time_eager(lambda i: x.mul_(1.0), 1, 20)
+    del x
+    torch.cuda.empty_cache()
+    return 2 * GIB / (t * 1e-6) / 1e12
+
+
 def copy_ceiling():
     """Read + write streaming bandwidth (TB/s, both directions counted): a 1 GiB copy."""
     x = torch.empty(GIB // 4, dtype=torch.float32, device=DEV)

@@ -1,6 +1,7 @@
 // Gated DeltaNet replay decoding (src/linear/gdn_cuda.rs; the math is src/linear/math.rs):
-//   kvr_gdn_step_<state>_<layout>   decode (T = 1, auto-commit) or verify (T = 1..8) for a
-//                                   batch, an explicit flush, or a state export
+//   kvr_gdn_step_<state>_<layout>   verify (T = 1..8) for a batch, an explicit flush, a state
+//                                   export, and decode (T = 1, auto-commit) where the fast
+//                                   kernel of kernels/gdn_decode.cu does not apply
 //   kvr_gdn_commit                  per-sequence accepted counts (host or device) -> cursors,
 //                                   conv window of the accepted prefix, recurrent snapshots
 //
@@ -9,147 +10,16 @@
 // through shared memory. All the math is row-local (outputs, corrected values, forward
 // substitution and the flush's rank-h update touch only the CTA's own value rows), so the
 // tiles of a head never exchange data, with two exceptions handled below:
-//   - per-sequence metadata, ring keys and decays are shared by the CTAs of a sequence: the
-//     last CTA to finish (an arrival counter in the metadata) writes them, after every
-//     sibling has read the old values;
+//   - per-sequence metadata, ring keys and decays are shared by the CTAs of a sequence:
+//     kvr_gdn_finish, launched right after on the same stream, writes them once every CTA
+//     has read the old values;
 //   - a KV-only sequence keeps its entries inside its state memory, so the step that
 //     materializes its state waits until every tile of the head has read them (a per-head
 //     arrival counter; sibling tiles are adjacent in launch order).
-#include "mma.cuh"
+#include "gdn_common.cuh"
 
 namespace kvr {
 namespace gdn {
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-// float4 state vectors one thread holds at most (tv * dk <= NV * 4 * 256): each step
-// kernel comes in an NV = 8 variant (fewer registers, smaller tiles) and an NV = 16 one.
-constexpr int kMaxNV = 16;
-// Buffered entries per shared-memory chunk.
-constexpr int kChunk = 16;
-constexpr int kMaxInline = 512;
-constexpr int kMaxCommitInline = 256;
-constexpr int kMaxT = 8;
-
-enum : int { kModeKvOnly = 0, kModeReplay = 1, kModeRecurrent = 2 };
-enum : int {
-  kMetaMode = 0,
-  kMetaStart = 1,
-  kMetaH = 2,
-  kMetaPending = 3,
-  kMetaConvEnd = 4,
-  kMetaArrive = 5,
-  kMetaInts = 8
-};
-enum : int { kOpStep = 0, kOpFlush = 1, kOpExport = 2 };
-
-// A strided tensor argument; dtype 0 f32, 1 f16, 2 bf16. Must match `DevTensor` in
-// src/linear/gdn_cuda.rs.
-struct Tensor {
-  void* p;
-  int64_t s[4];
-  int32_t dtype;
-  int32_t pad;
-};
-
-// Must match `StepParams` in src/linear/gdn_cuda.rs field for field.
-struct StepParams {
-  char* state;           // this layer's state of sequence slot 0
-  char* snaps;           // recurrent pools: this layer's per-draft snapshots
-  char* ring_u;          // this layer's ring: u [seq][L][Hv][dv]
-  char* ring_k;          //                    k [seq][L][Hk][dk]
-  float* ring_g;         //                    g [seq][L][Hv]
-  int32_t* meta;         // this layer's metadata [seq][8]
-  char* conv;            // this layer's conv windows [seq][slots][conv_dim]
-  uint32_t* sync;        // per-(seq, head) arrival counters (all layers)
-  const int32_t* ids;    // device sequence ids, or null (ids_inline)
-  int64_t seq_stride;    // state elements between sequence slots
-  Tensor q, k, v, g, beta, out, conv_in;
-  int32_t op, B, T, Hk, Hv, dk, dv, L;
-  int32_t thr, kv_cap, max_drafts, conv_dim, conv_slots, entry_dtype, conv_dtype, tv;
-  int32_t tiles, auto_commit, l2norm, hmax, export_seq, pad0;
-  float scale;
-  int32_t pad1;
-  int32_t ids_inline[kMaxInline];
-};
-
-struct LayerState {
-  char* state;
-  int64_t seq_stride;
-};
-
-// Must match `CommitParams` in src/linear/gdn_cuda.rs.
-struct CommitParams {
-  const LayerState* layers;
-  char* snaps;          // all layers
-  int32_t* meta;        // all layers
-  char* conv;           // all layers
-  const int32_t* accepted;  // device counts, or null (acc_inline)
-  Tensor conv_out;      // [B, conv_kernel - 1, conv_dim], p null when not wanted
-  int64_t snap_layer_bytes, state_bytes, conv_layer_bytes;
-  int32_t layer0, max_seqs, max_drafts, recurrent, conv_dim, conv_slots, conv_k1, conv_dtype;
-  int32_t chunks, acc_stride, state_es, pad;
-  int32_t ids[kMaxCommitInline];
-  int32_t acc_inline[kMaxCommitInline];
-};
-
-__device__ __forceinline__ float ldx(const void* p, int dt, int64_t i) {
-  if (dt == 0) return static_cast<const float*>(p)[i];
-  if (dt == 1) return __half2float(static_cast<const __half*>(p)[i]);
-  return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-}
-
-__device__ __forceinline__ void stx(void* p, int dt, int64_t i, float x) {
-  if (dt == 0)
-    static_cast<float*>(p)[i] = x;
-  else if (dt == 1)
-    static_cast<__half*>(p)[i] = __float2half_rn(x);
-  else
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
-}
-
-// What storing as `dt` keeps.
-__device__ __forceinline__ float roundx(int dt, float x) {
-  if (dt == 1) return __half2float(__float2half_rn(x));
-  if (dt == 2) return __bfloat162float(__float2bfloat16_rn(x));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-template <typename SD> struct StateIO;
-template <> struct StateIO<float> {
-  static __device__ __forceinline__ float4 load(const char* base, int64_t e) {
-    return *reinterpret_cast<const float4*>(base + e * 4);
-  }
-  static __device__ __forceinline__ void store(char* base, int64_t e, float4 v) {
-    *reinterpret_cast<float4*>(base + e * 4) = v;
-  }
-  static __device__ __forceinline__ float4 round(float4 v) { return v; }
-};
-template <> struct StateIO<__nv_bfloat16> {
-  static __device__ __forceinline__ float4 load(const char* base, int64_t e) {
-    const uint2 r = *reinterpret_cast<const uint2*>(base + e * 2);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
-    return make_float4(a.x, a.y, b.x, b.y);
-  }
-  static __device__ __forceinline__ void store(char* base, int64_t e, float4 v) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y);
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v.z, v.w);
-    uint2 r;
-    r.x = *reinterpret_cast<const uint32_t*>(&a);
-    r.y = *reinterpret_cast<const uint32_t*>(&b);
-    *reinterpret_cast<uint2*>(base + e * 2) = r;
-  }
-  static __device__ __forceinline__ float4 round(float4 v) {
-    return make_float4(roundx(2, v.x), roundx(2, v.y), roundx(2, v.z), roundx(2, v.w));
-  }
-};
 
 // Which state elements a thread holds: `nv` float4 vectors at element offsets
 // base + i * step of the head's state.
@@ -357,44 +227,6 @@ __device__ __forceinline__ Smem carve(float* base, int dk, int tv, int T, int hm
   p += kWarps * 2 * tv;
   s.raw = reinterpret_cast<char*>(p);  // 2 x kChunk x (dk + tv) entry elements (cp.async)
   return s;
-}
-
-// Waits until `n` CTAs (the tiles of one head) have arrived.
-__device__ __forceinline__ void head_barrier(uint32_t* ctr, int n) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(ctr, 1u);
-    while (*reinterpret_cast<volatile uint32_t*>(ctr) < static_cast<uint32_t>(n)) __nanosleep(100);
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// Where a step's new entries go, from the sequence's metadata before the step: whether it
-// flushes (or leaves KV-only mode) first, whether the entries stay in the KV-only store,
-// and the first position. The step and finish kernels must agree, so both use this.
-struct Place {
-  bool flush, kv_store;
-  int base;
-};
-
-__device__ __forceinline__ Place placement(const StepParams& p, int mode, int start, int hcnt) {
-  Place r{false, false, 0};
-  if (p.op == kOpStep && mode != kModeRecurrent) {
-    const int need = p.auto_commit ? p.T : 2 * p.T;
-    if (mode == kModeKvOnly) {
-      r.flush = hcnt + need > p.thr;
-      r.kv_store = !r.flush;
-      r.base = r.flush ? 0 : hcnt;
-    } else {
-      r.flush = hcnt + need > p.L;
-      r.base = (start + hcnt) % p.L;
-    }
-  } else if (p.op == kOpFlush) {
-    r.flush = mode == kModeKvOnly || (mode == kModeReplay && hcnt > 0);
-  }
-  return r;
 }
 
 template <typename SD, bool VM, int NV>

@@ -52,10 +52,12 @@ cp target/release/libkvreplay.so "$out/lib/"
 # C programs: the engine-style CUDA stream test and every example.
 make -s -C ffi-tests build/test_cuda_stream
 cp ffi-tests/build/test_cuda_stream "$out/bin/"
-make -s -C examples
+# The examples link the shared library here (lib/ is on LD_LIBRARY_PATH in run-all.sh):
+# statically linked, each would carry its own copy of the kernels past the carry limit.
+make -s -C examples SHARED=1 BUILD=build-bundle
 for f in examples/*.c; do
   name=$(basename "$f" .c)
-  cp "examples/build/$name" "$out/bin/example_$name"
+  cp "examples/build-bundle/$name" "$out/bin/example_$name"
 done
 strip --strip-debug "$out"/bin/* "$out"/lib/*.so
 

@@ -13,7 +13,7 @@ use super::gdn::{
 };
 use super::math::StateLayout;
 use crate::backend::cuda::memory::DeviceBuffer;
-use crate::backend::cuda::module::Kernel;
+use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
 use crate::error::{Error, Result};
@@ -30,6 +30,8 @@ const MAX_NV: usize = 16;
 /// Entries per shared-memory chunk (`kChunk`).
 const CHUNK: usize = 16;
 const MAX_INLINE: usize = 512;
+/// Value rows per CTA of the decode kernel at most (`kDecodeMaxWarps` x 8 rows).
+const DECODE_MAX_ROWS: usize = 32;
 const MAX_COMMIT_INLINE: usize = 256;
 const OP_STEP: i32 = 0;
 const OP_FLUSH: i32 = 1;
@@ -187,6 +189,9 @@ pub(crate) struct DeviceState {
     sm_count: u32,
     tiles: (usize, usize),
     forced_tile: Option<usize>,
+    /// Value rows per CTA of the single-token decode kernel (kernels/gdn_decode.cu), or
+    /// `None` where it does not apply (dk outside `GDN_DECODE_DKS`, or disabled).
+    decode_rows: Option<usize>,
 }
 
 impl DeviceState {
@@ -229,6 +234,22 @@ impl DeviceState {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|t| t.is_power_of_two() && (tiles.0..=tiles.1).contains(t));
+        // The decode kernel: 8 value rows per warp, up to DECODE_MAX_ROWS per CTA.
+        // KVR_GDN_DECODE=general routes decode through the general step kernel and
+        // KVR_GDN_DECODE_ROWS sets the rows per CTA (both for benchmarking).
+        let decode_rows = if GDN_DECODE_DKS.contains(&cfg.dk)
+            && std::env::var("KVR_GDN_DECODE").as_deref() != Ok("general")
+        {
+            let max = DECODE_MAX_ROWS.min(cfg.dv);
+            let rows = std::env::var("KVR_GDN_DECODE_ROWS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|r| r.is_power_of_two() && (8..=max).contains(r))
+                .unwrap_or(max);
+            Some(rows)
+        } else {
+            None
+        };
         let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
         sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
         let descs: Vec<LayerState> = st
@@ -247,6 +268,7 @@ impl DeviceState {
             sm_count: cuda.sm_count(),
             tiles,
             forced_tile,
+            decode_rows,
         })
     }
 
@@ -392,6 +414,44 @@ impl DeviceState {
         Ok(())
     }
 
+    /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
+    /// finish kernel.
+    fn launch_decode(
+        &self,
+        cuda: &CudaBackend,
+        cfg: &GdnConfig,
+        p: &mut StepParams,
+        rows: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let kernel = Kernel::GdnDecode {
+            state: cfg.state_dtype,
+            vmajor: cfg.layout == StateLayout::VMajor,
+            dk: cfg.dk,
+        };
+        let grid = rows * cfg.v_heads * p.tiles as usize;
+        let threads = 4 * p.tv as u32;
+        // Decays and the two key dot products of every buffered entry (kernels/gdn_decode.cu).
+        let smem = 3 * p.hmax as u32 * 4;
+        let mut args = [p as *mut StepParams as *mut c_void];
+        cuda.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (threads, 1, 1),
+            smem,
+            stream,
+            &mut args,
+        )?;
+        cuda.launch(
+            Kernel::GdnFinish,
+            (rows as u32, 1, 1),
+            (FINISH_THREADS, 1, 1),
+            0,
+            stream,
+            &mut args,
+        )
+    }
+
     pub(crate) fn reset_slot(
         &self,
         c: &CudaBackend,
@@ -527,7 +587,9 @@ impl DeviceState {
         if plan.b == 0 {
             return Ok(());
         }
-        let tv = self.tile(cfg, plan.b);
+        // One token per sequence with auto-commit: the decode kernel where it applies.
+        let decode = self.decode_rows.filter(|_| plan.t == 1 && plan.auto_commit);
+        let tv = decode.unwrap_or_else(|| self.tile(cfg, plan.b));
         let chunk_rows = if plan.host_ids.is_some() {
             MAX_INLINE
         } else {
@@ -555,7 +617,11 @@ impl DeviceState {
                 (None, Some(addr)) => p.ids = (addr + b0 * 4) as u64,
                 (None, None) => unreachable!("a batch always has ids"),
             }
-            self.launch_step(c, cfg, &mut p, rows, stream)?;
+            if decode.is_some() {
+                self.launch_decode(c, cfg, &mut p, rows, stream)?;
+            } else {
+                self.launch_step(c, cfg, &mut p, rows, stream)?;
+            }
             b0 += rows;
         }
         Ok(())

@@ -63,7 +63,17 @@ pub(crate) enum Kernel {
     GdnCommit,
     /// `kvr_gdn_finish` (kernels/gdn.cu): per-sequence bookkeeping after a step.
     GdnFinish,
+    /// `kvr_gdn_decode_<state>_<k|v>_d<dk>` (kernels/gdn_decode.cu): single-token decode;
+    /// dk is one of [`GDN_DECODE_DKS`].
+    GdnDecode {
+        state: DType,
+        vmajor: bool,
+        dk: usize,
+    },
 }
+
+/// Key dimensions the fast GDN decode kernel is compiled for.
+pub const GDN_DECODE_DKS: [usize; 3] = [64, 128, 256];
 
 const COPY_BASE: usize = 0;
 const KV_PATCH: usize = 9;
@@ -73,7 +83,8 @@ const KV_DECODE_BASE: usize = 20;
 const GDN_STEP_BASE: usize = 30;
 const GDN_COMMIT: usize = 38;
 const GDN_FINISH: usize = 39;
-const KERNEL_COUNT: usize = 40;
+const GDN_DECODE_BASE: usize = 40;
+const KERNEL_COUNT: usize = 52;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -109,6 +120,13 @@ impl Kernel {
         }
         v.push(Kernel::GdnCommit);
         v.push(Kernel::GdnFinish);
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for vmajor in [false, true] {
+                    v.push(Kernel::GdnDecode { state, vmajor, dk });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -139,6 +157,13 @@ impl Kernel {
             }
             Kernel::GdnCommit => GDN_COMMIT,
             Kernel::GdnFinish => GDN_FINISH,
+            Kernel::GdnDecode { state, vmajor, dk } => {
+                let d = GDN_DECODE_DKS
+                    .iter()
+                    .position(|&x| x == dk)
+                    .expect("a compiled GDN decode dk");
+                GDN_DECODE_BASE + 4 * d + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
+            }
         }
     }
 
@@ -162,6 +187,11 @@ impl Kernel {
             ),
             Kernel::GdnCommit => "kvr_gdn_commit".into(),
             Kernel::GdnFinish => "kvr_gdn_finish".into(),
+            Kernel::GdnDecode { state, vmajor, dk } => format!(
+                "kvr_gdn_decode_{}_{}_d{dk}",
+                state.name(),
+                if vmajor { "v" } else { "k" }
+            ),
         }
     }
 }
