@@ -202,7 +202,7 @@ __device__ void decode_body(const StepParams& p) {
   char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * DK * dv) *
                              static_cast<int64_t>(sizeof(SD));
   SD* hs = reinterpret_cast<SD*>(head);
-  // The state slice, issued first (a KV-only sequence reads its entries here and drops them).
+  // The state slice (not read for a KV-only sequence; see `early`).
   float s[RL][KL];
   auto state_io = [&](bool store) {
     if constexpr (VM) {
@@ -233,12 +233,17 @@ __device__ void decode_body(const StepParams& p) {
       }
     }
   };
-  state_io(false);
+  // Where no sequence can be KV-only (no threshold), the slice load goes out before the
+  // metadata; otherwise after it, so that a KV-only sequence reads no state at all (its
+  // point) at the cost of one more round trip for the others.
+  const bool early = p.thr == 0;
+  if (early) state_io(false);
 
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   const int4 m4 = __ldcg(reinterpret_cast<const int4*>(meta));
   const int mode = m4.x, start = m4.y, hcnt = m4.z;
   const bool recurrent = mode == kModeRecurrent, kvonly = mode == kModeKvOnly;
+  if (!early && !kvonly) state_io(false);
 
   float q[KL], k[KL];
   {
@@ -377,7 +382,7 @@ __device__ void decode_body(const StepParams& p) {
     // Fold the entries into the checkpoint (a KV-only sequence starts from zero), store
     // it, and read the new token against it. Warp-local: every L steps only.
     if (kvonly) {
-      // (what was loaded are entry bits, possibly NaN patterns: assign, don't scale)
+      // (never loaded for a KV-only sequence, or loaded early as entry bits: assign)
 #pragma unroll
       for (int r = 0; r < RL; ++r)
 #pragma unroll

@@ -237,7 +237,12 @@ impl DeviceState {
         // The decode kernel: 8 value rows per warp, up to DECODE_MAX_ROWS per CTA.
         // KVR_GDN_DECODE=general routes decode through the general step kernel and
         // KVR_GDN_DECODE_ROWS sets the rows per CTA (both for benchmarking).
+        // A recurrent-only K-major pool stays on the general kernel: there the decode
+        // kernel's 16-byte-per-lane reads of 32-byte key rows measured 609 vs 878 us
+        // (H100, B = 256, BENCHMARKS.md); everywhere else the decode kernel is faster.
+        let recurrent_kmajor = cfg.ring_len == 0 && cfg.layout == StateLayout::KMajor;
         let decode_rows = if GDN_DECODE_DKS.contains(&cfg.dk)
+            && !recurrent_kmajor
             && std::env::var("KVR_GDN_DECODE").as_deref() != Ok("general")
         {
             let max = DECODE_MAX_ROWS.min(cfg.dv);
