@@ -21,7 +21,12 @@ pool and a separate state tensor for fla), as the other layers of a model would 
 Bandwidth counts the bytes each implementation must move (below), against a read+write
 streaming ceiling (1 GiB copy) measured in the same run.
 
-    python3 bench_gdn.py [--quick]      # writes $OUT/gdn_bench.json if $OUT is set
+    python3 bench_gdn.py [--quick] [--tiles] [--decode-only] [--layout k|v]
+                                        # writes $OUT/gdn_bench.json if $OUT is set
+  --tiles        value rows per CTA of the decode kernel (KVR_GDN_DECODE_ROWS)
+  --decode-only  the decode sweep only (with the general kernel, KVR_GDN_DECODE=general,
+                 beside it)
+  --layout v     V-major pools (states imported transposed from fla's K-major)
 """
 
 import json
