@@ -21,12 +21,20 @@ pool and a separate state tensor for fla), as the other layers of a model would 
 Bandwidth counts the bytes each implementation must move (below), against a read+write
 streaming ceiling (1 GiB copy) measured in the same run.
 
-    python3 bench_gdn.py [--quick] [--tiles] [--decode-only] [--layout k|v]
-                                        # writes $OUT/gdn_bench.json if $OUT is set
-  --tiles        value rows per CTA of the decode kernel (KVR_GDN_DECODE_ROWS)
-  --decode-only  the decode sweep only (with the general kernel, KVR_GDN_DECODE=general,
-                 beside it)
+    python3 bench_gdn.py [--quick] [--tiles] [--srows] [--decode-only] [--layout k|v]
+                         [--rings 8,16] [--batches 1,8,256]
+                                        # writes $OUT/gdn_bench[_<layout>].json if $OUT is set
+  --tiles        value rows per CTA of the warp decode kernel (KVR_GDN_DECODE_ROWS)
+  --srows        value rows per CTA of the streaming decode kernel (KVR_GDN_STREAM_ROWS),
+                 one CTA per item and persistent CTAs (KVR_GDN_STREAM_PERSIST=1)
+  --decode-only  the decode sweep only
   --layout v     V-major pools (states imported transposed from fla's K-major)
+  --rings, --batches   subsets of the ring lengths and batch sizes of the decode sweep
+
+The decode sweep measures what the library picks (recurrent / replay columns) and, beside it
+in the same run, each decode kernel forced: the streaming kernel (KVR_GDN_DECODE=stream,
+kernels/gdn_stream.cu), the warp-per-rows kernel (KVR_GDN_DECODE=warp, kernels/gdn_decode.cu)
+and the general step kernel (KVR_GDN_DECODE=general, kernels/gdn.cu).
 """
 
 import json
@@ -46,10 +54,16 @@ STATE = HV * D * D * 4  # bytes of one sequence's fp32 state in one layer
 ENTRY = (HV * D + HK * D) * 4 + HV * 4  # one f32 ring entry (u, k, g) of one sequence
 L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
 ROTATE = 4 * L2_BYTES
-BATCHES = [1, 8, 32, 64, 128, 256]
+def _arg_list(name, default):
+    if name in sys.argv:
+        return [int(x) for x in sys.argv[sys.argv.index(name) + 1].split(",")]
+    return default
+
+
+BATCHES = _arg_list("--batches", [1, 8, 32, 64, 128, 256])
 # --layout v: V-major pools ([dv][dk] states; imports transposed from fla's [dk][dv])
 LAYOUT = 1 if "--layout" in sys.argv and sys.argv[sys.argv.index("--layout") + 1] == "v" else 0
-RINGS = [8, 16, 32, 64]
+RINGS = _arg_list("--rings", [8, 16, 32, 64])
 
 lib = kvr.Lib()
 ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
@@ -230,18 +244,21 @@ def decode_sweep(ceil_copy, results):
             row[f"replay{L}_us"] = time_graph(o, ns, ns * L, replays=3 if QUICK else 5, warm=False)
             row[f"replay{L}_bytes"] = B * (STATE * (1 + 1 / L) + ENTRY * ((L + 1) / 2 + 1))
             free(p)
-        # the general step kernel (kernels/gdn.cu) on the same work, for comparison
-        os.environ["KVR_GDN_DECODE"] = "general"
-        for name, L in (("general_recurrent", 0), ("general_replay16", 16)):
-            p, seqs = pool(B, L, ns)
-            import_states(p, seqs, 0, S)
-            o = Ours(p, seqs, inp)
-            o(0)
-            torch.cuda.synchronize()
-            if ref is not None:
-                row[f"err_{name}_vs_fla"] = rel(o.out, ref)
-            row[f"{name}_us"] = time_graph(o, ns, ns * max(L, 16), replays=3 if QUICK else 5, warm=False)
-            free(p)
+        # each decode kernel on the same work, for comparison (the default columns above are
+        # what the library picks): the streaming kernel (kernels/gdn_stream.cu), the
+        # warp-per-rows kernel (kernels/gdn_decode.cu) and the general step kernel (kernels/gdn.cu)
+        for which in ("stream", "warp", "general"):
+            os.environ["KVR_GDN_DECODE"] = which
+            for name, L in ((f"{which}_recurrent", 0), (f"{which}_replay16", 16)):
+                p, seqs = pool(B, L, ns)
+                import_states(p, seqs, 0, S)
+                o = Ours(p, seqs, inp)
+                o(0)
+                torch.cuda.synchronize()
+                if ref is not None:
+                    row[f"err_{name}_vs_fla"] = rel(o.out, ref)
+                row[f"{name}_us"] = time_graph(o, ns, ns * max(L, 16), replays=3 if QUICK else 5, warm=False)
+                free(p)
         os.environ.pop("KVR_GDN_DECODE", None)
         row["recurrent_bytes"] = rec_bytes
         torch.cuda.empty_cache()
@@ -255,7 +272,8 @@ def decode_sweep(ceil_copy, results):
             t = row[f"replay{L}_us"]
             by = row[f"replay{L}_bytes"]
             line += f"L{L} {t:7.1f} ({100 * by / (ceil_copy * 1e6) / t:3.0f}%)  "
-        line += f"general: recurrent {row['general_recurrent_us']:7.1f} L16 {row['general_replay16_us']:7.1f}  "
+        for which in ("stream", "warp", "general"):
+            line += f"{which}: rec {row[which + '_recurrent_us']:7.1f} L16 {row[which + '_replay16_us']:7.1f}  "
         if "fla_us" in row:
             line += "x fla: " + " ".join(f"{row['fla_us'] / row[f'replay{L}_us']:.2f}" for L in RINGS)
         print(line, flush=True)
@@ -363,6 +381,35 @@ def tile_sweep(results):
     results["decode_rows"] = rows
 
 
+def stream_rows_sweep(results):
+    """Value rows per CTA of the streaming decode kernel (KVR_GDN_STREAM_ROWS, read at pool
+    creation)."""
+    print("\n== streaming decode rows per CTA: us per decode step (graph)", flush=True)
+    rows = []
+    for B in (1, 8, 64, 256):
+        ns = n_sets_for(B)
+        inp = Inputs(B, 1, ns, seed=12)
+        for r in (16, 32, 64, 128):
+            if LAYOUT == 0 and r < 32:
+                continue
+            os.environ["KVR_GDN_STREAM_ROWS"] = str(r)
+            row = {"B": B, "rows": r}
+            for persist in ("0", "1"):
+                os.environ["KVR_GDN_STREAM_PERSIST"] = persist
+                for name, ring in (("recurrent", 0), ("replay16", 16)):
+                    p, seqs = pool(B, ring, ns)
+                    key = name + ("_persistent" if persist == "1" else "") + "_us"
+                    row[key] = time_graph(Ours(p, seqs, inp), ns, ns * 16, replays=3, warm=False)
+                    free(p)
+            rows.append(row)
+            print(f"B={B:3d} rows {r:3d}: recurrent {row['recurrent_us']:8.1f}  replay16 {row['replay16_us']:8.1f}  "
+                  f"persistent: recurrent {row['recurrent_persistent_us']:8.1f}  "
+                  f"replay16 {row['replay16_persistent_us']:8.1f}", flush=True)
+        os.environ.pop("KVR_GDN_STREAM_ROWS", None)
+        os.environ.pop("KVR_GDN_STREAM_PERSIST", None)
+    results["stream_rows"] = rows
+
+
 def main():
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "fla": FLA_VERSION, "torch": torch.__version__,
@@ -376,6 +423,8 @@ def main():
     chained_check(results)
     if "--tiles" in sys.argv:
         tile_sweep(results)
+    if "--srows" in sys.argv:
+        stream_rows_sweep(results)
     decode_sweep(results["copy_tbs"], results)
     if "--decode-only" not in sys.argv:
         verify_sweep(results)
@@ -383,7 +432,8 @@ def main():
         memory_table(results)
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "gdn_bench.json"), "w") as f:
+        name = "gdn_bench_v.json" if LAYOUT else "gdn_bench_k.json"
+        with open(os.path.join(out, name), "w") as f:
             json.dump(results, f, indent=1)
 
 

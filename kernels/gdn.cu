@@ -604,55 +604,10 @@ __device__ void finish_body(const StepParams& p) {
   const Place pl = placement(p, mode, start, hcnt);
   if (p.op == kOpFlush && !pl.flush) return;
   const bool recurrent = mode == kModeRecurrent;
-  const int T = p.T, dk = p.dk, ee = p.entry_dtype == 0 ? 4 : 2;
-  const int L = p.L > 0 ? p.L : 1;
-  if (p.op == kOpStep && !recurrent && !pl.kv_store) {
-    for (int x = warp; x < T * p.Hk; x += kFinishThreads / 32) {
-      const int s = x / p.Hk, kk = x % p.Hk;
-      const int64_t o = b * p.k.s[0] + s * p.k.s[1] + kk * p.k.s[2];
-      float ss = 0.f;
-      for (int i = lane; i < dk; i += 32) {
-        const float v = ldx(p.k.p, p.k.dtype, o + i * p.k.s[3]);
-        ss += v * v;
-      }
-      ss = warp_sum(ss);
-      const float f = p.l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f;
-      const int pos = (pl.base + s) % L;
-      char* dst = p.ring_k + ((static_cast<int64_t>(seq) * L + pos) * p.Hk + kk) * dk * ee;
-      for (int i = lane; i < dk; i += 32)
-        stx(dst, p.entry_dtype, i, roundx(p.entry_dtype, ldx(p.k.p, p.k.dtype, o + i * p.k.s[3]) * f));
-    }
-    for (int i = tid; i < T * p.Hv; i += kFinishThreads) {
-      const int s = i / p.Hv, hh = i % p.Hv;
-      const int pos = (pl.base + s) % L;
-      p.ring_g[(static_cast<int64_t>(seq) * L + pos) * p.Hv + hh] =
-          ldx(p.g.p, p.g.dtype, b * p.g.s[0] + s * p.g.s[1] + hh * p.g.s[2]);
-    }
-  }
+  if (p.op == kOpStep && !recurrent && !pl.kv_store) ring_keys_and_decays(p, b, seq, pl.base, warp, lane, tid, kFinishThreads);
   for (int i = tid; i < p.Hv; i += kFinishThreads) p.sync[static_cast<int64_t>(seq) * p.Hv + i] = 0u;
   __syncthreads();  // every thread has read the old metadata
-  if (tid == 0) {
-    int m_mode = mode, m_start = start, m_h = hcnt, m_pending = pending, m_conv = conv_end;
-    if (pl.flush) {
-      m_start = mode == kModeReplay ? (start + hcnt) % L : 0;
-      m_h = 0;
-      m_mode = kModeReplay;
-    }
-    if (p.op == kOpStep) {
-      if (p.auto_commit) {
-        if (!recurrent) m_h += T;
-        m_conv += T;
-        m_pending = 0;
-      } else {
-        m_pending = T;
-      }
-    }
-    meta[kMetaMode] = m_mode;
-    meta[kMetaStart] = m_start;
-    meta[kMetaH] = m_h;
-    meta[kMetaPending] = m_pending;
-    meta[kMetaConvEnd] = m_conv;
-  }
+  if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
 }
 
 __device__ void commit_body(const CommitParams& p) {

@@ -54,7 +54,7 @@ struct StepParams {
   Tensor q, k, v, g, beta, out, conv_in;
   int32_t op, B, T, Hk, Hv, dk, dv, L;
   int32_t thr, kv_cap, max_drafts, conv_dim, conv_slots, entry_dtype, conv_dtype, tv;
-  int32_t tiles, auto_commit, l2norm, hmax, export_seq, pad0;
+  int32_t tiles, auto_commit, l2norm, hmax, export_seq, stages;  // stages: gdn_stream.cu state tiles
   float scale;
   int32_t pad1;
   int32_t ids_inline[kMaxInline];
@@ -174,6 +174,62 @@ __device__ __forceinline__ Place placement(const StepParams& p, int mode, int st
     r.flush = mode == kModeKvOnly || (mode == kModeReplay && hcnt > 0);
   }
   return r;
+}
+
+// The ring keys (L2-normalized as the step kernels do, rounded to the entry dtype) and decays
+// of a step's T new entries of batch row b, from position `base` on; `nthreads` threads.
+__device__ __forceinline__ void ring_keys_and_decays(const StepParams& p, int b, int seq, int base,
+                                                     int warp, int lane, int tid, int nthreads) {
+  const int T = p.T, dk = p.dk, ee = p.entry_dtype == 0 ? 4 : 2;
+  const int L = p.L > 0 ? p.L : 1;
+  for (int x = warp; x < T * p.Hk; x += nthreads / 32) {
+    const int s = x / p.Hk, kk = x % p.Hk;
+    const int64_t o = b * p.k.s[0] + s * p.k.s[1] + kk * p.k.s[2];
+    float ss = 0.f;
+    for (int i = lane; i < dk; i += 32) {
+      const float v = ldx(p.k.p, p.k.dtype, o + i * p.k.s[3]);
+      ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float f = p.l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f;
+    const int pos = (base + s) % L;
+    char* dst = p.ring_k + ((static_cast<int64_t>(seq) * L + pos) * p.Hk + kk) * dk * ee;
+    for (int i = lane; i < dk; i += 32)
+      stx(dst, p.entry_dtype, i, roundx(p.entry_dtype, ldx(p.k.p, p.k.dtype, o + i * p.k.s[3]) * f));
+  }
+  for (int i = tid; i < T * p.Hv; i += nthreads) {
+    const int s = i / p.Hv, hh = i % p.Hv;
+    const int pos = (base + s) % L;
+    p.ring_g[(static_cast<int64_t>(seq) * L + pos) * p.Hv + hh] =
+        ldx(p.g.p, p.g.dtype, b * p.g.s[0] + s * p.g.s[1] + hh * p.g.s[2]);
+  }
+}
+
+// A sequence's metadata after a step or flush launch, from the values before it (one thread,
+// once every CTA of the launch has read them).
+__device__ __forceinline__ void finish_meta(const StepParams& p, int32_t* meta, int mode, int start, int hcnt,
+                                            int pending, int conv_end, const Place& pl) {
+  const int L = p.L > 0 ? p.L : 1;
+  int m_mode = mode, m_start = start, m_h = hcnt, m_pending = pending, m_conv = conv_end;
+  if (pl.flush) {
+    m_start = mode == kModeReplay ? (start + hcnt) % L : 0;
+    m_h = 0;
+    m_mode = kModeReplay;
+  }
+  if (p.op == kOpStep) {
+    if (p.auto_commit) {
+      if (mode != kModeRecurrent) m_h += p.T;
+      m_conv += p.T;
+      m_pending = 0;
+    } else {
+      m_pending = p.T;
+    }
+  }
+  meta[kMetaMode] = m_mode;
+  meta[kMetaStart] = m_start;
+  meta[kMetaH] = m_h;
+  meta[kMetaPending] = m_pending;
+  meta[kMetaConvEnd] = m_conv;
 }
 
 }  // namespace gdn

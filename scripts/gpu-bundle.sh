@@ -86,6 +86,12 @@ for t in bin/gpu_*; do
   [ -x "$t" ] || continue
   run "$(basename "$t")" "$t" --test-threads=1 --nocapture
 done
+# The GDN tests again with each decode kernel forced (the library picks one per layout,
+# mode and batch size; every one must match the CPU backend).
+for k in stream warp; do
+  run "gpu_gdn-$k" env KVR_GDN_DECODE=$k bin/gpu_gdn --test-threads=1 --nocapture
+done
+run "gpu_gdn-stream-persistent" env KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1 bin/gpu_gdn --test-threads=1 --nocapture
 run test_cuda_stream bin/test_cuda_stream
 for e in bin/example_*; do
   [ -x "$e" ] || continue

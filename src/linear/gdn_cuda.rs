@@ -39,6 +39,13 @@ const OP_EXPORT: i32 = 2;
 /// Dynamic shared memory the step kernels may use (the largest valid configuration needs
 /// about 100 KiB; see `smem_bytes`).
 const STEP_SMEM_LIMIT: u32 = 112 * 1024;
+/// Threads of the streaming decode kernel (`kStreamThreads`, kernels/gdn_stream.cu).
+const STREAM_THREADS: u32 = 256;
+/// Dynamic shared memory one CTA may have on sm_80 / sm_90 (227 KiB).
+const STREAM_SMEM_LIMIT: usize = 227 * 1024;
+/// Value rows per CTA the streaming decode kernel takes, widest first (V-major takes 16
+/// too, K-major needs 32).
+const STREAM_ROWS: [usize; 4] = [128, 64, 32, 16];
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -90,7 +97,9 @@ struct StepParams {
     l2norm: i32,
     hmax: i32,
     export_seq: i32,
-    pad0: i32,
+    /// State tiles in shared memory of the streaming decode kernel: 1 (one item per CTA) or
+    /// 2 (persistent CTAs, the next item's tile in flight).
+    stages: i32,
     scale: f32,
     pad1: i32,
     ids_inline: [i32; MAX_INLINE],
@@ -172,6 +181,21 @@ fn smem_bytes(dk: usize, tv: usize, t: usize, hmax: usize) -> u32 {
     (floats * 4 + raw) as u32
 }
 
+/// Shared memory of one streaming decode CTA (kernels/gdn_stream.cu `stream_layout`):
+/// `stages` state tiles (K-major key rows padded by 16 bytes), the tile's ring rows, then qs, ks [dk];
+/// sq, sk, us [rows]; aq, ak, wg, gs [max(L, 1)]; 32 words.
+fn stream_smem_bytes(cfg: &GdnConfig, rows: usize, stages: usize) -> usize {
+    let align16 = |x: usize| x.div_ceil(16) * 16;
+    let es = cfg.state_dtype.size();
+    let st = if cfg.layout == StateLayout::VMajor {
+        rows * cfg.dk * es
+    } else {
+        cfg.dk * (rows * es + 16)
+    };
+    let ut = align16(cfg.ring_len * rows * cfg.entry_dtype.size());
+    stages * align16(st) + ut + 4 * (2 * cfg.dk + 3 * rows + 4 * cfg.ring_len.max(1)) + 4 * 32
+}
+
 /// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
 /// float4 vectors and V-major rows have at most 32 threads.
 fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
@@ -192,6 +216,34 @@ pub(crate) struct DeviceState {
     /// Value rows per CTA of the single-token decode kernel (kernels/gdn_decode.cu), or
     /// `None` where it does not apply (dk outside `GDN_DECODE_DKS`, or disabled).
     decode_rows: Option<usize>,
+    /// (value rows per CTA, resident CTAs per SM) the streaming decode kernel
+    /// (kernels/gdn_stream.cu) may use for this pool, widest first; empty where it does not
+    /// apply (KV-only pools, other dk, states not 16-byte aligned, or disabled).
+    stream_rows: Vec<StreamWidth>,
+    /// KVR_GDN_STREAM_ROWS: forced rows per CTA of the streaming kernel (benchmarking).
+    forced_stream_rows: Option<usize>,
+    /// KVR_GDN_STREAM_PERSIST=1: persistent CTAs with two state tiles (benchmarking; one
+    /// item per CTA measured faster on the H200, BENCHMARKS.md).
+    stream_persistent: bool,
+    /// Batch rows (per launch) for which the streaming kernel is used.
+    stream_batches: std::ops::Range<usize>,
+}
+
+/// One tile width of the streaming decode kernel and its resident CTAs per SM with one
+/// state tile and with two (persistent; 0 where two do not fit).
+#[derive(Clone, Copy, Debug)]
+struct StreamWidth {
+    rows: usize,
+    per_sm: usize,
+    per_sm_persistent: usize,
+}
+
+/// A launch of the streaming decode kernel: rows per CTA, CTAs, state tiles per CTA.
+#[derive(Clone, Copy, Debug)]
+struct StreamLaunch {
+    rows: usize,
+    grid: usize,
+    stages: usize,
 }
 
 impl DeviceState {
@@ -241,19 +293,108 @@ impl DeviceState {
         // kernel's 16-byte-per-lane reads of 32-byte key rows measured 609 vs 878 us
         // (H100, B = 256, BENCHMARKS.md); everywhere else the decode kernel is faster.
         let recurrent_kmajor = cfg.ring_len == 0 && cfg.layout == StateLayout::KMajor;
-        let decode_rows = if GDN_DECODE_DKS.contains(&cfg.dk)
-            && !recurrent_kmajor
-            && std::env::var("KVR_GDN_DECODE").as_deref() != Ok("general")
-        {
-            let max = DECODE_MAX_ROWS.min(cfg.dv);
-            let rows = std::env::var("KVR_GDN_DECODE_ROWS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .filter(|r| r.is_power_of_two() && (8..=max).contains(r))
-                .unwrap_or(max);
-            Some(rows)
+        let which = std::env::var("KVR_GDN_DECODE").unwrap_or_default();
+        let decode_rows =
+            if GDN_DECODE_DKS.contains(&cfg.dk) && !recurrent_kmajor && which != "general" {
+                let max = DECODE_MAX_ROWS.min(cfg.dv);
+                let rows = std::env::var("KVR_GDN_DECODE_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .filter(|r| r.is_power_of_two() && (8..=max).contains(r))
+                    .unwrap_or(max);
+                Some(rows)
+            } else {
+                None
+            };
+        // The streaming decode kernel: every pool without KV-only mode whose states it can
+        // copy in 16-byte pieces. KVR_GDN_DECODE=warp (or general) selects the older
+        // kernels instead, KVR_GDN_STREAM_ROWS the rows per CTA (both for benchmarking).
+        let es = cfg.state_dtype.size();
+        let aligned = st
+            .states
+            .iter()
+            .all(|s| s.addr % 16 == 0 && (s.seq_stride * es) % 16 == 0);
+        let min_rows = if cfg.layout == StateLayout::VMajor {
+            16
         } else {
-            None
+            32
+        };
+        let candidates: Vec<usize> = if GDN_DECODE_DKS.contains(&cfg.dk)
+            && cfg.kv_only_threshold == 0
+            && aligned
+            && which != "general"
+            && which != "warp"
+        {
+            STREAM_ROWS
+                .into_iter()
+                .filter(|&r| {
+                    r >= min_rows
+                        && r <= cfg.dv
+                        && cfg.dv % r == 0
+                        && stream_smem_bytes(cfg, r, 1) <= STREAM_SMEM_LIMIT
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // Resident CTAs per SM of each (width, stages), in increasing shared memory, so that
+        // the kernel's dynamic shared memory limit ends at the largest.
+        let mut stream_rows = Vec::new();
+        if !candidates.is_empty() {
+            let kernel = Kernel::GdnStream {
+                state: cfg.state_dtype,
+                vmajor: cfg.layout == StateLayout::VMajor,
+                dk: cfg.dk,
+            };
+            cuda.prefer_shared_memory(kernel)?;
+            let mut combos: Vec<(usize, usize, usize)> = candidates
+                .iter()
+                .flat_map(|&r| [1usize, 2].map(|s| (stream_smem_bytes(cfg, r, s), r, s)))
+                .filter(|&(bytes, _, _)| bytes <= STREAM_SMEM_LIMIT)
+                .collect();
+            combos.sort_unstable();
+            let mut fit = Vec::new();
+            for (bytes, r, stages) in combos {
+                let per_sm = cuda.prepare_kernel(kernel, bytes as u32, STREAM_THREADS)?;
+                fit.push((r, stages, per_sm as usize));
+            }
+            for r in candidates {
+                let per_sm = |s: usize| {
+                    fit.iter()
+                        .find(|&&(x, st, _)| x == r && st == s)
+                        .map_or(0, |&(_, _, n)| n)
+                };
+                if per_sm(1) > 0 {
+                    stream_rows.push(StreamWidth {
+                        rows: r,
+                        per_sm: per_sm(1),
+                        per_sm_persistent: per_sm(2),
+                    });
+                }
+            }
+        }
+        let forced_stream_rows = std::env::var("KVR_GDN_STREAM_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|r| stream_rows.iter().any(|w| w.rows == *r));
+        let stream_persistent = std::env::var("KVR_GDN_STREAM_PERSIST").as_deref() == Ok("1");
+        // Batch sizes where the streaming kernel beat the older ones on the H200
+        // (BENCHMARKS.md, same runs): replay decode on V-major states at every batch, on
+        // K-major states below 64 rows (the warp kernel is 4-16 % faster above); recurrent
+        // decode on K-major states from 32 rows (the general kernel is faster below), on
+        // V-major states from 64 rows (the warp kernel is faster below).
+        // KVR_GDN_DECODE=stream uses it at every batch (benchmarking).
+        let recurrent = cfg.ring_len == 0;
+        let vmajor = cfg.layout == StateLayout::VMajor;
+        let stream_batches = if which == "stream" {
+            0..usize::MAX
+        } else {
+            match (recurrent, vmajor) {
+                (false, true) => 0..usize::MAX,
+                (false, false) => 0..64,
+                (true, false) => 32..usize::MAX,
+                (true, true) => 64..usize::MAX,
+            }
         };
         let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
         sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
@@ -274,7 +415,46 @@ impl DeviceState {
             tiles,
             forced_tile,
             decode_rows,
+            stream_rows,
+            forced_stream_rows,
+            stream_persistent,
+            stream_batches,
         })
+    }
+
+    /// The streaming decode launch for a batch of `rows` sequences, or `None` where the
+    /// kernel does not apply. By default one CTA per (row, head, tile) item: the widest tile
+    /// whose items still give every SM its resident CTAs (wider tiles pay the per-item work
+    /// once for more state bytes), or for a batch too small for any, the narrowest (the most
+    /// CTAs to spread the state over). Persistent CTAs (KVR_GDN_STREAM_PERSIST=1) loop over
+    /// items with the next tile in flight; the grid is then what fits on the GPU at once.
+    fn stream_launch(&self, cfg: &GdnConfig, rows: usize) -> Option<StreamLaunch> {
+        if !self.stream_batches.contains(&rows) {
+            return None;
+        }
+        let sms = self.sm_count as usize;
+        let items = |r: usize| rows * cfg.v_heads * (cfg.dv / r);
+        let widths = self.stream_rows.iter().copied();
+        let w = match self.forced_stream_rows {
+            Some(r) => widths.clone().find(|w| w.rows == r),
+            None => widths
+                .clone()
+                .find(|w| items(w.rows) >= w.per_sm * sms)
+                .or_else(|| self.stream_rows.last().copied()),
+        }?;
+        if self.stream_persistent && w.per_sm_persistent > 0 {
+            Some(StreamLaunch {
+                rows: w.rows,
+                grid: items(w.rows).min(w.per_sm_persistent * sms),
+                stages: 2,
+            })
+        } else {
+            Some(StreamLaunch {
+                rows: w.rows,
+                grid: items(w.rows),
+                stages: 1,
+            })
+        }
     }
 
     /// Value rows per CTA for a batch of `rows` sequences: the widest tile (least fixed
@@ -372,7 +552,7 @@ impl DeviceState {
             l2norm: 0,
             hmax: cfg.ring_len.max(cfg.kv_only_threshold) as i32,
             export_seq: -1,
-            pad0: 0,
+            stages: 1,
             scale: 1.0,
             pad1: 0,
             ids_inline: [0; MAX_INLINE],
@@ -417,6 +597,34 @@ impl DeviceState {
             )?;
         }
         Ok(())
+    }
+
+    /// The streaming decode kernel (`p.tv` value rows per CTA); it finishes the step itself.
+    fn launch_stream(
+        &self,
+        cuda: &CudaBackend,
+        cfg: &GdnConfig,
+        p: &mut StepParams,
+        launch: StreamLaunch,
+        stream: Stream,
+    ) -> Result<()> {
+        let grid = launch.grid;
+        p.stages = launch.stages as i32;
+        let kernel = Kernel::GdnStream {
+            state: cfg.state_dtype,
+            vmajor: cfg.layout == StateLayout::VMajor,
+            dk: cfg.dk,
+        };
+        let smem = stream_smem_bytes(cfg, launch.rows, launch.stages) as u32;
+        let mut args = [p as *mut StepParams as *mut c_void];
+        cuda.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (STREAM_THREADS, 1, 1),
+            smem,
+            stream,
+            &mut args,
+        )
     }
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
@@ -592,9 +800,9 @@ impl DeviceState {
         if plan.b == 0 {
             return Ok(());
         }
-        // One token per sequence with auto-commit: the decode kernel where it applies.
-        let decode = self.decode_rows.filter(|_| plan.t == 1 && plan.auto_commit);
-        let tv = decode.unwrap_or_else(|| self.tile(cfg, plan.b));
+        // One token per sequence with auto-commit: a decode kernel where one applies.
+        let single = plan.t == 1 && plan.auto_commit;
+        let decode = self.decode_rows.filter(|_| single);
         let chunk_rows = if plan.host_ids.is_some() {
             MAX_INLINE
         } else {
@@ -603,6 +811,15 @@ impl DeviceState {
         let mut b0 = 0;
         while b0 < plan.b {
             let rows = (plan.b - b0).min(chunk_rows);
+            let streamed = if single {
+                self.stream_launch(cfg, rows)
+            } else {
+                None
+            };
+            let tv = streamed
+                .map(|s| s.rows)
+                .or(decode)
+                .unwrap_or_else(|| self.tile(cfg, rows));
             let mut p = self.base_params(cfg, st, l, OP_STEP, plan.t, tv);
             p.b = rows as i32;
             p.auto_commit = plan.auto_commit as i32;
@@ -622,7 +839,9 @@ impl DeviceState {
                 (None, Some(addr)) => p.ids = (addr + b0 * 4) as u64,
                 (None, None) => unreachable!("a batch always has ids"),
             }
-            if decode.is_some() {
+            if let Some(launch) = streamed {
+                self.launch_stream(c, cfg, &mut p, launch, stream)?;
+            } else if decode.is_some() {
                 self.launch_decode(c, cfg, &mut p, rows, stream)?;
             } else {
                 self.launch_step(c, cfg, &mut p, rows, stream)?;

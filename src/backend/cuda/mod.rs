@@ -254,6 +254,24 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Asks for the largest shared-memory carveout for `kernel` (less L1), for kernels whose
+    /// occupancy is set by their shared memory.
+    pub(crate) fn prefer_shared_memory(&self, kernel: Kernel) -> Result<()> {
+        let f = self.module()?.function(kernel);
+        let _cur = self.make_current()?;
+        // SAFETY: `f` belongs to this context's module.
+        unsafe {
+            check(
+                "cuFuncSetAttribute",
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                ),
+            )
+        }
+    }
+
     /// Lets `kernel` use `shared_bytes` of dynamic shared memory and returns how many blocks
     /// of `block_threads` threads fit on one multiprocessor (0: it cannot run).
     pub(crate) fn prepare_kernel(

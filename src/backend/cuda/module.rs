@@ -70,6 +70,13 @@ pub(crate) enum Kernel {
         vmajor: bool,
         dk: usize,
     },
+    /// `kvr_gdn_sdecode_<state>_<k|v>_d<dk>` (kernels/gdn_stream.cu): single-token decode
+    /// with the state tile streamed into shared memory; dk is one of [`GDN_DECODE_DKS`].
+    GdnStream {
+        state: DType,
+        vmajor: bool,
+        dk: usize,
+    },
 }
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
@@ -84,7 +91,8 @@ const GDN_STEP_BASE: usize = 30;
 const GDN_COMMIT: usize = 38;
 const GDN_FINISH: usize = 39;
 const GDN_DECODE_BASE: usize = 40;
-const KERNEL_COUNT: usize = 52;
+const GDN_STREAM_BASE: usize = 52;
+const KERNEL_COUNT: usize = 64;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -127,6 +135,13 @@ impl Kernel {
                 }
             }
         }
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for vmajor in [false, true] {
+                    v.push(Kernel::GdnStream { state, vmajor, dk });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -158,11 +173,10 @@ impl Kernel {
             Kernel::GdnCommit => GDN_COMMIT,
             Kernel::GdnFinish => GDN_FINISH,
             Kernel::GdnDecode { state, vmajor, dk } => {
-                let d = GDN_DECODE_DKS
-                    .iter()
-                    .position(|&x| x == dk)
-                    .expect("a compiled GDN decode dk");
-                GDN_DECODE_BASE + 4 * d + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
+                GDN_DECODE_BASE + gdn_decode_slot(state, vmajor, dk)
+            }
+            Kernel::GdnStream { state, vmajor, dk } => {
+                GDN_STREAM_BASE + gdn_decode_slot(state, vmajor, dk)
             }
         }
     }
@@ -192,8 +206,22 @@ impl Kernel {
                 state.name(),
                 if vmajor { "v" } else { "k" }
             ),
+            Kernel::GdnStream { state, vmajor, dk } => format!(
+                "kvr_gdn_sdecode_{}_{}_d{dk}",
+                state.name(),
+                if vmajor { "v" } else { "k" }
+            ),
         }
     }
+}
+
+/// Offset of a GDN decode variant inside its kernel family (dk, then state, then layout).
+fn gdn_decode_slot(state: DType, vmajor: bool, dk: usize) -> usize {
+    let d = GDN_DECODE_DKS
+        .iter()
+        .position(|&x| x == dk)
+        .expect("a compiled GDN decode dk");
+    4 * d + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
 }
 
 /// The fatbin loaded into a context, with every kernel resolved.

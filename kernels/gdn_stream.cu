@@ -1,0 +1,809 @@
+// Gated DeltaNet single-token decode, streaming form (the default decode path):
+//   kvr_gdn_sdecode_<state>_<k|v>_d<dk>   one token per sequence (T = 1, auto-commit) for a
+//                                         batch in replay or recurrent mode (pools without
+//                                         KV-only mode; src/linear/gdn_cuda.rs picks it)
+//
+// Decode is a stream over the checkpoint states, and what limits it is how many state bytes
+// are in flight while each CTA waits on its small dependent loads (metadata, then the ring
+// entries the metadata points at). So a CTA owns one tile of R value rows of one (sequence,
+// value head) and, first thing, issues asynchronous copies (cp.async, 16 bytes each) of its
+// whole state tile into shared memory (R x dk elements: 64 KiB for R = 128, dk = 128, f32),
+// computed from the sequence id alone. The metadata, q, k, v, g, beta loads and then the
+// ring entries (u rows of the tile also by cp.async, decays, keys) are issued while the
+// tile streams in; the arithmetic reads the tile from shared memory. Each SM keeps two or
+// three such tiles in flight, so the dependent round trips hide behind the state traffic.
+//
+// The per-sequence bookkeeping that kvr_gdn_finish does after the other decode kernels is
+// done here: the new entry's ring key and decay are written by the first tile of its head
+// (nobody reads that slot in this step), and the metadata by the last CTA of the sequence to
+// arrive (an arrival counter in the metadata record). In a flush step the new entry's slot
+// is the oldest entry, which every CTA of the sequence reads, so the last CTA writes the key
+// and decay there too. One launch per step, no second kernel.
+//
+// Math, per value row v of the tile, with S the checkpoint and ring entries j < h:
+//   (S_{t-1} x)[v] = e^{G} (S x)[v] + sum_j w_j (k_j . x) u_j[v],  w_j = e^{g_{j+1}+...+g_{h-1}}
+// for x in {q_t, k_t}; u_t = beta (v_t - e^{g_t} S_{t-1} k_t); y_t = e^{g_t} S_{t-1} q_t +
+// (k_t . q_t) u_t. A flush (full ring) stores e^{G} S + sum_j w_j u_j k_j^T as the new
+// checkpoint; the output is the same expression read before the fold (it equals the readout
+// against the folded state). Recurrent mode (ring 0) stores e^{g_t} S + u_t k_t^T.
+//
+// Shared memory: the state tile (V-major: R rows of dk; K-major: dk rows of R values, each row
+// padded by 16 bytes so that the 8 lanes of a quarter warp, reading 8 consecutive key rows,
+// hit different banks), the ring's u rows of the tile, then small float arrays. The host
+// computes the same size in `stream_smem_bytes` (src/linear/gdn_cuda.rs).
+#include "gdn_common.cuh"
+
+namespace kvr {
+namespace gdn {
+
+constexpr int kStreamThreads = 256;
+constexpr int kStreamWarps = kStreamThreads / 32;
+
+__host__ __device__ constexpr int align16(int x) { return (x + 15) & ~15; }
+
+// State tiles travel by the bulk copy engine on sm_90 (cp.async.bulk completing on an
+// mbarrier: the bytes in flight are not bounded by the SM's load queues, which capped the
+// per-thread cp.async version of this kernel at about 1.4-1.8 TB/s), by cp.async before.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVR_GDN_BULK 1
+#else
+#define KVR_GDN_BULK 0
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#if KVR_GDN_BULK
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra LAB_WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from global `src` to shared `dst`, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+#endif
+
+// N contiguous elements of T at p (aligned to their size, up to 16 bytes) as floats.
+template <typename T, int N>
+__device__ __forceinline__ void s_ld(const T* p, float* d) {
+  if constexpr (sizeof(T) == 4) {
+    if constexpr (N == 2) {
+      const float2 a = *reinterpret_cast<const float2*>(p);
+      d[0] = a.x;
+      d[1] = a.y;
+    } else {
+      static_assert(N % 4 == 0, "4, 8 floats");
+#pragma unroll
+      for (int i = 0; i < N; i += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p + i);
+        d[i] = a.x;
+        d[i + 1] = a.y;
+        d[i + 2] = a.z;
+        d[i + 3] = a.w;
+      }
+    }
+  } else {
+    auto two = [&](uint32_t r, float* o) {
+      float2 f;
+      if constexpr (IsSame<T, __half>::value)
+        f = __half22float2(*reinterpret_cast<const __half2*>(&r));
+      else
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+      o[0] = f.x;
+      o[1] = f.y;
+    };
+    if constexpr (N == 2) {
+      two(*reinterpret_cast<const uint32_t*>(p), d);
+    } else if constexpr (N == 4) {
+      const uint2 r = *reinterpret_cast<const uint2*>(p);
+      two(r.x, d);
+      two(r.y, d + 2);
+    } else {
+      static_assert(N % 8 == 0, "2, 4, 8k halves");
+#pragma unroll
+      for (int i = 0; i < N; i += 8) {
+        const uint4 r = *reinterpret_cast<const uint4*>(p + i);
+        two(r.x, d + i);
+        two(r.y, d + i + 2);
+        two(r.z, d + i + 4);
+        two(r.w, d + i + 6);
+      }
+    }
+  }
+}
+
+// N floats stored as T at p (T float or bf16).
+template <typename T, int N>
+__device__ __forceinline__ void s_st(T* p, const float* s) {
+  if constexpr (sizeof(T) == 4) {
+    if constexpr (N == 2) {
+      *reinterpret_cast<float2*>(p) = make_float2(s[0], s[1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 4)
+        *reinterpret_cast<float4*>(p + i) = make_float4(s[i], s[i + 1], s[i + 2], s[i + 3]);
+    }
+  } else {
+    static_assert(IsSame<T, __nv_bfloat16>::value, "bf16 is the only 2-byte state");
+    auto two = [&](int i) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(s[i], s[i + 1]);
+      return *reinterpret_cast<const uint32_t*>(&b);
+    };
+    if constexpr (N == 2) {
+      *reinterpret_cast<uint32_t*>(p) = two(0);
+    } else if constexpr (N == 4) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(two(0), two(2));
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 8)
+        *reinterpret_cast<uint4*>(p + i) = make_uint4(two(i), two(i + 2), two(i + 4), two(i + 6));
+    }
+  }
+}
+
+// The same for a runtime entry dtype (0 f32, 1 f16, 2 bf16); `e` counts elements.
+template <int N>
+__device__ __forceinline__ void s_ld_entry(const char* base, int dt, int64_t e, float* d) {
+  if (dt == 0)
+    s_ld<float, N>(reinterpret_cast<const float*>(base) + e, d);
+  else if (dt == 1)
+    s_ld<__half, N>(reinterpret_cast<const __half*>(base) + e, d);
+  else
+    s_ld<__nv_bfloat16, N>(reinterpret_cast<const __nv_bfloat16*>(base) + e, d);
+}
+
+// Sums P[0..4) over the warp; lane l ends with the total of P[l / 8]: exchange 1 splits on
+// lane bit 3 into even / odd entries, exchange 2 on bit 4 into first / second of the pair,
+// then a butterfly over the 8 lanes that share both bits (7 shuffles instead of 20).
+__device__ __forceinline__ float reduce4(float (&P)[4], int lane) {
+  // exchange 1: lanes with bit 8 keep the odd entries
+  {
+    const bool hi = lane & 8;
+    const float k0 = hi ? P[1] : P[0], s0 = hi ? P[0] : P[1];
+    const float k1 = hi ? P[3] : P[2], s1 = hi ? P[2] : P[3];
+    P[0] = k0 + __shfl_xor_sync(0xffffffffu, s0, 8);
+    P[1] = k1 + __shfl_xor_sync(0xffffffffu, s1, 8);
+  }
+  // exchange 2: lanes with bit 16 keep the second
+  {
+    const bool hi = lane & 16;
+    const float k0 = hi ? P[1] : P[0], s0 = hi ? P[0] : P[1];
+    P[0] = k0 + __shfl_xor_sync(0xffffffffu, s0, 16);
+  }
+  float x = P[0];
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// Shared-memory layout of a CTA (bytes), shared with the host's stream_smem_bytes: `stages`
+// state tiles (1: one item per CTA; 2: persistent CTAs with the next item's tile in flight),
+// the current item's ring rows,
+// then floats qs, ks [dk]; sq, sk, us [R]; aq, ak, wg, gs [max(L, 1)]; then 32 words.
+struct SLayout {
+  int st0, st1, ut, fl, ints, total;
+};
+__host__ __device__ inline SLayout stream_layout(bool vm, int dk, int R, int es, int L, int ee, int stages) {
+  SLayout s;
+  const int st_bytes = align16(vm ? R * dk * es : dk * (R * es + 16));
+  s.st0 = 0;
+  s.st1 = stages > 1 ? st_bytes : 0;
+  s.ut = stages * st_bytes;
+  s.fl = s.ut + align16(L * R * ee);
+  const int Lc = L > 0 ? L : 1;
+  s.ints = s.fl + 4 * (2 * dk + 3 * R + 4 * Lc);
+  s.total = s.ints + 4 * 32;
+  return s;
+}
+
+// Words of the int area: the current item's metadata [0, 5), k . q [5], e^G [6], the deferred
+// tail flag [7], and two tail records of kTailInts words from [8].
+enum : int { kTailInts = 10, kTailAt = 8 };
+
+// One work item: a tile of R value rows of one (batch row, value head).
+struct Item {
+  int b, h, tile, seq;
+};
+
+template <typename SD, bool VM, int DK>
+__device__ void sdecode_body(const StepParams& p) {
+  extern __shared__ __align__(16) unsigned char sm[];
+  constexpr int ES = sizeof(SD);
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int R = p.tv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = p.Hv / p.Hk;
+  const int dv = p.dv;
+  const int L = p.L;
+  const int Ls = L > 0 ? L : 1;
+  const int total = p.B * p.Hv * p.tiles;
+  const int per_seq = p.Hv * p.tiles;
+  const Tensor& out = p.out;
+  const int ee = p.entry_dtype == 0 ? 4 : 2;
+  const SLayout lay = stream_layout(VM, DK, R, ES, L, ee, p.stages);
+  unsigned char* ut = sm + lay.ut;
+  float* qs = reinterpret_cast<float*>(sm + lay.fl);
+  float* ks = qs + DK;
+  float* sq = ks + DK;
+  float* sk = sq + R;
+  float* us = sk + R;
+  const int Lc = L > 0 ? L : 1;
+  float* aq = us + R;
+  float* ak = aq + Lc;
+  float* wg = ak + Lc;
+  float* gs = wg + Lc;
+  int* mi = reinterpret_cast<int*>(sm + lay.ints);
+  const int row_bytes = VM ? DK * ES : R * ES + 16;
+  auto key = [&](int c) { return (c / VW) * (32 * VW) + lane * VW + c % VW; };
+
+  auto item_of = [&](int it) {
+    Item x;
+    x.tile = it % p.tiles;
+    const int hb = it / p.tiles;
+    x.h = hb % p.Hv;
+    x.b = hb / p.Hv;
+    x.seq = p.ids ? p.ids[x.b] : p.ids_inline[x.b];
+    return x;
+  };
+  auto head_of = [&](const Item& x) {
+    return p.state + (static_cast<int64_t>(x.seq) * p.seq_stride + static_cast<int64_t>(x.h) * DK * dv) * ES;
+  };
+  // The tile of item x into shared memory at `dst`: bulk copies completing on `bar` (sm_90;
+  // an unused row just arrives, so that the barrier's phases stay one per use), or cp.async
+  // (the caller commits).
+  auto issue_tile = [&](const Item& x, unsigned char* dst, uint64_t* bar) {
+    const int v0 = x.tile * R;
+#if KVR_GDN_BULK
+    if (warp != 0) return;
+    if (x.seq < 0) {
+      if (lane == 0) mbar_arrive(bar);
+      return;
+    }
+    const char* hd = head_of(x);
+    if constexpr (VM) {
+      if (lane == 0) {
+        const uint32_t bytes = R * DK * ES;
+        mbar_expect_tx(bar, bytes);
+        bulk_copy(dst, hd + static_cast<int64_t>(v0) * DK * ES, bytes, bar);
+      }
+    } else {
+      if (lane == 0) mbar_expect_tx(bar, DK * R * ES);
+      __syncwarp();
+      for (int k = lane; k < DK; k += 32)
+        bulk_copy(dst + k * row_bytes, hd + (static_cast<int64_t>(k) * dv + v0) * ES, R * ES, bar);
+    }
+#else
+    (void)bar;
+    if (x.seq < 0) return;
+    const char* hd = head_of(x);
+    if constexpr (VM) {
+      const char* src = hd + static_cast<int64_t>(v0) * DK * ES;
+      const int n16 = R * DK * ES / 16;
+      for (int i = tid; i < n16; i += kStreamThreads) cp_async_16(dst + 16 * i, src + 16 * i, 16);
+    } else {
+      const int c16 = R * ES / 16;
+      const int n16 = DK * c16;
+      for (int i = tid; i < n16; i += kStreamThreads) {
+        const int k = i / c16, c = i - k * c16;
+        cp_async_16(dst + k * row_bytes + 16 * c, hd + (static_cast<int64_t>(k) * dv + v0) * ES + 16 * c, 16);
+      }
+    }
+#endif
+  };
+  auto load_meta = [&](int seq, int* m) {
+    const int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+    const int4 m0 = __ldcg(reinterpret_cast<const int4*>(meta));
+    m[0] = m0.x;
+    m[1] = m0.y;
+    m[2] = m0.z;
+    m[3] = m0.w;
+    m[4] = __ldcg(meta + kMetaConvEnd);
+  };
+  // A K-major tile from shared memory back to its rows of the state, 16 bytes a thread and
+  // consecutive threads along a row (the update pass's lanes step over rows instead).
+  auto store_kmajor_tile = [&](const unsigned char* src, char* hd, int v0) {
+    const int c16 = R * ES / 16;
+    for (int i = tid; i < DK * c16; i += kStreamThreads) {
+      const int k = i / c16, c = i - k * c16;
+      *reinterpret_cast<int4*>(hd + (static_cast<int64_t>(k) * dv + v0) * ES + 16 * c) =
+          *reinterpret_cast<const int4*>(src + k * row_bytes + 16 * c);
+    }
+  };
+  // The step's end for a sequence whose last item this CTA finished: the new entry's key and
+  // decay in a flush step, and the metadata. `t` is a tail record.
+  auto run_tail = [&](const int* t) {
+    Place pl;
+    pl.flush = t[8] != 0;
+    pl.kv_store = false;
+    pl.base = t[9];
+    if (pl.flush) ring_keys_and_decays(p, t[2], t[1], pl.base, warp, lane, tid, kStreamThreads);
+    if (tid == 0) {
+      int32_t* meta = p.meta + static_cast<int64_t>(t[1]) * kMetaInts;
+      finish_meta(p, meta, t[3], t[4], t[5], t[6], t[7], pl);
+      meta[kMetaArrive] = 0;
+    }
+  };
+
+  int it = blockIdx.x;
+  if (it >= total) return;
+  __shared__ uint64_t bars[2];  // tile buffers 0 and 1 (bulk copies)
+#if KVR_GDN_BULK
+  if (tid == 0) {
+    mbar_init(&bars[0], 1);
+    mbar_init(&bars[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+#endif
+  // An item's inputs, loaded one phase ahead of their use (the first item's with its
+  // metadata, a later one's while the previous item finishes): raw q and k (warp 0, in its
+  // lanes' key map), g, and v and beta for the row phase.
+  float q_in[KL], k_in[KL], g_in = 0.f, v_in = 0.f, b_in = 0.f;
+  auto load_inputs = [&](const Item& x) {
+    const int kx = x.h / group;
+    g_in = ldx(p.g.p, p.g.dtype, x.b * p.g.s[0] + x.h * p.g.s[2]);
+    if (tid < R) {
+      v_in = ldx(p.v.p, p.v.dtype, x.b * p.v.s[0] + x.h * p.v.s[2] + (x.tile * R + tid) * p.v.s[3]);
+      b_in = ldx(p.beta.p, p.beta.dtype, x.b * p.beta.s[0] + x.h * p.beta.s[2]);
+    }
+    if (warp == 0) {
+      const int64_t qo = x.b * p.q.s[0] + kx * p.q.s[2], ko = x.b * p.k.s[0] + kx * p.k.s[2];
+#pragma unroll
+      for (int c = 0; c < KL; ++c) {
+        q_in[c] = ldx(p.q.p, p.q.dtype, qo + key(c) * p.q.s[3]);
+        k_in[c] = ldx(p.k.p, p.k.dtype, ko + key(c) * p.k.s[3]);
+      }
+    }
+  };
+  Item cur = item_of(it);
+  issue_tile(cur, sm + lay.st0, &bars[0]);
+  if (cur.seq >= 0) {
+    load_inputs(cur);
+    if (tid == 0) load_meta(cur.seq, mi);
+  }
+  cp_async_commit();
+  __syncthreads();
+  int prev_arr = -1;  // thread 0: arrival count returned for the previous item (-1: none)
+  int iter = 0;
+  for (;; ++iter) {
+    unsigned char* st = sm + ((iter & 1) ? lay.st1 : lay.st0);
+    unsigned char* st_next = sm + ((iter & 1) ? lay.st0 : lay.st1);
+    const int nxt = p.stages > 1 ? it + static_cast<int>(gridDim.x) : total;  // 1 stage: one item
+    Item next;
+    next.seq = -1;
+    if (nxt < total) next = item_of(nxt);
+    const int h = cur.h, b = cur.b, tile = cur.tile, seq = cur.seq;
+    const int kh = h / group;
+    const int v0 = tile * R;
+    int my_arr = -1;
+    int mn[5] = {0, 0, 0, 0, 0};  // thread 0: the next item's metadata
+
+    const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
+    const bool recurrent = mode == kModeRecurrent;
+    const int nbuf = (seq < 0 || recurrent) ? 0 : hcnt;
+    const bool flush = seq >= 0 && !recurrent && hcnt + 1 > L;
+    const int base = recurrent ? 0 : (start + hcnt) % Ls;
+    auto slot = [&](int j) { return (start + j) % Ls; };
+    auto entry_k = [&](int j) -> const char* {
+      return p.ring_k + ((static_cast<int64_t>(seq) * Ls + slot(j)) * p.Hk + kh) * DK * ee;
+    };
+
+    // 1. This item's ring rows and decays, then the next item's tile and metadata: every
+    //    load this CTA will wait on is out before it waits.
+    if (nbuf > 0) {
+      const int c16 = R * ee / 16;
+      for (int i = tid; i < nbuf * c16; i += kStreamThreads) {
+        const int j = i / c16, c = i - j * c16;
+        const char* src = p.ring_u + ((static_cast<int64_t>(seq) * Ls + slot(j)) * p.Hv + h) * dv * ee +
+                          static_cast<int64_t>(v0) * ee + 16 * c;
+        cp_async_16(ut + j * R * ee + 16 * c, src, 16);
+      }
+      for (int j = tid; j < nbuf; j += kStreamThreads)
+        gs[j] = p.ring_g[(static_cast<int64_t>(seq) * Ls + slot(j)) * p.Hv + h];
+    }
+    cp_async_commit();
+    if (nxt < total) {
+#if KVR_GDN_BULK
+      // The buffer's last reader finished before (B6); order its generic-proxy reads
+      // before the copy engine's writes.
+      if (warp == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+      issue_tile(next, st_next, &bars[(iter + 1) & 1]);
+      if (next.seq >= 0 && tid == 0) load_meta(next.seq, mn);
+    }
+    cp_async_commit();
+
+    if (seq < 0) {  // an unused row: zero outputs
+      for (int t = tid; t < R; t += kStreamThreads)
+        stx(out.p, out.dtype, b * out.s[0] + h * out.s[2] + (v0 + t) * out.s[3], 0.f);
+      if (next.seq >= 0) load_inputs(next);
+      __syncthreads();  // every thread has read the metadata words thread 0 rewrites below
+    } else {
+      // 2. This step's inputs: q normalized and scaled, k normalized (and rounded as
+      //    buffered, in replay pools), k . q; g, v, beta.
+      const float gt = g_in, vt = v_in, bt = b_in;
+      // This warp's first pair of entry keys, before anything waits (their addresses need
+      // only the metadata, which came with the previous item).
+      float kj[2][KL];
+      if (2 * warp < nbuf) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const char* kp = entry_k(min(2 * warp + e, nbuf - 1));
+#pragma unroll
+          for (int c = 0; c < KL; c += VW) s_ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[e][c]);
+        }
+      }
+      if (warp == 0) {
+        float q[KL], k[KL];
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          q[c] = q_in[c];
+          k[c] = k_in[c];
+        }
+        float s_q = 0.f, s_k = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          s_q += q[c] * q[c];
+          s_k += k[c] * k[c];
+        }
+        s_q = warp_sum(s_q);
+        s_k = warp_sum(s_k);
+        const float fq = p.l2norm ? 1.f / sqrtf(s_q + 1e-6f) : 1.f;
+        const float fk = p.l2norm ? 1.f / sqrtf(s_k + 1e-6f) : 1.f;
+        float kq = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          q[c] = q[c] * fq * p.scale;
+          k[c] = k[c] * fk;
+          if (L > 0) k[c] = roundx(p.entry_dtype, k[c]);
+          kq += k[c] * q[c];
+          qs[key(c)] = q[c];
+          ks[key(c)] = k[c];
+        }
+        kq = warp_sum(kq);
+        if (lane == 0) mi[5] = __float_as_int(kq);
+      }
+      __syncthreads();  // (B1) q and k
+
+      // 3. The entries' key dot products k_j . q and k_j . k (a warp per pair of entries).
+      float qv[KL], kv[KL];
+#pragma unroll
+      for (int c = 0; c < KL; ++c) {
+        qv[c] = qs[key(c)];
+        kv[c] = ks[key(c)];
+      }
+      for (int j0 = 2 * warp; j0 < nbuf; j0 += 2 * kStreamWarps) {
+        if (j0 != 2 * warp) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const char* kp = entry_k(min(j0 + e, nbuf - 1));
+#pragma unroll
+            for (int c = 0; c < KL; c += VW) s_ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[e][c]);
+          }
+        }
+        float P[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float a = 0.f, c2 = 0.f;
+#pragma unroll
+          for (int c = 0; c < KL; ++c) {
+            a += kj[e][c] * qv[c];
+            c2 += kj[e][c] * kv[c];
+          }
+          P[e] = a;
+          P[2 + e] = c2;
+        }
+        const float r = reduce4(P, lane);
+        const int idx = lane >> 3, e = idx & 1;
+        if ((lane & 7) == 0 && j0 + e < nbuf) (idx < 2 ? aq : ak)[j0 + e] = r;
+      }
+#if KVR_GDN_BULK
+      cp_async_wait<0>();  // this item's ring rows
+      mbar_wait(&bars[iter & 1], (iter >> 1) & 1);  // and its tile (the next one may still fly)
+#else
+      cp_async_wait<1>();  // this item's tile and ring rows (the next tile may still fly)
+#endif
+      __syncthreads();  // (B2)
+
+      // 4. Warp 0: weights w_j by a suffix scan over the decays, and the coefficients
+      //    aq_j = w_j (k_j . q), ak_j = w_j (k_j . k); meanwhile every warp reads the tile.
+      if (warp == 0) {
+        float carry = 0.f;
+        for (int blk = nbuf > 0 ? ((nbuf - 1) / 32) * 32 : -32; blk >= 0; blk -= 32) {
+          const int jl = blk + lane;
+          float x = jl < nbuf ? gs[jl] : 0.f;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const float t = __shfl_down_sync(0xffffffffu, x, o);
+            if (lane + o < 32) x += t;
+          }
+          float excl = __shfl_down_sync(0xffffffffu, x, 1);
+          if (lane == 31) excl = 0.f;
+          if (jl < nbuf) {
+            const float w = expf(carry + excl);
+            wg[jl] = w;
+            aq[jl] *= w;
+            ak[jl] *= w;
+          }
+          carry += __shfl_sync(0xffffffffu, x, 0);
+        }
+        if (lane == 0) mi[6] = __float_as_int(expf(carry));
+      }
+      // (S q)[v] and (S k)[v] for the tile's rows.
+      if constexpr (VM) {
+        const int rpw = R / kStreamWarps;  // rows per warp (even)
+        for (int r0 = 0; r0 < rpw; r0 += 2) {
+          float P[4];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
+            float s[KL];
+#pragma unroll
+            for (int c = 0; c < KL; c += VW) s_ld<SD, VW>(row + key(c), &s[c]);
+            float a = 0.f, c2 = 0.f;
+#pragma unroll
+            for (int c = 0; c < KL; ++c) {
+              a += s[c] * qv[c];
+              c2 += s[c] * kv[c];
+            }
+            P[e] = a;
+            P[2 + e] = c2;
+          }
+          const float r = reduce4(P, lane);
+          const int idx = lane >> 3, e = idx & 1;
+          if ((lane & 7) == 0) (idx < 2 ? sq : sk)[warp * rpw + r0 + e] = r;
+        }
+      } else {
+        // K-major: lane = (quad, ksub); a quad is 4 value columns, ksub steps over key rows.
+        const int nq = R / 32, ns = 32 / nq;
+        const int ql = lane / ns, ksub = lane - ql * ns;
+        const int c0 = warp * (R / kStreamWarps) + 4 * ql;
+        float aq4[4] = {0.f, 0.f, 0.f, 0.f}, ak4[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k = ksub; k < DK; k += ns) {
+          float s[4];
+          s_ld<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+          const float xq = qs[k], xk = ks[k];
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            aq4[x] += s[x] * xq;
+            ak4[x] += s[x] * xk;
+          }
+        }
+        for (int m = 1; m < ns; m <<= 1) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            aq4[x] += __shfl_xor_sync(0xffffffffu, aq4[x], m);
+            ak4[x] += __shfl_xor_sync(0xffffffffu, ak4[x], m);
+          }
+        }
+        if (ksub == 0) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            sq[c0 + x] = aq4[x];
+            sk[c0 + x] = ak4[x];
+          }
+        }
+      }
+      __syncthreads();  // (B3) coefficients, e^G, (S q), (S k)
+
+      // 5. Row phase: thread t < R owns value row v0 + t.
+      const float a = expf(gt);
+      const float eG = __int_as_float(mi[6]);
+      if (tid < R) {
+        float hq = 0.f, hk = 0.f;
+        for (int j = 0; j < nbuf; ++j) {
+          const float uj = ldx(ut, p.entry_dtype, j * R + tid);
+          hq += aq[j] * uj;
+          hk += ak[j] * uj;
+        }
+        const float kq = __int_as_float(mi[5]);
+        const float hist_q = eG * sq[tid] + hq, hist_k = eG * sk[tid] + hk;
+        const float u = bt * (vt - a * hist_k);
+        const float y = a * hist_q + kq * u;
+        stx(out.p, out.dtype, b * out.s[0] + h * out.s[2] + (v0 + tid) * out.s[3], y);
+        if (!recurrent) {
+          char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Ls + base) * p.Hv + h) * dv * ee;
+          stx(dst, p.entry_dtype, v0 + tid, u);
+        }
+        us[tid] = u;
+      }
+
+      // 6. State writes: recurrent mode every step, replay mode when the ring is full.
+      char* head = head_of(cur);
+      if (recurrent) {
+        __syncthreads();  // (B4) us
+        if constexpr (VM) {
+          const int rpw = R / kStreamWarps;
+          for (int r = 0; r < rpw; ++r) {
+            const int row = warp * rpw + r;
+            const float ur = us[row];
+#pragma unroll
+            for (int c = 0; c < KL; c += VW) {
+              float s[VW];
+              s_ld<SD, VW>(reinterpret_cast<const SD*>(st + row * row_bytes) + key(c), s);
+#pragma unroll
+              for (int x = 0; x < VW; ++x) s[x] = a * s[x] + ur * kv[c + x];
+              s_st<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + row) * DK + key(c), s);
+            }
+          }
+        } else {
+          const int nq = R / 32, ns = 32 / nq;
+          const int ql = lane / ns, ksub = lane - ql * ns;
+          const int c0 = warp * (R / kStreamWarps) + 4 * ql;
+          float u4[4];
+#pragma unroll
+          for (int x = 0; x < 4; ++x) u4[x] = us[c0 + x];
+          for (int k = ksub; k < DK; k += ns) {
+            float s[4];
+            s_ld<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+            const float xk = ks[k];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) s[x] = a * s[x] + xk * u4[x];
+            s_st<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
+          }
+          __syncthreads();
+          store_kmajor_tile(st, head, v0);
+        }
+      } else if (flush) {
+        // S' = e^G S + sum_j w_j u_j k_j^T over the tile (keys from the ring, L1/L2-resident).
+        if constexpr (VM) {
+          const int rpw = R / kStreamWarps;
+          for (int r0 = 0; r0 < rpw; r0 += 2) {
+            float s[2][KL];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
+#pragma unroll
+              for (int c = 0; c < KL; c += VW) s_ld<SD, VW>(row + key(c), &s[e][c]);
+#pragma unroll
+              for (int c = 0; c < KL; ++c) s[e][c] *= eG;
+            }
+#pragma unroll 4
+            for (int j = 0; j < nbuf; ++j) {
+              float kj[KL];
+              const char* kp = entry_k(j);
+#pragma unroll
+              for (int c = 0; c < KL; c += VW) s_ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float wu = wg[j] * ldx(ut, p.entry_dtype, j * R + warp * rpw + r0 + e);
+#pragma unroll
+                for (int c = 0; c < KL; ++c) s[e][c] += wu * kj[c];
+              }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+#pragma unroll
+              for (int c = 0; c < KL; c += VW)
+                s_st<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
+                             &s[e][c]);
+          }
+        } else {
+          const int nq = R / 32, ns = 32 / nq;
+          const int ql = lane / ns, ksub = lane - ql * ns;
+          const int c0 = warp * (R / kStreamWarps) + 4 * ql;
+          for (int k = ksub; k < DK; k += ns) {
+            float s[4];
+            s_ld<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+#pragma unroll
+            for (int x = 0; x < 4; ++x) s[x] *= eG;
+#pragma unroll 4
+            for (int j = 0; j < nbuf; ++j) {
+              const float f = wg[j] * ldx(entry_k(j), p.entry_dtype, k);
+              float u4[4];
+              s_ld_entry<4>(reinterpret_cast<const char*>(ut), p.entry_dtype, j * R + c0, u4);
+#pragma unroll
+              for (int x = 0; x < 4; ++x) s[x] += f * u4[x];
+            }
+            s_st<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
+          }
+          __syncthreads();
+          store_kmajor_tile(st, head, v0);
+        }
+      }
+
+      // 7. The new entry's key and decay (outside a flush: nobody reads that slot this step).
+      if (!recurrent && !flush && tile == 0) {
+        if (h % group == 0) {
+          char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Ls + base) * p.Hk + kh) * DK * ee;
+          for (int i = tid; i < DK; i += kStreamThreads) stx(kd, p.entry_dtype, i, ks[i]);
+        }
+        if (tid == 0) p.ring_g[(static_cast<int64_t>(seq) * Ls + base) * p.Hv + h] = gt;
+      }
+      if (p.conv_dim > 0) {
+        // This item's share of the conv inputs goes into the window ring (as in kernels/gdn.cu).
+        const int nct = p.Hv * p.tiles, rr2 = h * p.tiles + tile;
+        const int lo = static_cast<int>(static_cast<int64_t>(rr2) * p.conv_dim / nct);
+        const int hi = static_cast<int>(static_cast<int64_t>(rr2 + 1) * p.conv_dim / nct);
+        const int ce = p.conv_dtype == 0 ? 4 : 2;
+        const int cslot = conv_end % p.conv_slots;
+        char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + cslot) * p.conv_dim * ce;
+        for (int c = lo + tid; c < hi; c += kStreamThreads)
+          stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
+      }
+      __syncthreads();  // (B5) every thread is done with this item's shared memory
+      if (next.seq >= 0) load_inputs(next);  // (persistent CTAs)
+      // 8. Arrival. The last CTA of a sequence to arrive finishes its step, one item later
+      //    (the count is read then, so the round trip hides behind the next item). No fence
+      //    before the arrival: the finishing CTA writes only what the others have finished
+      //    reading (the metadata, and in a flush the oldest entry's key and decay).
+      if (tid == 0) {
+        my_arr = atomicAdd(p.meta + static_cast<int64_t>(seq) * kMetaInts + kMetaArrive, 1);
+        int* t = mi + kTailAt + (iter & 1) * kTailInts;
+        t[1] = seq;
+        t[2] = b;
+        t[3] = mode;
+        t[4] = start;
+        t[5] = hcnt;
+        t[6] = pending;
+        t[7] = conv_end;
+        t[8] = flush;
+        t[9] = base;
+      }
+    }
+    // The previous item's tail flag, and the next item's metadata (every thread has read the
+    // current one).
+    if (tid == 0) {
+      mi[7] = prev_arr == per_seq - 1;
+      prev_arr = my_arr;
+      mi[0] = mn[0];
+      mi[1] = mn[1];
+      mi[2] = mn[2];
+      mi[3] = mn[3];
+      mi[4] = mn[4];
+    }
+    __syncthreads();  // (B6)
+    if (mi[7]) run_tail(mi + kTailAt + ((iter + 1) & 1) * kTailInts);
+    if (nxt >= total) break;
+    it = nxt;
+    cur = next;
+  }
+  // The last item's tail.
+  if (tid == 0) mi[7] = prev_arr == per_seq - 1;
+  __syncthreads();
+  if (mi[7]) run_tail(mi + kTailAt + (iter & 1) * kTailInts);
+}
+
+}  // namespace gdn
+}  // namespace kvr
+
+#define KVR_GDN_SDECODE(SD, SN, VM, LN, DK)                                                       \
+  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 3)                      \
+      kvr_gdn_sdecode_##SN##_##LN##_d##DK(const __grid_constant__ kvr::gdn::StepParams p) {      \
+    kvr::gdn::sdecode_body<SD, VM, DK>(p);                                                        \
+  }
+#define KVR_GDN_SDECODE_DK(DK)                        \
+  KVR_GDN_SDECODE(float, f32, false, k, DK)           \
+  KVR_GDN_SDECODE(float, f32, true, v, DK)            \
+  KVR_GDN_SDECODE(__nv_bfloat16, bf16, false, k, DK)  \
+  KVR_GDN_SDECODE(__nv_bfloat16, bf16, true, v, DK)
+KVR_GDN_SDECODE_DK(64)
+KVR_GDN_SDECODE_DK(128)
+KVR_GDN_SDECODE_DK(256)
+#undef KVR_GDN_SDECODE_DK
+#undef KVR_GDN_SDECODE
