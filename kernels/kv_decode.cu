@@ -47,6 +47,7 @@ struct DecodeParams {
   float* part_o;          // [ctas][2][16][D] normalized partial outputs
   float* part_lse;        // [ctas][2][16] base-2 log-sum-exp of each partial
   int32_t* counters;      // [B][Hkv][Y], zero between launches
+  int32_t* group_counters;  // [Y][ctas][2] (by partial slot), zero between launches
   int64_t q_sb, q_st, q_sh;
   int64_t o_sb, o_st, o_sh;
   int64_t l_sb, l_st, l_sh;
@@ -60,6 +61,8 @@ struct DecodeParams {
   int32_t window;              // 0: no sliding window
   int32_t min_tiles_per_cta;
   int32_t stages;              // 1..3 pipeline stages
+  int32_t q_vec;               // 1: q is KV-typed, 2: f32; 16-byte aligned rows (vector loads)
+  int32_t debug;               // diagnostics: stage skips (0 in production)
   float scale_log2;            // scale * log2(e), no softcap
   float qk_scale;              // scale (softcap path)
   float softcap;               // 0: off
@@ -119,13 +122,8 @@ __device__ __forceinline__ void cursor_advance(const DecodeParams& p, RowCursor&
   if (++c.b < p.B) cursor_load_row(p, c);
 }
 
-// CTA that owns global tile x when W tiles are cut into N ranges [floor(cW/N), floor((c+1)W/N)).
-__device__ __forceinline__ long long cta_of(long long x, long long W, long long N) {
-  return ((x + 1) * N + W - 1) / W - 1;
-}
-__device__ __forceinline__ long long range_start(long long c, long long W, long long N) {
-  return c * W / N;
-}
+// CTA that owns global tile x when the tiles are cut into ranges of k: [c*k, (c+1)*k).
+__device__ __forceinline__ long long cta_of(long long x, long long k) { return x / k; }
 
 // mbarrier helpers (sm_80+).
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
@@ -148,14 +146,40 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   while (true) {
     unsigned done;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // try_wait suspends the warp in hardware until the phase completes (or a time limit),
+    // instead of polling: waiting consumers leave the issue slots to the producers.
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+#else
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(a), "r"(parity)
         : "memory");
+#endif
     if (__all_sync(0xffffffffu, done)) break;
   }
 }
+
+// 16-byte global -> shared copy (zeros for src_bytes = 0) with an L2 eviction policy: the
+// K/V stream is read once, so it goes first and the block table, lengths and partials stay.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void cp_async_16_stream(void* smem, const void* gmem, int src_bytes,
+                                                   uint64_t pol) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(s),
+               "l"(gmem), "r"(src_bytes), "l"(pol)
+               : "memory");
+}
+
 // Barrier among the 4 consumer warps only (the producer warp never joins it).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
 
@@ -212,6 +236,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool producer = warp >= 4;
   const int Y = gridDim.y, y = blockIdx.y;
+  if (p.debug & 1) return;
 
   if (tid == 0) {
     for (int s = 0; s < S_; ++s) {
@@ -244,19 +269,21 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     W += s_scan[w];
   }
   const long long excl = warp_base + incl - mine;
-  long long N = W / max(1, p.min_tiles_per_cta);
-  if (N < 1) N = 1;
-  if (N > static_cast<long long>(gridDim.x)) N = gridDim.x;
+  // Ranges of k whole tiles (k >= min_tiles_per_cta, as few as fill the grid): uniform rows
+  // whose length is a multiple of k split into equal, aligned parts.
+  const long long k_per = max(static_cast<long long>(max(1, p.min_tiles_per_cta)),
+                              (W + gridDim.x - 1) / gridDim.x);
+  const long long N = (W + k_per - 1) / k_per;
   const long long c = blockIdx.x;
   if (c >= N) return;
-  const long long S = range_start(c, W, N), E = range_start(c + 1, W, N);
-  if (S >= E) return;
+  const long long S = c * k_per, E = min(W, S + k_per);
   __syncthreads();
   if (S >= excl && S < excl + mine) {
     long long acc = excl;
     for (int b = b0; b < b1; ++b) {
+      const int slot = batch_slot(p, b);
       int len, ft, nt;
-      row_shape(p, batch_slot(p, b), &len, &ft, &nt);
+      row_shape(p, slot, &len, &ft, &nt);
       const long long span = static_cast<long long>(nt) * p.Hkv;
       if (S < acc + span) {
         const long long off = S - acc;
@@ -264,6 +291,11 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         s_scan[9] = off / nt;
         s_scan[10] = off % nt;
         s_scan[11] = acc + (off / nt) * nt;
+        int* si = reinterpret_cast<int*>(s_scan + 13);
+        si[0] = slot;
+        si[1] = len;
+        si[2] = ft;
+        si[3] = nt;
         break;
       }
       acc += span;
@@ -275,7 +307,14 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   start.h = static_cast<int>(s_scan[9]);
   start.tile = static_cast<int>(s_scan[10]);
   start.row_first = s_scan[11];
-  cursor_load_row(p, start);
+  {
+    const int* si = reinterpret_cast<const int*>(s_scan + 13);
+    start.slot = si[0];
+    start.len = si[1];
+    start.first_tile = si[2];
+    start.ntiles = si[3];
+  }
+  if (p.debug & 2) return;
   const int n_tiles = static_cast<int>(E - S);
   auto stage_k = [&](int s) { return stages_base + s * 2 * Sm::kTileElems; };
   auto stage_v = [&](int s) { return stages_base + s * 2 * Sm::kTileElems + Sm::kTileElems; };
@@ -296,6 +335,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     if (n_tiles > 0) { id0 = page_id(pc); cursor_advance(p, pc); }
     if (n_tiles > 1) { id1 = page_id(pc); cursor_advance(p, pc); }
     long long* off = s_off + pw * 32 * 2;
+    const uint64_t pol = l2_evict_first_policy();
     for (int i = 0; i < n_tiles; ++i) {
       int id2 = -1;
       if (i + 2 < n_tiles) { id2 = page_id(pc); cursor_advance(p, pc); }
@@ -323,8 +363,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         const longlong2 o = *reinterpret_cast<const longlong2*>(off + row * 2);
         const bool valid = o.x >= 0;
         const int pc = Sm::chunk(row, col) * 8;
-        cp_async_16(sk + row * kStride + pc, valid ? kb + o.x + col * 8 : kb, valid ? 16 : 0);
-        cp_async_16(sv + row * kStride + pc, valid ? vb + o.y + col * 8 : vb, valid ? 16 : 0);
+        cp_async_16_stream(sk + row * kStride + pc, valid ? kb + o.x + col * 8 : kb, valid ? 16 : 0, pol);
+        cp_async_16_stream(sv + row * kStride + pc, valid ? vb + o.y + col * 8 : vb, valid ? 16 : 0, pol);
       }
       mbar_arrive_cp_async(&full[s]);
       __syncwarp();  // `off` is rewritten next tile
@@ -348,16 +388,58 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   float m_run[2], l_run[2];
 
   auto begin_row = [&](const RowCursor& rc) {
-    consumer_sync();  // the Q buffer may still be read by the previous row's fragments load
-    for (int i = tid; i < 16 * D; i += kConsumerThreads) {
-      const int r = i / D, d = i % D;
-      const int R = y * 16 + r;
-      float x = 0.f;
-      if (R < rows_total && rc.slot >= 0) {
-        const int t = R / p.G, g = R % p.G;
-        x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d, p.q_dtype);
+    // Q rows of this tile: 16-byte loads into registers first (issued before the barrier
+    // that frees the Q buffer, so their latency overlaps the previous row's tail).
+    constexpr int kQIt = (16 * kChunks + kConsumerThreads - 1) / kConsumerThreads;
+    uint4 qv[kQIt];
+    const bool q_skip = (p.debug & 16) != 0;
+    if (p.q_vec) {
+#pragma unroll
+      for (int k = 0; k < kQIt; ++k) {
+        const int i = tid + k * kConsumerThreads;
+        const int r = i / kChunks, ch = i % kChunks;
+        const int R = y * 16 + r;
+        qv[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (!q_skip && i < 16 * kChunks && R < rows_total && rc.slot >= 0) {
+          const int t = R / p.G, g = R % p.G;
+          const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + ch * 8;
+          if (p.q_vec == 1) {
+            qv[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const KV*>(p.q) + off));
+          } else {
+            const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.q) + off);
+            const float4 a = __ldg(src), b = __ldg(src + 1);
+            union {
+              KV h[8];
+              uint4 u;
+            } cv;
+            cv.h[0] = from_float<KV>(a.x); cv.h[1] = from_float<KV>(a.y);
+            cv.h[2] = from_float<KV>(a.z); cv.h[3] = from_float<KV>(a.w);
+            cv.h[4] = from_float<KV>(b.x); cv.h[5] = from_float<KV>(b.y);
+            cv.h[6] = from_float<KV>(b.z); cv.h[7] = from_float<KV>(b.w);
+            qv[k] = cv.u;
+          }
+        }
       }
-      sq[r * kQStride + d] = from_float<KV>(x);
+    }
+    consumer_sync();  // the Q buffer may still be read by the previous row's fragments load
+    if (p.q_vec) {
+#pragma unroll
+      for (int k = 0; k < kQIt; ++k) {
+        const int i = tid + k * kConsumerThreads;
+        if (i < 16 * kChunks)
+          *reinterpret_cast<uint4*>(sq + (i / kChunks) * kQStride + (i % kChunks) * 8) = qv[k];
+      }
+    } else {
+      for (int i = tid; i < 16 * D; i += kConsumerThreads) {
+        const int r = i / D, d = i % D;
+        const int R = y * 16 + r;
+        float x = 0.f;
+        if (R < rows_total && rc.slot >= 0) {
+          const int t = R / p.G, g = R % p.G;
+          x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d, p.q_dtype);
+        }
+        sq[r * kQStride + d] = from_float<KV>(x);
+      }
     }
     consumer_sync();
 #pragma unroll
@@ -435,9 +517,10 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       consumer_sync();
     }
     // Rows covered by this CTA alone are written directly; split rows go out as partials.
-    const long long c_first = cta_of(rc.row_first, W, N);
-    const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, W, N);
+    const long long c_first = cta_of(rc.row_first, k_per);
+    const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, k_per);
     const bool split = c_first != c_last;
+    const bool merge = split && !(p.debug & 8);
     const int pslot = (S >= rc.row_first) ? 0 : 1;
     const long long pidx = (static_cast<long long>(y) * gridDim.x + c) * 2 + pslot;
     const int rows_here = min(16, rows_total - y * 16);
@@ -456,64 +539,101 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         store_row(rc, r, d, o, lse2);
       }
     }
-    if (split) {
-      __threadfence();
-      consumer_sync();
-      int* s_last_p = reinterpret_cast<int*>(s_scan + 12);
-      if (tid == 0) {
-        int32_t* counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
-        const int prev = atomicAdd(counter, 1);
-        const int need = static_cast<int>(c_last - c_first + 1);
-        *s_last_p = (prev == need - 1);
-        if (prev == need - 1) *counter = 0;  // ready for the next launch
-      }
-      consumer_sync();
-      if (*s_last_p) {
-        __threadfence();
-        // The last CTA to finish the row merges the partials by log-sum-exp: per-row max
-        // and denominator first, then outputs with independent float4 loads.
-        // Only the first CTA's range can start before the row (its partial is in slot 1).
-        const int first_slot = (range_start(c_first, W, N) >= rc.row_first) ? 0 : 1;
-        auto part_index = [&](long long cc) {
-          return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
-        };
-        const int n_parts = static_cast<int>(c_last - c_first + 1);
-        float* s_stat = s_row;  // reuse: [16] max, [16] denominator
-        for (int r = warp; r < rows_here; r += 4) {
-          float M = -INFINITY;
-          for (int k = lane; k < n_parts; k += 32)
-            M = fmaxf(M, __ldcg(p.part_lse + part_index(c_first + k) * 16 + r));
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-          float den = 0.f;
-          if (M != -INFINITY)
-            for (int k = lane; k < n_parts; k += 32)
-              den += exp2f(__ldcg(p.part_lse + part_index(c_first + k) * 16 + r) - M);
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-          if (lane == 0) {
-            s_stat[r] = M;
-            s_stat[16 + r] = den;
+    if (merge) {
+      // Publish the partial (barrier, then one release by thread 0, as a grid sync does).
+      // The last CTA to finish the row merges the partials by log-sum-exp; a row of more
+      // than kFlatParts parts merges in two levels: the last CTA of each group of 8
+      // consecutive parts merges them into the group leader's slot, and the last group to
+      // finish merges the groups (no CTA reads more than 8 partials of a large row).
+      constexpr int kGroup = 8, kFlatParts = 12;
+      const int n_parts = static_cast<int>(c_last - c_first + 1);
+      // Only the first CTA's range can start before the row (its partial is in slot 1).
+      const int first_slot = (c_first * k_per >= rc.row_first) ? 0 : 1;
+      auto part_index = [&](long long cc) {
+        return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
+      };
+      const bool tree = n_parts > kFlatParts;
+      const int n_groups = (n_parts + kGroup - 1) / kGroup;
+      const long long leader = c_first + ((c - c_first) / kGroup) * kGroup;
+      int* s_flag = reinterpret_cast<int*>(s_scan + 12);
+      // Thread 0 counts this CTA in; true for the last of `need`.
+      auto arrive_last = [&](int32_t* counter, int need) {
+        consumer_sync();
+        if (tid == 0) {
+          __threadfence();
+          const int prev = atomicAdd(counter, 1);
+          const bool last = prev == need - 1;
+          if (last) {
+            *counter = 0;  // ready for the next launch
+            __threadfence();
           }
+          *s_flag = last;
         }
         consumer_sync();
+        return *s_flag != 0;
+      };
+      // Merges `count` partials (CTAs first, first + stride, ...): into the output, or
+      // (out_part >= 0) into that partial slot. One pass, 8 partials at a time, their
+      // log-sum-exps and outputs loaded together, the running sum rescaled when the max grows.
+      auto merge_parts = [&](long long first, int stride, int count, long long out_part) {
+        constexpr int kBatch = 8;
         for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
           const int i = i4 * 4;
           const int r = i / D, d = i % D;
-          const float M = s_stat[r], den = s_stat[16 + r];
+          float M = -INFINITY, den = 0.f;
           float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (M != -INFINITY) {
-#pragma unroll 4
-            for (long long cc = c_first; cc <= c_last; ++cc) {
-              const long long pi = part_index(cc);
-              const float w = exp2f(__ldcg(p.part_lse + pi * 16 + r) - M);
-              const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
-              o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
+          for (int k0 = 0; k0 < count; k0 += kBatch) {
+            float l[kBatch];
+            float4 x[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+              l[j] = -INFINITY;
+              x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+              if (k0 + j < count) {
+                const long long pi = part_index(first + static_cast<long long>(k0 + j) * stride);
+                l[j] = __ldcg(p.part_lse + pi * 16 + r);
+                x[j] = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
+              }
             }
+            float m = M;
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) m = fmaxf(m, l[j]);
+            if (m == -INFINITY) continue;
+            const float sc = exp2f(M - m);  // 0 while M is -inf
+            den *= sc;
+            o.x *= sc; o.y *= sc; o.z *= sc; o.w *= sc;
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+              const float w = exp2f(l[j] - m);
+              den += w;
+              o.x += w * x[j].x; o.y += w * x[j].y; o.z += w * x[j].z; o.w += w * x[j].w;
+            }
+            M = m;
           }
           const float inv = den > 0.f ? 1.f / den : 0.f;
           o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-          store_row(rc, r, d, o, den > 0.f ? M + __log2f(den) : -INFINITY);
+          const float lse2 = den > 0.f ? M + __log2f(den) : -INFINITY;
+          if (out_part < 0) {
+            store_row(rc, r, d, o, lse2);
+          } else {
+            *reinterpret_cast<float4*>(p.part_o + out_part * 16 * D + i) = o;
+            if (d == 0) s_row[r] = lse2;
+          }
+        }
+        if (out_part >= 0) {
+          consumer_sync();  // every thread has read the slot's log-sum-exps
+          if (tid < rows_here) p.part_lse[out_part * 16 + tid] = s_row[tid];
+        }
+      };
+      int32_t* row_counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
+      if (!tree) {
+        if (arrive_last(row_counter, n_parts)) merge_parts(c_first, 1, n_parts, -1);
+      } else {
+        const long long lp = part_index(leader);
+        const int gsize = static_cast<int>(min(static_cast<long long>(kGroup), c_last + 1 - leader));
+        if (arrive_last(p.group_counters + lp, gsize)) {
+          merge_parts(leader, 1, gsize, lp);
+          if (arrive_last(row_counter, n_groups)) merge_parts(c_first, kGroup, n_groups, -1);
         }
       }
     }
@@ -633,7 +753,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       begin_row(cur);
     }
     mbar_wait(&full[s], (i / S_) & 1);
-    compute_tile(cur, s);
+    if (!(p.debug & 4)) compute_tile(cur, s);
     mbar_arrive(&empty[s]);
     cursor_advance(p, cur);
   }
