@@ -1,12 +1,13 @@
-"""Decode-kernel diagnostics (issue 15): stage-skip variants and partition knobs of the paged
-decode, a second build of the library in the same process (KVR_LIB_BASE), and torch SDPA
-cuDNN on the same data, under CUDA Graph replay.
+"""Decode A/B (issue 15): this build of the library against a second one loaded in the same
+process (KVR_LIB_BASE, e.g. the previous kernel), with torch SDPA cuDNN on the same data, under
+CUDA Graph replay; B = 1..8 shapes where the fixed cost shows.
 
-    python3 kv_diag.py            # small-batch breakdown
-    python3 kv_diag.py --tlb      # also: 8 GiB pool filled in runs of 256 vs 4096 tokens
+    python3 kv_diag.py            # small-batch points
+    python3 kv_diag.py --tlb      # also: an 8 GiB pool, paged vs contiguous in both allocation
+                                  # orders, and paged pools filled in runs of 256 / 4096 tokens
 
-KVR_DECODE_DEBUG bits (diagnostic builds only): 1 return at entry, 2 return after the
-partition, 4 skip the tile math, 8 skip the cross-CTA merge, 16 skip the Q loads.
+Stage-skip variants (return after the partition, no tile math, no cross-CTA merge) were
+measured with a diagnostic build that read them from the launch parameters; see BENCHMARKS.md.
 """
 
 import math
@@ -47,7 +48,7 @@ def t_graph(fn, n_sets):
     return graph if graph is not None else eager
 
 
-def run(name, Hq, Hkv, B, L, libs, modes, tiles, ctas=()):
+def run(name, Hq, Hkv, B, L, libs):
     kv_bytes = 2 * B * L * Hkv * 128 * 2
     n_sets = min(64, max(1, math.ceil(b.ROTATE_BYTES / kv_bytes)))
     data = b.KvData(B, Hq, Hkv, 128, [L] * B, n_sets)
@@ -63,25 +64,10 @@ def run(name, Hq, Hkv, B, L, libs, modes, tiles, ctas=()):
         torch.cuda.synchronize()
         err = b.rel_err(out, ref)
         rows.append((tag, lname, f"err {err:.1e}", t_graph(fn, n_sets)))
-        if lname == "new":
-            for m in modes:
-                os.environ["KVR_DECODE_DEBUG"] = str(m)
-                rows.append((tag, lname, f"debug {m}", t_graph(fn, n_sets)))
-            os.environ.pop("KVR_DECODE_DEBUG", None)
-            for t in tiles:
-                os.environ["KVR_DECODE_MIN_TILES"] = str(t)
-                fn(0)
-                torch.cuda.synchronize()
-                e = b.rel_err(out, ref)
-                rows.append((tag, lname, f"min_tiles {t} err {e:.1e}", t_graph(fn, n_sets)))
-            os.environ.pop("KVR_DECODE_MIN_TILES", None)
-            for mc in ctas:
-                fm = ours_params(lib, pool, data, seqs, mc)
-                rows.append((tag, lname, f"max_ctas {mc}", t_graph(fm, n_sets)))
         lib.lib.kvr_kv_pool_free(pool)
         del fn, out
         torch.cuda.synchronize()
-    print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows[-20:]), flush=True)
+    print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows[-3:]), flush=True)
     del data
     torch.cuda.empty_cache()
 
@@ -130,16 +116,14 @@ def main():
     if base:
         lb = kvr.Lib(base)
         libs.append(("base", lb, lb.context(kvr.BACKEND_CUDA, stream=cur_stream())))
-    modes = [8, 12]
-    tiles = []
-    run("Llama", 32, 8, 1, 1024, libs, modes, tiles)
-    run("Qwen", 28, 4, 1, 1024, libs, modes, tiles)
-    run("Llama", 32, 8, 1, 16384, libs, modes, tiles)
-    run("Qwen", 28, 4, 8, 4096, libs, modes, tiles)
-    run("Qwen", 28, 4, 1, 65536, libs, [8], [])
-    run("Llama", 32, 8, 8, 16384, libs, [8], [])
-    run("Llama", 32, 8, 1, 65536, libs, [8], [])
-    run("Qwen", 28, 4, 8, 1024, libs, [8], [])
+    run("Llama", 32, 8, 1, 1024, libs)
+    run("Qwen", 28, 4, 1, 1024, libs)
+    run("Llama", 32, 8, 1, 16384, libs)
+    run("Qwen", 28, 4, 8, 4096, libs)
+    run("Qwen", 28, 4, 1, 65536, libs)
+    run("Llama", 32, 8, 8, 16384, libs)
+    run("Llama", 32, 8, 1, 65536, libs)
+    run("Qwen", 28, 4, 8, 1024, libs)
     if "--tlb" in sys.argv:
         tlb(b.lib, b.ctx)
     print("\nconfig                   impl   variant                      us")

@@ -7,13 +7,16 @@
 // in device memory, so a captured CUDA Graph stays valid while sequences grow.
 //
 // Work: every (batch row b, KV head h) is a row of 64-token tiles (only the tiles inside the
-// sliding window). All rows are laid end to end and cut into N equal contiguous ranges, one
-// per CTA (stream-K). A CTA walks its range: K/V tiles stream through a cp.async pipeline
-// (page-table lookup fused into each 16-byte copy), QK^T and PV run on mma.sync m16n8k16
-// with the GQA group (x query tokens) as the 16 MMA rows, softmax is online in base 2, and
-// the 4 warps (16 tokens of each tile apiece) merge at the end of a row. A row covered by
-// one CTA is written directly; a row split across CTAs writes partials, and the last CTA to
-// finish it (atomic counter) merges them by log-sum-exp and resets the counter.
+// sliding window). All rows are laid end to end and cut into ranges of k whole tiles, one
+// per CTA (stream-K): k is the smallest that fits the grid (at least min_tiles_per_cta),
+// rounded to split the longest row evenly when that costs little. A CTA walks its range: K/V
+// tiles stream through a cp.async pipeline (page-table lookup fused into each 16-byte copy,
+// L2 evict-first), QK^T and PV run on mma.sync m16n8k16 with the GQA group (x query tokens)
+// as the 16 MMA rows, softmax is online in base 2, and the 4 warps (16 tokens of each tile
+// apiece) merge at the end of a row. A row covered by one CTA is written directly; a row
+// split across CTAs writes partials, and the last CTA to finish it (atomic counter) merges
+// them by log-sum-exp and resets the counter (rows of more than 16 parts: in two levels,
+// groups of 8 parts first).
 //
 // Layout of a KV element: base + page * stride_page + head * stride_head + slot * stride_token
 // + d, with the page from table[seq][token / page_size] (the pool's layout, src/kv/pool.rs).
@@ -62,7 +65,6 @@ struct DecodeParams {
   int32_t min_tiles_per_cta;
   int32_t stages;              // 1..3 pipeline stages
   int32_t q_vec;               // 1: q is KV-typed, 2: f32; 16-byte aligned rows (vector loads)
-  int32_t debug;               // diagnostics: stage skips (0 in production)
   float scale_log2;            // scale * log2(e), no softcap
   float qk_scale;              // scale (softcap path)
   float softcap;               // 0: off
@@ -236,7 +238,6 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool producer = warp >= 4;
   const int Y = gridDim.y, y = blockIdx.y;
-  if (p.debug & 1) return;
 
   if (tid == 0) {
     for (int s = 0; s < S_; ++s) {
@@ -249,10 +250,12 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   const int per = (p.B + kDecodeThreads - 1) / kDecodeThreads;
   const int b0 = min(p.B, tid * per), b1 = min(p.B, b0 + per);
   long long mine = 0;
+  int my_max = 1;  // longest row (tiles) among this thread's
   for (int b = b0; b < b1; ++b) {
     int len, ft, nt;
     row_shape(p, batch_slot(p, b), &len, &ft, &nt);
     mine += nt;
+    my_max = max(my_max, nt);
   }
   mine *= p.Hkv;
   long long incl = mine;
@@ -261,18 +264,37 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     long long n = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += n;
   }
+  int* s_max = reinterpret_cast<int*>(s_ml);  // scratch: s_ml is first used at a row's end
+  const int warp_max = __reduce_max_sync(0xffffffffu, my_max);
   if (lane == 31) s_scan[warp] = incl;
+  if (lane == 0) s_max[warp] = warp_max;
   __syncthreads();
   long long warp_base = 0, W = 0;
+  int n_max = 1;
   for (int w = 0; w < kWarpsTotal; ++w) {
     if (w < warp) warp_base += s_scan[w];
     W += s_scan[w];
+    n_max = max(n_max, s_max[w]);
   }
   const long long excl = warp_base + incl - mine;
   // Ranges of k whole tiles (k >= min_tiles_per_cta, as few as fill the grid): uniform rows
   // whose length is a multiple of k split into equal, aligned parts.
-  const long long k_per = max(static_cast<long long>(max(1, p.min_tiles_per_cta)),
-                              (W + gridDim.x - 1) / gridDim.x);
+  // k is rounded up to cut the longest row into equal parts (or to a multiple of it) when
+  // that costs at most 1/8 more tiles per CTA, so that in a uniform batch no range ends
+  // inside a row it did not start (no CTA merges a row in the middle of its range).
+  const long long k0 = max(static_cast<long long>(max(1, p.min_tiles_per_cta)),
+                           (W + gridDim.x - 1) / gridDim.x);
+  long long k_per = k0;
+  {
+    long long kk;
+    if (k0 < n_max) {
+      const long long parts = n_max / k0;
+      kk = (n_max + parts - 1) / parts;
+    } else {
+      kk = (k0 + n_max - 1) / n_max * n_max;
+    }
+    if (kk * 8 <= k0 * 9) k_per = kk;
+  }
   const long long N = (W + k_per - 1) / k_per;
   const long long c = blockIdx.x;
   if (c >= N) return;
@@ -314,7 +336,6 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     start.first_tile = si[2];
     start.ntiles = si[3];
   }
-  if (p.debug & 2) return;
   const int n_tiles = static_cast<int>(E - S);
   auto stage_k = [&](int s) { return stages_base + s * 2 * Sm::kTileElems; };
   auto stage_v = [&](int s) { return stages_base + s * 2 * Sm::kTileElems + Sm::kTileElems; };
@@ -392,7 +413,6 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     // that frees the Q buffer, so their latency overlaps the previous row's tail).
     constexpr int kQIt = (16 * kChunks + kConsumerThreads - 1) / kConsumerThreads;
     uint4 qv[kQIt];
-    const bool q_skip = (p.debug & 16) != 0;
     if (p.q_vec) {
 #pragma unroll
       for (int k = 0; k < kQIt; ++k) {
@@ -400,7 +420,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         const int r = i / kChunks, ch = i % kChunks;
         const int R = y * 16 + r;
         qv[k] = make_uint4(0u, 0u, 0u, 0u);
-        if (!q_skip && i < 16 * kChunks && R < rows_total && rc.slot >= 0) {
+        if (i < 16 * kChunks && R < rows_total && rc.slot >= 0) {
           const int t = R / p.G, g = R % p.G;
           const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + ch * 8;
           if (p.q_vec == 1) {
@@ -520,7 +540,6 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     const long long c_first = cta_of(rc.row_first, k_per);
     const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, k_per);
     const bool split = c_first != c_last;
-    const bool merge = split && !(p.debug & 8);
     const int pslot = (S >= rc.row_first) ? 0 : 1;
     const long long pidx = (static_cast<long long>(y) * gridDim.x + c) * 2 + pslot;
     const int rows_here = min(16, rows_total - y * 16);
@@ -539,13 +558,13 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         store_row(rc, r, d, o, lse2);
       }
     }
-    if (merge) {
+    if (split) {
       // Publish the partial (barrier, then one release by thread 0, as a grid sync does).
       // The last CTA to finish the row merges the partials by log-sum-exp; a row of more
       // than kFlatParts parts merges in two levels: the last CTA of each group of 8
       // consecutive parts merges them into the group leader's slot, and the last group to
       // finish merges the groups (no CTA reads more than 8 partials of a large row).
-      constexpr int kGroup = 8, kFlatParts = 12;
+      constexpr int kGroup = 8, kFlatParts = 16;
       const int n_parts = static_cast<int>(c_last - c_first + 1);
       // Only the first CTA's range can start before the row (its partial is in slot 1).
       const int first_slot = (c_first * k_per >= rc.row_first) ? 0 : 1;
@@ -753,7 +772,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       begin_row(cur);
     }
     mbar_wait(&full[s], (i / S_) & 1);
-    if (!(p.debug & 4)) compute_tile(cur, s);
+    compute_tile(cur, s);
     mbar_arrive(&empty[s]);
     cursor_advance(p, cur);
   }

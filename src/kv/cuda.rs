@@ -146,7 +146,6 @@ struct DecodeParams {
     min_tiles_per_cta: i32,
     stages: i32,
     q_vec: i32,
-    debug: i32,
     scale_log2: f32,
     qk_scale: f32,
     softcap: f32,
@@ -166,7 +165,10 @@ fn dtype_code(d: DType) -> i32 {
 /// (element loads).
 fn q_vector_mode(q: &TensorView, kv: DType) -> i32 {
     let elem = q.dtype().size();
-    let aligned = q.addr() % 16 == 0 && q.strides()[..3].iter().all(|&s| (s * elem as isize) % 16 == 0);
+    let aligned = q.addr() % 16 == 0
+        && q.strides()[..3]
+            .iter()
+            .all(|&s| (s * elem as isize) % 16 == 0);
     match q.dtype() {
         _ if !aligned => 0,
         d if d == kv => 1,
@@ -592,16 +594,9 @@ impl DeviceState {
             q_dtype: dtype_code(plan.q.dtype()),
             out_dtype: dtype_code(plan.out.dtype()),
             window: plan.window as i32,
-            min_tiles_per_cta: std::env::var("KVR_DECODE_MIN_TILES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(MIN_TILES_PER_CTA),
+            min_tiles_per_cta: MIN_TILES_PER_CTA,
             stages: launch.stages as i32,
             q_vec: q_vector_mode(&plan.q, cfg.dtype),
-            debug: std::env::var("KVR_DECODE_DEBUG")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
             scale_log2: plan.scale * std::f32::consts::LOG2_E,
             qk_scale: plan.scale,
             softcap: plan.softcap,
