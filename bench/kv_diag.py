@@ -3,8 +3,8 @@ process (KVR_LIB_BASE, e.g. the previous kernel), with torch SDPA cuDNN on the s
 CUDA Graph replay; B = 1..8 shapes where the fixed cost shows.
 
     python3 kv_diag.py            # small-batch points
-    python3 kv_diag.py --tlb      # also: an 8 GiB pool, paged vs contiguous in both allocation
-                                  # orders, and paged pools filled in runs of 256 / 4096 tokens
+    python3 kv_diag.py --tlb      # also: paged vs contiguous at 2 and 8 GiB in a fresh process,
+                                  # then again after allocation churn (--tlb-only: just that)
 
 Stage-skip variants (return after the partition, no tile math, no cross-CTA merge) were
 measured with a diagnostic build that read them from the launch parameters; see BENCHMARKS.md.
@@ -72,41 +72,59 @@ def run(name, Hq, Hkv, B, L, libs):
     torch.cuda.empty_cache()
 
 
-def tlb(lib, ctx):
+def tlb_point(lib, ctx, B, L, note):
+    """Paged (page 16, filled in runs of 256 tokens as in bench_kv_decode.py) vs the same
+    kernel on a contiguous layout vs cuDNN, both pools alive, at one >= 2 GiB shape."""
     use(lib, ctx)
-    Hq, Hkv, B, L = 32, 8, 128, 16384
+    Hq, Hkv = 32, 8
     data = b.KvData(B, Hq, Hkv, 128, [L] * B, 1)
-    tag = "Llama B=128 L=16K"
-    rows.append((tag, "cudnn", "", t_graph(b.sdpa_fn(data, SDPBackend.CUDNN_ATTENTION), 1)))
-    # Both pools alive, as in bench_kv_decode.py, in both allocation orders.
-    for order in (("paged", "contig"), ("contig", "paged")):
-        made = []
-        for kind in order:
-            page = 16 if kind == "paged" else L
-            pool = lib.pool(ctx, 1, Hkv, 128, page, kvr.DTYPE_BF16, B * L // page, B, L)
-            seqs = [lib.seq_add(pool, cur_stream()) for _ in range(B)]
-            b.fill_pool(pool, data, seqs, 256 if kind == "paged" else L)
-            made.append((kind, pool, seqs))
-        for kind, pool, seqs in made:
-            fn, out = b.ours_fn(pool, data, seqs)
-            rows.append((tag, "new", f"{kind} (order {order[0]} first)", t_graph(fn, 1)))
-            del fn, out
-        for _, pool, _ in made:
-            lib.lib.kvr_kv_pool_free(pool)
-        torch.cuda.synchronize()
-    for chunk in (256, 4096, L):
-        page = 16 if chunk < L else L
-        pages = B * L // page
-        pool = lib.pool(ctx, 1, Hkv, 128, page, kvr.DTYPE_BF16, pages, B, L)
+    tag = f"Llama B={B} L={L // 1024}K"
+    made = []
+    for kind in ("paged", "contig"):
+        page = 16 if kind == "paged" else L
+        pool = lib.pool(ctx, 1, Hkv, 128, page, kvr.DTYPE_BF16, B * L // page, B, L)
         seqs = [lib.seq_add(pool, cur_stream()) for _ in range(B)]
-        b.fill_pool(pool, data, seqs, chunk)
+        b.fill_pool(pool, data, seqs, 256 if kind == "paged" else L)
+        made.append((kind, pool, seqs))
+    for kind, pool, seqs in made:
         fn, out = b.ours_fn(pool, data, seqs)
-        rows.append((tag, "new", f"page {page} fill chunk {chunk}", t_graph(fn, 1)))
-        lib.lib.kvr_kv_pool_free(pool)
+        rows.append((tag, "new", f"{kind} {note}", t_graph(fn, 1)))
         del fn, out
-        torch.cuda.synchronize()
+    rows.append((tag, "cudnn", note, t_graph(b.sdpa_fn(data, SDPBackend.CUDNN_ATTENTION), 1)))
+    for _, pool, _ in made:
+        lib.lib.kvr_kv_pool_free(pool)
+    del data
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows[-3:]), flush=True)
+
+
+def churn():
+    """Allocates and frees ~100 GiB in blocks of 0.1-3 GiB (every other one kept for a while),
+    as a long benchmark process does, to fragment the device's physical memory."""
+    import random
+
+    rnd = random.Random(3)
+    keep = []
+    for i in range(60):
+        n = rnd.randint(100, 3000) << 20
+        t = torch.empty(n, dtype=torch.uint8, device=b.DEV)
+        if i % 2:
+            keep.append(t)
+        del t
+        if len(keep) > 12:
+            keep.pop(rnd.randrange(len(keep)))
         torch.cuda.empty_cache()
-    print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows[-8:]), flush=True)
+    del keep
+    torch.cuda.empty_cache()
+
+
+def tlb(lib, ctx):
+    for B, L in ((8, 65536), (128, 16384)):
+        tlb_point(lib, ctx, B, L, "fresh")
+    churn()
+    for B, L in ((8, 65536), (128, 16384)):
+        tlb_point(lib, ctx, B, L, "after churn")
 
 
 def main():
@@ -116,6 +134,16 @@ def main():
     if base:
         lb = kvr.Lib(base)
         libs.append(("base", lb, lb.context(kvr.BACKEND_CUDA, stream=cur_stream())))
+    if os.environ.get("KVR_LIBS"):  # name=path,name=path: several builds, the first the reference
+        libs = []
+        for item in os.environ["KVR_LIBS"].split(","):
+            name, path = item.split("=", 1)
+            lx = kvr.Lib(path)
+            libs.append((name, lx, lx.context(kvr.BACKEND_CUDA, stream=cur_stream())))
+    if "--tlb-only" in sys.argv:
+        tlb(b.lib, b.ctx)
+        print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows))
+        return
     run("Llama", 32, 8, 1, 1024, libs)
     run("Qwen", 28, 4, 1, 1024, libs)
     run("Llama", 32, 8, 1, 16384, libs)
@@ -128,6 +156,21 @@ def main():
         tlb(b.lib, b.ctx)
     print("\nconfig                   impl   variant                      us")
     print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows))
+    # Geometric mean of each build's time over the configurations; the fastest is printed.
+    names = [n for n, _, _ in libs]
+    score = {n: 0.0 for n in names}
+    for r in rows:
+        if r[1] in score and r[2].startswith("err"):
+            score[r[1]] += math.log(r[3])
+    best = min(names, key=lambda n: score[n])
+    n_cfg = max(1, len(rows) // (len(names) + 1))
+    if score[names[0]] - score[best] < n_cfg * math.log(1.02):
+        best = names[0]  # within 2 %: keep the reference
+    print("geomean us:", {n: round(math.exp(score[n] / n_cfg), 2) for n in names})
+    print("BEST", best)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "best.txt"), "w") as f:
+            f.write(best + "\n")
 
 
 if __name__ == "__main__":

@@ -202,7 +202,10 @@ template <typename KV, int D> struct DecodeSmem {
   // addresses [64][2] i64, softmax state of 4 warps [2][4][16] + [16][2] f32, barriers,
   // scan scratch.
   static constexpr int kQBytes = 16 * kQStride * static_cast<int>(sizeof(KV));
-  static constexpr int kMergeBytes = 16 * D * 4;
+  // Merge buffer rows padded by 8 floats: the 4 warps' float2 read-modify-writes (8 rows x 4
+  // column pairs per access) hit distinct banks in each half-warp.
+  static constexpr int kMStride = D + 8;
+  static constexpr int kMergeBytes = 16 * kMStride * 4;
   static constexpr int kOffBytes = kTileN * 2 * 8;
   static constexpr int kMlBytes = (4 * 16 * 2 + 32) * 4;
   static constexpr int kScanBytes = 16 * 8;
@@ -210,6 +213,84 @@ template <typename KV, int D> struct DecodeSmem {
     return stages * (kStageBytes + 16) + kQBytes + kMergeBytes + kOffBytes + kMlBytes + kScanBytes;
   }
 };
+
+// Writes outputs d..d+3 of query row r (of query tile y) of a (batch row, KV head) row, and
+// its log-sum-exp (natural log) when asked for.
+__device__ __forceinline__ void store_out(const DecodeParams& p, int y, const RowCursor& rc, int r,
+                                          int d, float4 o, float lse2) {
+  const int R = y * 16 + r;
+  const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
+  const int64_t base = rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d;
+  store_any(p.out, base, p.out_dtype, o.x);
+  store_any(p.out, base + 1, p.out_dtype, o.y);
+  store_any(p.out, base + 2, p.out_dtype, o.z);
+  store_any(p.out, base + 3, p.out_dtype, o.w);
+  if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
+}
+
+// Merges `count` partials of a split row (those of CTAs first, first + stride, ...) by
+// log-sum-exp into the output, or (out_part >= 0) into that partial slot. One pass, 8
+// partials at a time, their log-sum-exps and outputs loaded together, the running sum
+// rescaled when the max grows. Called by the 128 consumer threads; kept out of line (it
+// runs at most a few times per CTA, and the kernel's hot loop stays small).
+template <int D>
+__device__ __forceinline__ void merge_partials(const DecodeParams& p, const RowCursor& rc, int y,
+                                            int rows_here, long long c_first, int first_slot,
+                                            long long first, int stride, int count,
+                                            long long out_part, float* s_row) {
+  constexpr int kBatch = 8;
+  const int tid = threadIdx.x;
+  auto part_index = [&](long long cc) {
+    return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
+  };
+  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+    const int i = i4 * 4;
+    const int r = i / D, d = i % D;
+    float M = -INFINITY, den = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k0 = 0; k0 < count; k0 += kBatch) {
+      float l[kBatch];
+      float4 x[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        l[j] = -INFINITY;
+        x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (k0 + j < count) {
+          const long long pi = part_index(first + static_cast<long long>(k0 + j) * stride);
+          l[j] = __ldcg(p.part_lse + pi * 16 + r);
+          x[j] = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
+        }
+      }
+      float m = M;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) m = fmaxf(m, l[j]);
+      if (m == -INFINITY) continue;
+      const float sc = exp2f(M - m);  // 0 while M is -inf
+      den *= sc;
+      o.x *= sc; o.y *= sc; o.z *= sc; o.w *= sc;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = exp2f(l[j] - m);
+        den += w;
+        o.x += w * x[j].x; o.y += w * x[j].y; o.z += w * x[j].z; o.w += w * x[j].w;
+      }
+      M = m;
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    const float lse2 = den > 0.f ? M + __log2f(den) : -INFINITY;
+    if (out_part < 0) {
+      store_out(p, y, rc, r, d, o, lse2);
+    } else {
+      *reinterpret_cast<float4*>(p.part_o + out_part * 16 * D + i) = o;
+      if (d == 0) s_row[r] = lse2;
+    }
+  }
+  if (out_part >= 0) {
+    consumer_sync();  // every thread has read the slot's log-sum-exps
+    if (tid < rows_here) p.part_lse[out_part * 16 + tid] = s_row[tid];
+  }
+}
 
 template <typename KV, int D> __device__ __forceinline__ void decode_body(const DecodeParams& p) {
   using Sm = DecodeSmem<KV, D>;
@@ -469,14 +550,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   };
 
   auto store_row = [&](const RowCursor& rc, int r, int d, float4 o, float lse2) {
-    const int R = y * 16 + r;
-    const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
-    const int64_t base = rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d;
-    store_any(p.out, base, p.out_dtype, o.x);
-    store_any(p.out, base + 1, p.out_dtype, o.y);
-    store_any(p.out, base + 2, p.out_dtype, o.z);
-    store_any(p.out, base + 3, p.out_dtype, o.w);
-    if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
+    store_out(p, y, rc, r, d, o, lse2);
   };
 
   auto end_row = [&](const RowCursor& rc) {
@@ -522,8 +596,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         for (int n = 0; n < D / 8; ++n) {
           const int col = n * 8 + (lane & 3) * 2;
           const int r0 = lane >> 2;
-          float2* a = reinterpret_cast<float2*>(s_merge + r0 * D + col);
-          float2* b = reinterpret_cast<float2*>(s_merge + (r0 + 8) * D + col);
+          float2* a = reinterpret_cast<float2*>(s_merge + r0 * Sm::kMStride + col);
+          float2* b = reinterpret_cast<float2*>(s_merge + (r0 + 8) * Sm::kMStride + col);
           float2 x = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
           float2 z = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
           if (w > 0) {
@@ -547,7 +621,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       const int i = i4 * 4;
       const int r = i / D, d = i % D;
       const float L = s_row[r * 2 + 1];
-      float4 o = *reinterpret_cast<const float4*>(s_merge + i);
+      float4 o = *reinterpret_cast<const float4*>(s_merge + r * Sm::kMStride + d);
       const float inv = L > 0.f ? 1.f / L : 0.f;
       o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
       const float lse2 = L > 0.f ? s_row[r * 2] + __log2f(L) : -INFINITY;
@@ -591,58 +665,9 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         consumer_sync();
         return *s_flag != 0;
       };
-      // Merges `count` partials (CTAs first, first + stride, ...): into the output, or
-      // (out_part >= 0) into that partial slot. One pass, 8 partials at a time, their
-      // log-sum-exps and outputs loaded together, the running sum rescaled when the max grows.
       auto merge_parts = [&](long long first, int stride, int count, long long out_part) {
-        constexpr int kBatch = 8;
-        for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
-          const int i = i4 * 4;
-          const int r = i / D, d = i % D;
-          float M = -INFINITY, den = 0.f;
-          float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-          for (int k0 = 0; k0 < count; k0 += kBatch) {
-            float l[kBatch];
-            float4 x[kBatch];
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-              l[j] = -INFINITY;
-              x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-              if (k0 + j < count) {
-                const long long pi = part_index(first + static_cast<long long>(k0 + j) * stride);
-                l[j] = __ldcg(p.part_lse + pi * 16 + r);
-                x[j] = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
-              }
-            }
-            float m = M;
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) m = fmaxf(m, l[j]);
-            if (m == -INFINITY) continue;
-            const float sc = exp2f(M - m);  // 0 while M is -inf
-            den *= sc;
-            o.x *= sc; o.y *= sc; o.z *= sc; o.w *= sc;
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-              const float w = exp2f(l[j] - m);
-              den += w;
-              o.x += w * x[j].x; o.y += w * x[j].y; o.z += w * x[j].z; o.w += w * x[j].w;
-            }
-            M = m;
-          }
-          const float inv = den > 0.f ? 1.f / den : 0.f;
-          o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-          const float lse2 = den > 0.f ? M + __log2f(den) : -INFINITY;
-          if (out_part < 0) {
-            store_row(rc, r, d, o, lse2);
-          } else {
-            *reinterpret_cast<float4*>(p.part_o + out_part * 16 * D + i) = o;
-            if (d == 0) s_row[r] = lse2;
-          }
-        }
-        if (out_part >= 0) {
-          consumer_sync();  // every thread has read the slot's log-sum-exps
-          if (tid < rows_here) p.part_lse[out_part * 16 + tid] = s_row[tid];
-        }
+        merge_partials<D>(p, rc, y, rows_here, c_first, first_slot, first, stride, count, out_part,
+                          s_row);
       };
       int32_t* row_counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
       if (!tree) {

@@ -191,7 +191,7 @@ fn decode_stage_bytes(head_dim: usize, elem: usize) -> usize {
 /// Dynamic shared memory of the decode kernel; matches `DecodeSmem::bytes`.
 fn decode_smem(head_dim: usize, elem: usize, stages: usize) -> usize {
     let q = 16 * (head_dim + 8) * elem;
-    let merge = 16 * head_dim * 4;
+    let merge = 16 * (head_dim + 8) * 4; // rows padded by 8 floats
     let offsets = DECODE_TILE * 2 * 8;
     let softmax_state = (4 * 16 * 2 + 32) * 4;
     let scan = 16 * 8;
