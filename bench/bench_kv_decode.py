@@ -14,6 +14,9 @@ both per call with CUDA events ("eager") and under CUDA Graph replay ("graph", t
 number: no host launch overhead).
 
     python3 bench_kv_decode.py [--quick]      # writes $OUT/kv_bench.json if $OUT is set
+    python3 bench_kv_decode.py --targets      # issue 15's set: B = 1, 8 at every context,
+        # the >= 512 MiB points up to 8 GiB, the page sweep; also writes $OUT/h200-kv.json,
+        # the flat summary (worst ratios against cuDNN and the contiguous layout)
 """
 
 import json
@@ -29,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kvr
 
 QUICK = "--quick" in sys.argv
+TARGETS = "--targets" in sys.argv
 DEV = torch.device("cuda")
 L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
 ROTATE_BYTES = 4 * L2_BYTES
@@ -304,19 +308,33 @@ def main():
     Ls = [1024, 4096, 16384, 65536]
     if QUICK:
         Bs, Ls = [1, 32], [4096, 16384]
-    t0 = time.time()
-    for name, Hq, Hkv, D in shapes:
-        for B in Bs:
-            for L in Ls:
-                run_config(name, Hq, Hkv, D, B, L, ceiling, results)
-    page_sweep(ceiling, results)
-    skewed(ceiling, results)
-    capacity(results)
-    results["seconds"] = time.time() - t0
+    configs = [(sh, B, L) for sh in shapes for B in Bs for L in Ls]
+    if TARGETS:
+        large = {"Llama-3-8B": [(32, 4096), (32, 16384), (32, 65536), (128, 4096), (128, 16384)],
+                 "Qwen2.5-7B": [(32, 16384), (32, 65536), (64, 65536), (128, 4096)]}
+        configs = [(sh, B, L) for sh in shapes for B in (1, 8) for L in Ls]
+        configs += [(sh, B, L) for sh in shapes for B, L in large[sh[0]]]
     out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "kv_bench.json"), "w") as f:
-            json.dump(results, f, indent=1)
+
+    def save():
+        if out:
+            with open(os.path.join(out, "kv_bench.json"), "w") as f:
+                json.dump(results, f, indent=1)
+
+    t0 = time.time()
+    for (name, Hq, Hkv, D), B, L in configs:
+        run_config(name, Hq, Hkv, D, B, L, ceiling, results)
+        save()
+    page_sweep(ceiling, results)
+    if not TARGETS:
+        skewed(ceiling, results)
+        capacity(results)
+    results["seconds"] = time.time() - t0
+    results["summary"] = summary(results)
+    save()
+    if out and TARGETS:
+        with open(os.path.join(out, "h200-kv.json"), "w") as f:
+            json.dump(results["summary"], f, indent=1)
     # Short table.
     print("\nconfig                      MiB   floor   paged  contig   cudnn   flash  paged/cudnn paged/contig  TB/s")
     for r in results["matrix"]:
@@ -326,6 +344,29 @@ def main():
               f"{(r['paged16_us'] / cud) if cud else float('nan'):11.3f} {r['paged16_us'] / r['contig_us']:12.3f} {r['paged16_tbs']:5.2f}")
     for s in results["skipped"]:
         print("skipped:", s)
+    print("summary:", json.dumps(results["summary"]))
+
+
+def summary(results):
+    """The flat numbers of issue 15: worst paged / cuDNN at B <= 8 and at >= 512 MiB, worst
+    paged / contiguous, page 1 as a fraction of contiguous, B=1 L=16K Llama-3-8B time."""
+    m = [r for r in results["matrix"] if r.get("cudnn_us")]
+    sm = {}
+    small = [r["paged16_us"] / r["cudnn_us"] for r in m if r["B"] <= 8]
+    large = [r["paged16_us"] / r["cudnn_us"] for r in m if r["kv_mib"] >= 512]
+    if small:
+        sm["kv_paged_vs_cudnn_max_b1_8"] = round(max(small), 3)
+    if large:
+        sm["kv_paged_vs_cudnn_max_ge512mib"] = round(max(large), 3)
+    if results["matrix"]:
+        sm["kv_paging_tax_max"] = round(max(r["paged16_us"] / r["contig_us"] for r in results["matrix"]), 3)
+    ps = {p["page"]: p["us"] for p in results["page_sweep"]}
+    if 1 in ps and "contiguous" in ps:
+        sm["kv_page1_vs_contig"] = round(ps["contiguous"] / ps[1], 3)
+    for r in results["matrix"]:
+        if r["config"] == "Llama-3-8B B=1 L=16K":
+            sm["kv_b1_l16k_llama_us"] = round(r["paged16_us"], 1)
+    return sm
 
 
 if __name__ == "__main__":

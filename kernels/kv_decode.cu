@@ -7,13 +7,16 @@
 // in device memory, so a captured CUDA Graph stays valid while sequences grow.
 //
 // Work: every (batch row b, KV head h) is a row of 64-token tiles (only the tiles inside the
-// sliding window). All rows are laid end to end and cut into N equal contiguous ranges, one
-// per CTA (stream-K). A CTA walks its range: K/V tiles stream through a cp.async pipeline
-// (page-table lookup fused into each 16-byte copy), QK^T and PV run on mma.sync m16n8k16
-// with the GQA group (x query tokens) as the 16 MMA rows, softmax is online in base 2, and
-// the 4 warps (16 tokens of each tile apiece) merge at the end of a row. A row covered by
-// one CTA is written directly; a row split across CTAs writes partials, and the last CTA to
-// finish it (atomic counter) merges them by log-sum-exp and resets the counter.
+// sliding window). All rows are laid end to end and cut into ranges of k whole tiles, one
+// per CTA (stream-K): k is the smallest that fits the grid (at least min_tiles_per_cta),
+// rounded to split the longest row evenly when that costs little. A CTA walks its range: K/V
+// tiles stream through a cp.async pipeline (page-table lookup fused into each 16-byte copy,
+// L2 evict-first), QK^T and PV run on mma.sync m16n8k16 with the GQA group (x query tokens)
+// as the 16 MMA rows, softmax is online in base 2, and the 4 warps (16 tokens of each tile
+// apiece) merge at the end of a row. A row covered by one CTA is written directly; a row
+// split across CTAs writes partials, and the last CTA to finish it (atomic counter) merges
+// them by log-sum-exp and resets the counter (rows of more than 16 parts: in two levels,
+// groups of 8 parts first).
 //
 // Layout of a KV element: base + page * stride_page + head * stride_head + slot * stride_token
 // + d, with the page from table[seq][token / page_size] (the pool's layout, src/kv/pool.rs).
@@ -47,6 +50,7 @@ struct DecodeParams {
   float* part_o;          // [ctas][2][16][D] normalized partial outputs
   float* part_lse;        // [ctas][2][16] base-2 log-sum-exp of each partial
   int32_t* counters;      // [B][Hkv][Y], zero between launches
+  int32_t* group_counters;  // [Y][ctas][2] (by partial slot), zero between launches
   int64_t q_sb, q_st, q_sh;
   int64_t o_sb, o_st, o_sh;
   int64_t l_sb, l_st, l_sh;
@@ -60,6 +64,7 @@ struct DecodeParams {
   int32_t window;              // 0: no sliding window
   int32_t min_tiles_per_cta;
   int32_t stages;              // 1..3 pipeline stages
+  int32_t q_vec;               // 1: q is KV-typed, 2: f32; 16-byte aligned rows (vector loads)
   float scale_log2;            // scale * log2(e), no softcap
   float qk_scale;              // scale (softcap path)
   float softcap;               // 0: off
@@ -119,13 +124,8 @@ __device__ __forceinline__ void cursor_advance(const DecodeParams& p, RowCursor&
   if (++c.b < p.B) cursor_load_row(p, c);
 }
 
-// CTA that owns global tile x when W tiles are cut into N ranges [floor(cW/N), floor((c+1)W/N)).
-__device__ __forceinline__ long long cta_of(long long x, long long W, long long N) {
-  return ((x + 1) * N + W - 1) / W - 1;
-}
-__device__ __forceinline__ long long range_start(long long c, long long W, long long N) {
-  return c * W / N;
-}
+// CTA that owns global tile x when the tiles are cut into ranges of k: [c*k, (c+1)*k).
+__device__ __forceinline__ long long cta_of(long long x, long long k) { return x / k; }
 
 // mbarrier helpers (sm_80+).
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
@@ -148,14 +148,40 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   while (true) {
     unsigned done;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // try_wait suspends the warp in hardware until the phase completes (or a time limit),
+    // instead of polling: waiting consumers leave the issue slots to the producers.
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+#else
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(a), "r"(parity)
         : "memory");
+#endif
     if (__all_sync(0xffffffffu, done)) break;
   }
 }
+
+// 16-byte global -> shared copy (zeros for src_bytes = 0) with an L2 eviction policy: the
+// K/V stream is read once, so it goes first and the block table, lengths and partials stay.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void cp_async_16_stream(void* smem, const void* gmem, int src_bytes,
+                                                   uint64_t pol) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(s),
+               "l"(gmem), "r"(src_bytes), "l"(pol)
+               : "memory");
+}
+
 // Barrier among the 4 consumer warps only (the producer warp never joins it).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
 
@@ -176,7 +202,10 @@ template <typename KV, int D> struct DecodeSmem {
   // addresses [64][2] i64, softmax state of 4 warps [2][4][16] + [16][2] f32, barriers,
   // scan scratch.
   static constexpr int kQBytes = 16 * kQStride * static_cast<int>(sizeof(KV));
-  static constexpr int kMergeBytes = 16 * D * 4;
+  // Merge buffer rows padded by 8 floats: the 4 warps' float2 read-modify-writes (8 rows x 4
+  // column pairs per access) hit distinct banks in each half-warp.
+  static constexpr int kMStride = D + 8;
+  static constexpr int kMergeBytes = 16 * kMStride * 4;
   static constexpr int kOffBytes = kTileN * 2 * 8;
   static constexpr int kMlBytes = (4 * 16 * 2 + 32) * 4;
   static constexpr int kScanBytes = 16 * 8;
@@ -184,6 +213,84 @@ template <typename KV, int D> struct DecodeSmem {
     return stages * (kStageBytes + 16) + kQBytes + kMergeBytes + kOffBytes + kMlBytes + kScanBytes;
   }
 };
+
+// Writes outputs d..d+3 of query row r (of query tile y) of a (batch row, KV head) row, and
+// its log-sum-exp (natural log) when asked for.
+__device__ __forceinline__ void store_out(const DecodeParams& p, int y, const RowCursor& rc, int r,
+                                          int d, float4 o, float lse2) {
+  const int R = y * 16 + r;
+  const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
+  const int64_t base = rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d;
+  store_any(p.out, base, p.out_dtype, o.x);
+  store_any(p.out, base + 1, p.out_dtype, o.y);
+  store_any(p.out, base + 2, p.out_dtype, o.z);
+  store_any(p.out, base + 3, p.out_dtype, o.w);
+  if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
+}
+
+// Merges `count` partials of a split row (those of CTAs first, first + stride, ...) by
+// log-sum-exp into the output, or (out_part >= 0) into that partial slot. One pass, 8
+// partials at a time, their log-sum-exps and outputs loaded together, the running sum
+// rescaled when the max grows. Called by the 128 consumer threads; kept out of line (it
+// runs at most a few times per CTA, and the kernel's hot loop stays small).
+template <int D>
+__device__ __forceinline__ void merge_partials(const DecodeParams& p, const RowCursor& rc, int y,
+                                            int rows_here, long long c_first, int first_slot,
+                                            long long first, int stride, int count,
+                                            long long out_part, float* s_row) {
+  constexpr int kBatch = 8;
+  const int tid = threadIdx.x;
+  auto part_index = [&](long long cc) {
+    return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
+  };
+  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+    const int i = i4 * 4;
+    const int r = i / D, d = i % D;
+    float M = -INFINITY, den = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k0 = 0; k0 < count; k0 += kBatch) {
+      float l[kBatch];
+      float4 x[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        l[j] = -INFINITY;
+        x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (k0 + j < count) {
+          const long long pi = part_index(first + static_cast<long long>(k0 + j) * stride);
+          l[j] = __ldcg(p.part_lse + pi * 16 + r);
+          x[j] = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
+        }
+      }
+      float m = M;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) m = fmaxf(m, l[j]);
+      if (m == -INFINITY) continue;
+      const float sc = exp2f(M - m);  // 0 while M is -inf
+      den *= sc;
+      o.x *= sc; o.y *= sc; o.z *= sc; o.w *= sc;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = exp2f(l[j] - m);
+        den += w;
+        o.x += w * x[j].x; o.y += w * x[j].y; o.z += w * x[j].z; o.w += w * x[j].w;
+      }
+      M = m;
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    const float lse2 = den > 0.f ? M + __log2f(den) : -INFINITY;
+    if (out_part < 0) {
+      store_out(p, y, rc, r, d, o, lse2);
+    } else {
+      *reinterpret_cast<float4*>(p.part_o + out_part * 16 * D + i) = o;
+      if (d == 0) s_row[r] = lse2;
+    }
+  }
+  if (out_part >= 0) {
+    consumer_sync();  // every thread has read the slot's log-sum-exps
+    if (tid < rows_here) p.part_lse[out_part * 16 + tid] = s_row[tid];
+  }
+}
 
 template <typename KV, int D> __device__ __forceinline__ void decode_body(const DecodeParams& p) {
   using Sm = DecodeSmem<KV, D>;
@@ -224,10 +331,12 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   const int per = (p.B + kDecodeThreads - 1) / kDecodeThreads;
   const int b0 = min(p.B, tid * per), b1 = min(p.B, b0 + per);
   long long mine = 0;
+  int my_max = 1;  // longest row (tiles) among this thread's
   for (int b = b0; b < b1; ++b) {
     int len, ft, nt;
     row_shape(p, batch_slot(p, b), &len, &ft, &nt);
     mine += nt;
+    my_max = max(my_max, nt);
   }
   mine *= p.Hkv;
   long long incl = mine;
@@ -236,27 +345,48 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     long long n = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += n;
   }
+  int* s_max = reinterpret_cast<int*>(s_ml);  // scratch: s_ml is first used at a row's end
+  const int warp_max = __reduce_max_sync(0xffffffffu, my_max);
   if (lane == 31) s_scan[warp] = incl;
+  if (lane == 0) s_max[warp] = warp_max;
   __syncthreads();
   long long warp_base = 0, W = 0;
+  int n_max = 1;
   for (int w = 0; w < kWarpsTotal; ++w) {
     if (w < warp) warp_base += s_scan[w];
     W += s_scan[w];
+    n_max = max(n_max, s_max[w]);
   }
   const long long excl = warp_base + incl - mine;
-  long long N = W / max(1, p.min_tiles_per_cta);
-  if (N < 1) N = 1;
-  if (N > static_cast<long long>(gridDim.x)) N = gridDim.x;
+  // Ranges of k whole tiles (k >= min_tiles_per_cta, as few as fill the grid): uniform rows
+  // whose length is a multiple of k split into equal, aligned parts.
+  // k is rounded up to cut the longest row into equal parts (or to a multiple of it) when
+  // that costs at most 1/8 more tiles per CTA, so that in a uniform batch no range ends
+  // inside a row it did not start (no CTA merges a row in the middle of its range).
+  const long long k0 = max(static_cast<long long>(max(1, p.min_tiles_per_cta)),
+                           (W + gridDim.x - 1) / gridDim.x);
+  long long k_per = k0;
+  {
+    long long kk;
+    if (k0 < n_max) {
+      const long long parts = n_max / k0;
+      kk = (n_max + parts - 1) / parts;
+    } else {
+      kk = (k0 + n_max - 1) / n_max * n_max;
+    }
+    if (kk * 8 <= k0 * 9) k_per = kk;
+  }
+  const long long N = (W + k_per - 1) / k_per;
   const long long c = blockIdx.x;
   if (c >= N) return;
-  const long long S = range_start(c, W, N), E = range_start(c + 1, W, N);
-  if (S >= E) return;
+  const long long S = c * k_per, E = min(W, S + k_per);
   __syncthreads();
   if (S >= excl && S < excl + mine) {
     long long acc = excl;
     for (int b = b0; b < b1; ++b) {
+      const int slot = batch_slot(p, b);
       int len, ft, nt;
-      row_shape(p, batch_slot(p, b), &len, &ft, &nt);
+      row_shape(p, slot, &len, &ft, &nt);
       const long long span = static_cast<long long>(nt) * p.Hkv;
       if (S < acc + span) {
         const long long off = S - acc;
@@ -264,6 +394,11 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         s_scan[9] = off / nt;
         s_scan[10] = off % nt;
         s_scan[11] = acc + (off / nt) * nt;
+        int* si = reinterpret_cast<int*>(s_scan + 13);
+        si[0] = slot;
+        si[1] = len;
+        si[2] = ft;
+        si[3] = nt;
         break;
       }
       acc += span;
@@ -275,7 +410,13 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   start.h = static_cast<int>(s_scan[9]);
   start.tile = static_cast<int>(s_scan[10]);
   start.row_first = s_scan[11];
-  cursor_load_row(p, start);
+  {
+    const int* si = reinterpret_cast<const int*>(s_scan + 13);
+    start.slot = si[0];
+    start.len = si[1];
+    start.first_tile = si[2];
+    start.ntiles = si[3];
+  }
   const int n_tiles = static_cast<int>(E - S);
   auto stage_k = [&](int s) { return stages_base + s * 2 * Sm::kTileElems; };
   auto stage_v = [&](int s) { return stages_base + s * 2 * Sm::kTileElems + Sm::kTileElems; };
@@ -296,6 +437,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     if (n_tiles > 0) { id0 = page_id(pc); cursor_advance(p, pc); }
     if (n_tiles > 1) { id1 = page_id(pc); cursor_advance(p, pc); }
     long long* off = s_off + pw * 32 * 2;
+    const uint64_t pol = l2_evict_first_policy();
     for (int i = 0; i < n_tiles; ++i) {
       int id2 = -1;
       if (i + 2 < n_tiles) { id2 = page_id(pc); cursor_advance(p, pc); }
@@ -323,8 +465,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         const longlong2 o = *reinterpret_cast<const longlong2*>(off + row * 2);
         const bool valid = o.x >= 0;
         const int pc = Sm::chunk(row, col) * 8;
-        cp_async_16(sk + row * kStride + pc, valid ? kb + o.x + col * 8 : kb, valid ? 16 : 0);
-        cp_async_16(sv + row * kStride + pc, valid ? vb + o.y + col * 8 : vb, valid ? 16 : 0);
+        cp_async_16_stream(sk + row * kStride + pc, valid ? kb + o.x + col * 8 : kb, valid ? 16 : 0, pol);
+        cp_async_16_stream(sv + row * kStride + pc, valid ? vb + o.y + col * 8 : vb, valid ? 16 : 0, pol);
       }
       mbar_arrive_cp_async(&full[s]);
       __syncwarp();  // `off` is rewritten next tile
@@ -348,16 +490,57 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   float m_run[2], l_run[2];
 
   auto begin_row = [&](const RowCursor& rc) {
-    consumer_sync();  // the Q buffer may still be read by the previous row's fragments load
-    for (int i = tid; i < 16 * D; i += kConsumerThreads) {
-      const int r = i / D, d = i % D;
-      const int R = y * 16 + r;
-      float x = 0.f;
-      if (R < rows_total && rc.slot >= 0) {
-        const int t = R / p.G, g = R % p.G;
-        x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d, p.q_dtype);
+    // Q rows of this tile: 16-byte loads into registers first (issued before the barrier
+    // that frees the Q buffer, so their latency overlaps the previous row's tail).
+    constexpr int kQIt = (16 * kChunks + kConsumerThreads - 1) / kConsumerThreads;
+    uint4 qv[kQIt];
+    if (p.q_vec) {
+#pragma unroll
+      for (int k = 0; k < kQIt; ++k) {
+        const int i = tid + k * kConsumerThreads;
+        const int r = i / kChunks, ch = i % kChunks;
+        const int R = y * 16 + r;
+        qv[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 16 * kChunks && R < rows_total && rc.slot >= 0) {
+          const int t = R / p.G, g = R % p.G;
+          const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + ch * 8;
+          if (p.q_vec == 1) {
+            qv[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const KV*>(p.q) + off));
+          } else {
+            const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.q) + off);
+            const float4 a = __ldg(src), b = __ldg(src + 1);
+            union {
+              KV h[8];
+              uint4 u;
+            } cv;
+            cv.h[0] = from_float<KV>(a.x); cv.h[1] = from_float<KV>(a.y);
+            cv.h[2] = from_float<KV>(a.z); cv.h[3] = from_float<KV>(a.w);
+            cv.h[4] = from_float<KV>(b.x); cv.h[5] = from_float<KV>(b.y);
+            cv.h[6] = from_float<KV>(b.z); cv.h[7] = from_float<KV>(b.w);
+            qv[k] = cv.u;
+          }
+        }
       }
-      sq[r * kQStride + d] = from_float<KV>(x);
+    }
+    consumer_sync();  // the Q buffer may still be read by the previous row's fragments load
+    if (p.q_vec) {
+#pragma unroll
+      for (int k = 0; k < kQIt; ++k) {
+        const int i = tid + k * kConsumerThreads;
+        if (i < 16 * kChunks)
+          *reinterpret_cast<uint4*>(sq + (i / kChunks) * kQStride + (i % kChunks) * 8) = qv[k];
+      }
+    } else {
+      for (int i = tid; i < 16 * D; i += kConsumerThreads) {
+        const int r = i / D, d = i % D;
+        const int R = y * 16 + r;
+        float x = 0.f;
+        if (R < rows_total && rc.slot >= 0) {
+          const int t = R / p.G, g = R % p.G;
+          x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d, p.q_dtype);
+        }
+        sq[r * kQStride + d] = from_float<KV>(x);
+      }
     }
     consumer_sync();
 #pragma unroll
@@ -367,14 +550,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   };
 
   auto store_row = [&](const RowCursor& rc, int r, int d, float4 o, float lse2) {
-    const int R = y * 16 + r;
-    const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
-    const int64_t base = rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d;
-    store_any(p.out, base, p.out_dtype, o.x);
-    store_any(p.out, base + 1, p.out_dtype, o.y);
-    store_any(p.out, base + 2, p.out_dtype, o.z);
-    store_any(p.out, base + 3, p.out_dtype, o.w);
-    if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
+    store_out(p, y, rc, r, d, o, lse2);
   };
 
   auto end_row = [&](const RowCursor& rc) {
@@ -420,8 +596,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         for (int n = 0; n < D / 8; ++n) {
           const int col = n * 8 + (lane & 3) * 2;
           const int r0 = lane >> 2;
-          float2* a = reinterpret_cast<float2*>(s_merge + r0 * D + col);
-          float2* b = reinterpret_cast<float2*>(s_merge + (r0 + 8) * D + col);
+          float2* a = reinterpret_cast<float2*>(s_merge + r0 * Sm::kMStride + col);
+          float2* b = reinterpret_cast<float2*>(s_merge + (r0 + 8) * Sm::kMStride + col);
           float2 x = make_float2(acc[n][0] * f[0], acc[n][1] * f[0]);
           float2 z = make_float2(acc[n][2] * f[1], acc[n][3] * f[1]);
           if (w > 0) {
@@ -435,8 +611,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       consumer_sync();
     }
     // Rows covered by this CTA alone are written directly; split rows go out as partials.
-    const long long c_first = cta_of(rc.row_first, W, N);
-    const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, W, N);
+    const long long c_first = cta_of(rc.row_first, k_per);
+    const long long c_last = cta_of(rc.row_first + rc.ntiles - 1, k_per);
     const bool split = c_first != c_last;
     const int pslot = (S >= rc.row_first) ? 0 : 1;
     const long long pidx = (static_cast<long long>(y) * gridDim.x + c) * 2 + pslot;
@@ -445,7 +621,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       const int i = i4 * 4;
       const int r = i / D, d = i % D;
       const float L = s_row[r * 2 + 1];
-      float4 o = *reinterpret_cast<const float4*>(s_merge + i);
+      float4 o = *reinterpret_cast<const float4*>(s_merge + r * Sm::kMStride + d);
       const float inv = L > 0.f ? 1.f / L : 0.f;
       o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
       const float lse2 = L > 0.f ? s_row[r * 2] + __log2f(L) : -INFINITY;
@@ -457,63 +633,51 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       }
     }
     if (split) {
-      __threadfence();
-      consumer_sync();
-      int* s_last_p = reinterpret_cast<int*>(s_scan + 12);
-      if (tid == 0) {
-        int32_t* counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
-        const int prev = atomicAdd(counter, 1);
-        const int need = static_cast<int>(c_last - c_first + 1);
-        *s_last_p = (prev == need - 1);
-        if (prev == need - 1) *counter = 0;  // ready for the next launch
-      }
-      consumer_sync();
-      if (*s_last_p) {
-        __threadfence();
-        // The last CTA to finish the row merges the partials by log-sum-exp: per-row max
-        // and denominator first, then outputs with independent float4 loads.
-        // Only the first CTA's range can start before the row (its partial is in slot 1).
-        const int first_slot = (range_start(c_first, W, N) >= rc.row_first) ? 0 : 1;
-        auto part_index = [&](long long cc) {
-          return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
-        };
-        const int n_parts = static_cast<int>(c_last - c_first + 1);
-        float* s_stat = s_row;  // reuse: [16] max, [16] denominator
-        for (int r = warp; r < rows_here; r += 4) {
-          float M = -INFINITY;
-          for (int k = lane; k < n_parts; k += 32)
-            M = fmaxf(M, __ldcg(p.part_lse + part_index(c_first + k) * 16 + r));
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-          float den = 0.f;
-          if (M != -INFINITY)
-            for (int k = lane; k < n_parts; k += 32)
-              den += exp2f(__ldcg(p.part_lse + part_index(c_first + k) * 16 + r) - M);
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-          if (lane == 0) {
-            s_stat[r] = M;
-            s_stat[16 + r] = den;
+      // Publish the partial (barrier, then one release by thread 0, as a grid sync does).
+      // The last CTA to finish the row merges the partials by log-sum-exp; a row of more
+      // than kFlatParts parts merges in two levels: the last CTA of each group of 8
+      // consecutive parts merges them into the group leader's slot, and the last group to
+      // finish merges the groups (no CTA reads more than 8 partials of a large row).
+      constexpr int kGroup = 8, kFlatParts = 16;
+      const int n_parts = static_cast<int>(c_last - c_first + 1);
+      // Only the first CTA's range can start before the row (its partial is in slot 1).
+      const int first_slot = (c_first * k_per >= rc.row_first) ? 0 : 1;
+      auto part_index = [&](long long cc) {
+        return (static_cast<long long>(y) * gridDim.x + cc) * 2 + (cc == c_first ? first_slot : 0);
+      };
+      const bool tree = n_parts > kFlatParts;
+      const int n_groups = (n_parts + kGroup - 1) / kGroup;
+      const long long leader = c_first + ((c - c_first) / kGroup) * kGroup;
+      int* s_flag = reinterpret_cast<int*>(s_scan + 12);
+      // Thread 0 counts this CTA in; true for the last of `need`.
+      auto arrive_last = [&](int32_t* counter, int need) {
+        consumer_sync();
+        if (tid == 0) {
+          __threadfence();
+          const int prev = atomicAdd(counter, 1);
+          const bool last = prev == need - 1;
+          if (last) {
+            *counter = 0;  // ready for the next launch
+            __threadfence();
           }
+          *s_flag = last;
         }
         consumer_sync();
-        for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
-          const int i = i4 * 4;
-          const int r = i / D, d = i % D;
-          const float M = s_stat[r], den = s_stat[16 + r];
-          float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (M != -INFINITY) {
-#pragma unroll 4
-            for (long long cc = c_first; cc <= c_last; ++cc) {
-              const long long pi = part_index(cc);
-              const float w = exp2f(__ldcg(p.part_lse + pi * 16 + r) - M);
-              const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
-              o.x += w * x.x; o.y += w * x.y; o.z += w * x.z; o.w += w * x.w;
-            }
-          }
-          const float inv = den > 0.f ? 1.f / den : 0.f;
-          o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-          store_row(rc, r, d, o, den > 0.f ? M + __log2f(den) : -INFINITY);
+        return *s_flag != 0;
+      };
+      auto merge_parts = [&](long long first, int stride, int count, long long out_part) {
+        merge_partials<D>(p, rc, y, rows_here, c_first, first_slot, first, stride, count, out_part,
+                          s_row);
+      };
+      int32_t* row_counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
+      if (!tree) {
+        if (arrive_last(row_counter, n_parts)) merge_parts(c_first, 1, n_parts, -1);
+      } else {
+        const long long lp = part_index(leader);
+        const int gsize = static_cast<int>(min(static_cast<long long>(kGroup), c_last + 1 - leader));
+        if (arrive_last(p.group_counters + lp, gsize)) {
+          merge_parts(leader, 1, gsize, lp);
+          if (arrive_last(row_counter, n_groups)) merge_parts(c_first, kGroup, n_groups, -1);
         }
       }
     }

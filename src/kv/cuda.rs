@@ -22,7 +22,7 @@ const MAX_STAGES: usize = 8;
 const DECODE_THREADS: u32 = 192;
 const DECODE_TILE: usize = 64;
 /// Smallest share of a CTA, in 64-token tiles: short batches use fewer, longer ranges.
-const MIN_TILES_PER_CTA: i32 = 4;
+const MIN_TILES_PER_CTA: i32 = 2;
 /// Most 16-row query tiles per decode: 16 heads x 8 tokens / 16.
 const MAX_Y_TILES: usize = 8;
 
@@ -126,6 +126,7 @@ struct DecodeParams {
     part_o: u64,
     part_lse: u64,
     counters: u64,
+    group_counters: u64,
     q_s: [i64; 3],
     o_s: [i64; 3],
     l_s: [i64; 3],
@@ -144,6 +145,7 @@ struct DecodeParams {
     window: i32,
     min_tiles_per_cta: i32,
     stages: i32,
+    q_vec: i32,
     scale_log2: f32,
     qk_scale: f32,
     softcap: f32,
@@ -155,6 +157,23 @@ fn dtype_code(d: DType) -> i32 {
         DType::F32 | DType::I32 => 0,
         DType::F16 => 1,
         DType::BF16 => 2,
+    }
+}
+
+/// How the decode kernel may load q rows with 16-byte vectors: 1 when q has the KV dtype,
+/// 2 when it is f32, with the address and every stride a multiple of 16 bytes; else 0
+/// (element loads).
+fn q_vector_mode(q: &TensorView, kv: DType) -> i32 {
+    let elem = q.dtype().size();
+    let aligned = q.addr() % 16 == 0
+        && q.strides()[..3]
+            .iter()
+            .all(|&s| (s * elem as isize) % 16 == 0);
+    match q.dtype() {
+        _ if !aligned => 0,
+        d if d == kv => 1,
+        DType::F32 => 2,
+        _ => 0,
     }
 }
 
@@ -172,7 +191,7 @@ fn decode_stage_bytes(head_dim: usize, elem: usize) -> usize {
 /// Dynamic shared memory of the decode kernel; matches `DecodeSmem::bytes`.
 fn decode_smem(head_dim: usize, elem: usize, stages: usize) -> usize {
     let q = 16 * (head_dim + 8) * elem;
-    let merge = 16 * head_dim * 4;
+    let merge = 16 * (head_dim + 8) * 4; // rows padded by 8 floats
     let offsets = DECODE_TILE * 2 * 8;
     let softmax_state = (4 * 16 * 2 + 32) * 4;
     let scan = 16 * 8;
@@ -233,6 +252,8 @@ pub(super) struct DeviceState {
     part_o: DeviceBuffer,
     part_lse: DeviceBuffer,
     counters: DeviceBuffer,
+    /// Byte offset of the group counters in `counters`.
+    group_counters_at: usize,
     decode: Option<DecodeLaunch>,
     sm_count: u32,
 }
@@ -266,7 +287,10 @@ impl DeviceState {
         let wave = decode.map_or(1, |d| d.wave as usize);
         let part_o = DeviceBuffer::new(cuda, wave * 2 * 16 * cfg.head_dim * 4)?;
         let part_lse = DeviceBuffer::new(cuda, wave * 2 * 16 * 4)?;
-        let n_counters = cfg.max_seqs * cfg.kv_heads * MAX_Y_TILES;
+        // Row counters [max_seqs][kv_heads][Y], then group counters [wave][2] (one per
+        // partial slot) for the two-level merge of rows split into many parts.
+        let n_row_counters = cfg.max_seqs * cfg.kv_heads * MAX_Y_TILES;
+        let n_counters = n_row_counters + wave * 2;
         let counters = DeviceBuffer::new(cuda, n_counters * 4)?;
         counters.upload(&vec![0i32; n_counters])?;
         Ok(DeviceState {
@@ -276,6 +300,7 @@ impl DeviceState {
             part_o,
             part_lse,
             counters,
+            group_counters_at: n_row_counters * 4,
             decode,
             sm_count: cuda.sm_count(),
         })
@@ -544,6 +569,7 @@ impl DeviceState {
             part_o: self.part_o.addr() as u64,
             part_lse: self.part_lse.addr() as u64,
             counters: self.counters.addr() as u64,
+            group_counters: (self.counters.addr() + self.group_counters_at) as u64,
             q_s: s3(&plan.q),
             o_s: s3(&plan.out),
             l_s: lse_s,
@@ -570,6 +596,7 @@ impl DeviceState {
             window: plan.window as i32,
             min_tiles_per_cta: MIN_TILES_PER_CTA,
             stages: launch.stages as i32,
+            q_vec: q_vector_mode(&plan.q, cfg.dtype),
             scale_log2: plan.scale * std::f32::consts::LOG2_E,
             qk_scale: plan.scale,
             softcap: plan.softcap,
