@@ -23,7 +23,9 @@ streaming ceiling (1 GiB copy) measured in the same run.
 
     python3 bench_gdn.py [--quick] [--tiles] [--srows] [--decode-only] [--layout k|v]
                          [--rings 8,16] [--batches 1,8,256]
-                                        # writes $OUT/gdn_bench[_<layout>].json if $OUT is set
+                                        # writes $OUT/gdn_bench_<k|v>.json if $OUT is set
+                                        # (a full V-major run also $OUT/h200-gdn.json, the
+                                        # flat summary; --summarize V.json [K.json] prints it)
   --tiles        value rows per CTA of the warp decode kernel (KVR_GDN_DECODE_ROWS)
   --srows        value rows per CTA of the streaming decode kernel (KVR_GDN_STREAM_ROWS),
                  one CTA per item and persistent CTAs (KVR_GDN_STREAM_PERSIST=1)
@@ -410,7 +412,63 @@ def stream_rows_sweep(results):
     results["stream_rows"] = rows
 
 
+def summary(v, k=None):
+    """The flat figures issue 14 lists (bench/results/h200.json), from a V-major run's results
+    (`v`, the full sweep) and optionally a K-major decode run's (`k`): fla / ours ratios,
+    floor fractions and speedups; replay rows are the L = 16 column averaged over flush cycles."""
+    out = {}
+    dec = {r["B"]: r for r in v["decode"]}
+    ceil = v["copy_tbs"] * 1e6  # bytes per us
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    for B in (1, 8, 128, 256):
+        if B in dec:
+            r = dec[B]
+            out[f"gdn_decode_replay16_vs_fla_b{B}"] = ratio(r.get("fla_us"), r["replay16_us"])
+    for B in (1, 8):
+        if B in dec:
+            out[f"gdn_decode_replay16_b{B}_us"] = round(dec[B]["replay16_us"], 2)
+    for B in (1, 128, 256):
+        if B in dec:
+            out[f"gdn_recurrent_b{B}_us"] = round(dec[B]["recurrent_us"], 2)
+    if 256 in dec:
+        r = dec[256]
+        out["gdn_decode_replay16_floor_frac_b256"] = round(r["replay16_bytes"] / ceil / r["replay16_us"], 3)
+        out["gdn_recurrent_vs_fla_b256"] = ratio(r.get("fla_us"), r["recurrent_us"])
+    ver = {(r["B"], r["T"]): r for r in v.get("verify", [])}
+    for T in (4, 8):
+        if (128, T) in ver:
+            out[f"gdn_verify_speedup_t{T}_b128"] = round(ver[(128, T)]["speedup"], 3)
+    if (128, 4) in ver and 128 in dec:
+        # the verify rounds use a ring of 64: against one decode step with the same ring
+        out["gdn_verify_t4_over_decode_b128"] = ratio(ver[(128, 4)]["replay64_us"], dec[128]["replay64_us"])
+    kvo = v.get("kv_only", {}).get("rows", [])
+    for want in (64, 124):
+        if kvo:
+            r = min(kvo, key=lambda x: abs(x["context"] - want))
+            out[f"gdn_kvonly_vs_recurrent_ctx{want}"] = round(r["speedup"], 3)
+            out[f"gdn_kvonly_ctx{want}_measured_at"] = r["context"]
+    if k is not None:
+        kd = {r["B"]: r for r in k["decode"]}
+        for B in (1, 8, 128, 256):
+            if B in kd:
+                out[f"gdn_decode_replay16_vs_fla_b{B}_kmajor"] = ratio(kd[B].get("fla_us"), kd[B]["replay16_us"])
+        if 256 in kd:
+            out["gdn_recurrent_vs_fla_b256_kmajor"] = ratio(kd[256].get("fla_us"), kd[256]["recurrent_us"])
+    out["gdn_copy_ceiling_tbs"] = round(v["copy_tbs"], 3)
+    return out
+
+
 def main():
+    if "--summarize" in sys.argv:  # bench_gdn.py --summarize gdn_bench_v.json [gdn_bench_k.json]
+        i = sys.argv.index("--summarize")
+        files = sys.argv[i + 1:]
+        v = json.load(open(files[0]))
+        k = json.load(open(files[1])) if len(files) > 1 else None
+        print(json.dumps(summary(v, k), indent=1))
+        return
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "fla": FLA_VERSION, "torch": torch.__version__,
                "kvreplay": lib.lib.kvr_version().decode()}
@@ -433,6 +491,9 @@ def main():
     out = os.environ.get("OUT")
     if out:
         name = "gdn_bench_v.json" if LAYOUT else "gdn_bench_k.json"
+        if LAYOUT and "--decode-only" not in sys.argv:
+            with open(os.path.join(out, "h200-gdn.json"), "w") as f:
+                json.dump(summary(results), f, indent=1)
         with open(os.path.join(out, name), "w") as f:
             json.dump(results, f, indent=1)
 

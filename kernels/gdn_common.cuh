@@ -1,4 +1,4 @@
-// Declarations shared by the GDN kernels (kernels/gdn.cu, kernels/gdn_decode.cu): launch
+// Declarations shared by the GDN kernels (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu): launch
 // parameters (must match src/linear/gdn_cuda.rs), metadata layout, element access and the
 // placement rule the step, decode and finish kernels must agree on.
 #pragma once

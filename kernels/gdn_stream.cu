@@ -1,7 +1,8 @@
-// Gated DeltaNet single-token decode, streaming form (the default decode path):
+// Gated DeltaNet single-token decode, streaming form:
 //   kvr_gdn_sdecode_<state>_<k|v>_d<dk>   one token per sequence (T = 1, auto-commit) for a
-//                                         batch in replay or recurrent mode (pools without
-//                                         KV-only mode; src/linear/gdn_cuda.rs picks it)
+//                                         batch in replay or recurrent mode, in pools without
+//                                         KV-only mode (src/linear/gdn_cuda.rs picks it per
+//                                         layout, mode and batch size: `stream_batches`)
 //
 // Decode is a stream over the checkpoint states, and what limits it is how many state bytes
 // are in flight while each CTA waits on its small dependent loads (metadata, then the ring
@@ -792,16 +793,19 @@ __device__ void sdecode_body(const StepParams& p) {
 }  // namespace gdn
 }  // namespace kvr
 
-#define KVR_GDN_SDECODE(SD, SN, VM, LN, DK)                                                       \
-  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 3)                      \
+// Resident CTAs per SM the register budget aims for: V-major 3 (80 registers, as many CTAs as
+// the one-tile shared memory allows at 128 rows, f32), K-major 2 (its padded tile allows 2 at
+// 128 rows, and 128 registers spill nothing; measured faster than 3 on the H200).
+#define KVR_GDN_SDECODE(SD, SN, VM, LN, DK, MINB)                                                  \
+  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, MINB)                   \
       kvr_gdn_sdecode_##SN##_##LN##_d##DK(const __grid_constant__ kvr::gdn::StepParams p) {      \
     kvr::gdn::sdecode_body<SD, VM, DK>(p);                                                        \
   }
-#define KVR_GDN_SDECODE_DK(DK)                        \
-  KVR_GDN_SDECODE(float, f32, false, k, DK)           \
-  KVR_GDN_SDECODE(float, f32, true, v, DK)            \
-  KVR_GDN_SDECODE(__nv_bfloat16, bf16, false, k, DK)  \
-  KVR_GDN_SDECODE(__nv_bfloat16, bf16, true, v, DK)
+#define KVR_GDN_SDECODE_DK(DK)                           \
+  KVR_GDN_SDECODE(float, f32, false, k, DK, 2)           \
+  KVR_GDN_SDECODE(float, f32, true, v, DK, 3)            \
+  KVR_GDN_SDECODE(__nv_bfloat16, bf16, false, k, DK, 2)  \
+  KVR_GDN_SDECODE(__nv_bfloat16, bf16, true, v, DK, 3)
 KVR_GDN_SDECODE_DK(64)
 KVR_GDN_SDECODE_DK(128)
 KVR_GDN_SDECODE_DK(256)

@@ -1,4 +1,4 @@
-//! The GDN pool's device state and launches (kernels/gdn.cu).
+//! The GDN pool's device state and launches (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu).
 //!
 //! Everything a launch needs travels in its parameters (sequence ids and host accepted
 //! counts inline, in chunks), so decode, verify, commit and flush are asynchronous, need
@@ -380,9 +380,9 @@ impl DeviceState {
         let stream_persistent = std::env::var("KVR_GDN_STREAM_PERSIST").as_deref() == Ok("1");
         // Batch sizes where the streaming kernel beat the older ones on the H200
         // (BENCHMARKS.md, same runs): replay decode on V-major states at every batch, on
-        // K-major states below 64 rows (the warp kernel is 4-16 % faster above); recurrent
-        // decode on K-major states from 32 rows (the general kernel is faster below), on
-        // V-major states from 64 rows (the warp kernel is faster below).
+        // K-major states below 128 rows (the warp kernel is as fast or faster above);
+        // recurrent decode on K-major states from 32 rows (the general kernel is faster
+        // below), on V-major states from 64 rows (the warp kernel is faster below).
         // KVR_GDN_DECODE=stream uses it at every batch (benchmarking).
         let recurrent = cfg.ring_len == 0;
         let vmajor = cfg.layout == StateLayout::VMajor;
@@ -391,7 +391,7 @@ impl DeviceState {
         } else {
             match (recurrent, vmajor) {
                 (false, true) => 0..usize::MAX,
-                (false, false) => 0..64,
+                (false, false) => 0..128,
                 (true, false) => 32..usize::MAX,
                 (true, true) => 64..usize::MAX,
             }
