@@ -138,6 +138,136 @@ template <> struct StateIO<__nv_bfloat16> {
   }
 };
 
+// Vector loads and stores and warp reductions shared by the decode kernels (gdn_decode.cu,
+// gdn_stream.cu).
+// N contiguous elements of T at p (aligned to their size, up to 16 bytes) as floats.
+template <typename T, int N>
+__device__ __forceinline__ void ld_vec(const T* p, float* d) {
+  if constexpr (sizeof(T) == 4) {
+    if constexpr (N == 1) {
+      d[0] = p[0];
+    } else if constexpr (N == 2) {
+      const float2 a = *reinterpret_cast<const float2*>(p);
+      d[0] = a.x;
+      d[1] = a.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p + i);
+        d[i] = a.x;
+        d[i + 1] = a.y;
+        d[i + 2] = a.z;
+        d[i + 3] = a.w;
+      }
+    }
+  } else {
+    auto two = [&](uint32_t r, float* o) {
+      float2 f;
+      if constexpr (IsSame<T, __half>::value)
+        f = __half22float2(*reinterpret_cast<const __half2*>(&r));
+      else
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+      o[0] = f.x;
+      o[1] = f.y;
+    };
+    if constexpr (N == 1) {
+      d[0] = to_float(p[0]);
+    } else if constexpr (N == 2) {
+      two(*reinterpret_cast<const uint32_t*>(p), d);
+    } else if constexpr (N == 4) {
+      const uint2 r = *reinterpret_cast<const uint2*>(p);
+      two(r.x, d);
+      two(r.y, d + 2);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 8) {
+        const uint4 r = *reinterpret_cast<const uint4*>(p + i);
+        two(r.x, d + i);
+        two(r.y, d + i + 2);
+        two(r.z, d + i + 4);
+        two(r.w, d + i + 6);
+      }
+    }
+  }
+}
+
+// The same for a runtime entry dtype (0 f32, 1 f16, 2 bf16); `e` counts elements.
+template <int N>
+__device__ __forceinline__ void ld_entry(const char* base, int dt, int64_t e, float* d) {
+  if (dt == 0)
+    ld_vec<float, N>(reinterpret_cast<const float*>(base) + e, d);
+  else if (dt == 1)
+    ld_vec<__half, N>(reinterpret_cast<const __half*>(base) + e, d);
+  else
+    ld_vec<__nv_bfloat16, N>(reinterpret_cast<const __nv_bfloat16*>(base) + e, d);
+}
+
+// N contiguous floats stored as T at p.
+template <typename T, int N>
+__device__ __forceinline__ void st_vec(T* p, const float* s) {
+  if constexpr (sizeof(T) == 4) {
+    if constexpr (N == 1) {
+      p[0] = s[0];
+    } else if constexpr (N == 2) {
+      *reinterpret_cast<float2*>(p) = make_float2(s[0], s[1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 4)
+        *reinterpret_cast<float4*>(p + i) = make_float4(s[i], s[i + 1], s[i + 2], s[i + 3]);
+    }
+  } else {
+    static_assert(IsSame<T, __nv_bfloat16>::value, "bf16 is the only 2-byte state");
+    auto two = [&](int i) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(s[i], s[i + 1]);
+      return *reinterpret_cast<const uint32_t*>(&b);
+    };
+    if constexpr (N == 1) {
+      p[0] = __float2bfloat16_rn(s[0]);
+    } else if constexpr (N == 2) {
+      *reinterpret_cast<uint32_t*>(p) = two(0);
+    } else if constexpr (N == 4) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(two(0), two(2));
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 8)
+        *reinterpret_cast<uint4*>(p + i) = make_uint4(two(i), two(i + 2), two(i + 4), two(i + 6));
+    }
+  }
+}
+
+// c ? a : b on values (a plain ?: on array elements can become a local-memory load).
+__device__ __forceinline__ float pick(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return __uint_as_float((__float_as_uint(a) & m) | (__float_as_uint(b) & ~m));
+}
+
+// One halving exchange of reduce_scatter: lanes with bit M keep the odd entries, the others
+// the even ones, each adding its partner's copy; then the next exchange.
+template <int N, int M>
+__device__ __forceinline__ void halve(float* P, int lane) {
+  const bool hi = lane & M;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float keep = pick(hi, P[2 * i + 1], P[2 * i]);
+    const float send = pick(hi, P[2 * i], P[2 * i + 1]);
+    P[i] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+  }
+  if constexpr (N / 2 > 1) halve<N / 2, 2 * M>(P, lane);
+}
+
+// Sums P[i] over the warp for every i < N (N a power of two, 2..32) and leaves the total of
+// P[lane / (32 / N)] in this lane: log2(N) halving exchanges, then a butterfly over the
+// lanes that share an index. N - 1 + log2(32 / N) shuffles instead of 5 N.
+template <int N>
+__device__ __forceinline__ float reduce_scatter(float (&P)[N], int lane) {
+  constexpr int S = 32 / N;
+  halve<N, S>(P, lane);
+  float x = P[0];
+#pragma unroll
+  for (int m = 1; m < S; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
 // Waits until `n` CTAs (the tiles of one head) have arrived.
 __device__ __forceinline__ void head_barrier(uint32_t* ctr, int n) {
   __syncthreads();

@@ -88,95 +88,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 }
 #endif
 
-// N contiguous elements of T at p (aligned to their size, up to 16 bytes) as floats.
-template <typename T, int N>
-__device__ __forceinline__ void s_ld(const T* p, float* d) {
-  if constexpr (sizeof(T) == 4) {
-    if constexpr (N == 2) {
-      const float2 a = *reinterpret_cast<const float2*>(p);
-      d[0] = a.x;
-      d[1] = a.y;
-    } else {
-      static_assert(N % 4 == 0, "4, 8 floats");
-#pragma unroll
-      for (int i = 0; i < N; i += 4) {
-        const float4 a = *reinterpret_cast<const float4*>(p + i);
-        d[i] = a.x;
-        d[i + 1] = a.y;
-        d[i + 2] = a.z;
-        d[i + 3] = a.w;
-      }
-    }
-  } else {
-    auto two = [&](uint32_t r, float* o) {
-      float2 f;
-      if constexpr (IsSame<T, __half>::value)
-        f = __half22float2(*reinterpret_cast<const __half2*>(&r));
-      else
-        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
-      o[0] = f.x;
-      o[1] = f.y;
-    };
-    if constexpr (N == 2) {
-      two(*reinterpret_cast<const uint32_t*>(p), d);
-    } else if constexpr (N == 4) {
-      const uint2 r = *reinterpret_cast<const uint2*>(p);
-      two(r.x, d);
-      two(r.y, d + 2);
-    } else {
-      static_assert(N % 8 == 0, "2, 4, 8k halves");
-#pragma unroll
-      for (int i = 0; i < N; i += 8) {
-        const uint4 r = *reinterpret_cast<const uint4*>(p + i);
-        two(r.x, d + i);
-        two(r.y, d + i + 2);
-        two(r.z, d + i + 4);
-        two(r.w, d + i + 6);
-      }
-    }
-  }
-}
-
-// N floats stored as T at p (T float or bf16).
-template <typename T, int N>
-__device__ __forceinline__ void s_st(T* p, const float* s) {
-  if constexpr (sizeof(T) == 4) {
-    if constexpr (N == 2) {
-      *reinterpret_cast<float2*>(p) = make_float2(s[0], s[1]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; i += 4)
-        *reinterpret_cast<float4*>(p + i) = make_float4(s[i], s[i + 1], s[i + 2], s[i + 3]);
-    }
-  } else {
-    static_assert(IsSame<T, __nv_bfloat16>::value, "bf16 is the only 2-byte state");
-    auto two = [&](int i) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(s[i], s[i + 1]);
-      return *reinterpret_cast<const uint32_t*>(&b);
-    };
-    if constexpr (N == 2) {
-      *reinterpret_cast<uint32_t*>(p) = two(0);
-    } else if constexpr (N == 4) {
-      *reinterpret_cast<uint2*>(p) = make_uint2(two(0), two(2));
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; i += 8)
-        *reinterpret_cast<uint4*>(p + i) = make_uint4(two(i), two(i + 2), two(i + 4), two(i + 6));
-    }
-  }
-}
-
-// The same for a runtime entry dtype (0 f32, 1 f16, 2 bf16); `e` counts elements.
-template <int N>
-__device__ __forceinline__ void s_ld_entry(const char* base, int dt, int64_t e, float* d) {
-  if (dt == 0)
-    s_ld<float, N>(reinterpret_cast<const float*>(base) + e, d);
-  else if (dt == 1)
-    s_ld<__half, N>(reinterpret_cast<const __half*>(base) + e, d);
-  else
-    s_ld<__nv_bfloat16, N>(reinterpret_cast<const __nv_bfloat16*>(base) + e, d);
-}
-
 // Sums P[0..4) over the warp; lane l ends with the total of P[l / 8]: exchange 1 splits on
 // lane bit 3 into even / odd entries, exchange 2 on bit 4 into first / second of the pair,
 // then a butterfly over the 8 lanes that share both bits (7 shuffles instead of 20).
@@ -456,7 +367,7 @@ __device__ void sdecode_body(const StepParams& p) {
         for (int e = 0; e < 2; ++e) {
           const char* kp = entry_k(min(2 * warp + e, nbuf - 1));
 #pragma unroll
-          for (int c = 0; c < KL; c += VW) s_ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[e][c]);
+          for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[e][c]);
         }
       }
       if (warp == 0) {
@@ -504,7 +415,7 @@ __device__ void sdecode_body(const StepParams& p) {
           for (int e = 0; e < 2; ++e) {
             const char* kp = entry_k(min(j0 + e, nbuf - 1));
 #pragma unroll
-            for (int c = 0; c < KL; c += VW) s_ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[e][c]);
+            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[e][c]);
           }
         }
         float P[4];
@@ -565,7 +476,7 @@ __device__ void sdecode_body(const StepParams& p) {
             const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
             float s[KL];
 #pragma unroll
-            for (int c = 0; c < KL; c += VW) s_ld<SD, VW>(row + key(c), &s[c]);
+            for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(row + key(c), &s[c]);
             float a = 0.f, c2 = 0.f;
 #pragma unroll
             for (int c = 0; c < KL; ++c) {
@@ -587,7 +498,7 @@ __device__ void sdecode_body(const StepParams& p) {
         float aq4[4] = {0.f, 0.f, 0.f, 0.f}, ak4[4] = {0.f, 0.f, 0.f, 0.f};
         for (int k = ksub; k < DK; k += ns) {
           float s[4];
-          s_ld<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+          ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
           const float xq = qs[k], xk = ks[k];
 #pragma unroll
           for (int x = 0; x < 4; ++x) {
@@ -646,10 +557,10 @@ __device__ void sdecode_body(const StepParams& p) {
 #pragma unroll
             for (int c = 0; c < KL; c += VW) {
               float s[VW];
-              s_ld<SD, VW>(reinterpret_cast<const SD*>(st + row * row_bytes) + key(c), s);
+              ld_vec<SD, VW>(reinterpret_cast<const SD*>(st + row * row_bytes) + key(c), s);
 #pragma unroll
               for (int x = 0; x < VW; ++x) s[x] = a * s[x] + ur * kv[c + x];
-              s_st<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + row) * DK + key(c), s);
+              st_vec<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + row) * DK + key(c), s);
             }
           }
         } else {
@@ -661,11 +572,11 @@ __device__ void sdecode_body(const StepParams& p) {
           for (int x = 0; x < 4; ++x) u4[x] = us[c0 + x];
           for (int k = ksub; k < DK; k += ns) {
             float s[4];
-            s_ld<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+            ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
             const float xk = ks[k];
 #pragma unroll
             for (int x = 0; x < 4; ++x) s[x] = a * s[x] + xk * u4[x];
-            s_st<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
+            st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
           }
           __syncthreads();
           store_kmajor_tile(st, head, v0);
@@ -680,7 +591,7 @@ __device__ void sdecode_body(const StepParams& p) {
             for (int e = 0; e < 2; ++e) {
               const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
 #pragma unroll
-              for (int c = 0; c < KL; c += VW) s_ld<SD, VW>(row + key(c), &s[e][c]);
+              for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(row + key(c), &s[e][c]);
 #pragma unroll
               for (int c = 0; c < KL; ++c) s[e][c] *= eG;
             }
@@ -689,7 +600,7 @@ __device__ void sdecode_body(const StepParams& p) {
               float kj[KL];
               const char* kp = entry_k(j);
 #pragma unroll
-              for (int c = 0; c < KL; c += VW) s_ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
+              for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const float wu = wg[j] * ldx(ut, p.entry_dtype, j * R + warp * rpw + r0 + e);
@@ -701,7 +612,7 @@ __device__ void sdecode_body(const StepParams& p) {
             for (int e = 0; e < 2; ++e)
 #pragma unroll
               for (int c = 0; c < KL; c += VW)
-                s_st<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
+                st_vec<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
                              &s[e][c]);
           }
         } else {
@@ -710,18 +621,18 @@ __device__ void sdecode_body(const StepParams& p) {
           const int c0 = warp * (R / kStreamWarps) + 4 * ql;
           for (int k = ksub; k < DK; k += ns) {
             float s[4];
-            s_ld<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+            ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
 #pragma unroll
             for (int x = 0; x < 4; ++x) s[x] *= eG;
 #pragma unroll 4
             for (int j = 0; j < nbuf; ++j) {
               const float f = wg[j] * ldx(entry_k(j), p.entry_dtype, k);
               float u4[4];
-              s_ld_entry<4>(reinterpret_cast<const char*>(ut), p.entry_dtype, j * R + c0, u4);
+              ld_entry<4>(reinterpret_cast<const char*>(ut), p.entry_dtype, j * R + c0, u4);
 #pragma unroll
               for (int x = 0; x < 4; ++x) s[x] += f * u4[x];
             }
-            s_st<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
+            st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
           }
           __syncthreads();
           store_kmajor_tile(st, head, v0);
