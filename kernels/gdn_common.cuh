@@ -268,6 +268,41 @@ __device__ __forceinline__ float reduce_scatter(float (&P)[N], int lane) {
   return x;
 }
 
+// One token's conv inputs of batch row b: the share of (value head h, tile) of the conv_dim
+// channels goes into the sequence's window ring at slot conv_end (decode kernels, T = 1).
+__device__ __forceinline__ void conv_window_share(const StepParams& p, int b, int seq, int h, int tile, int conv_end,
+                                                  int tid, int nthreads) {
+  const int parts = p.Hv * p.tiles, part = h * p.tiles + tile;
+  const int lo = static_cast<int>(static_cast<int64_t>(part) * p.conv_dim / parts);
+  const int hi = static_cast<int>(static_cast<int64_t>(part + 1) * p.conv_dim / parts);
+  const int ce = p.conv_dtype == 0 ? 4 : 2;
+  char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + conv_end % p.conv_slots) * p.conv_dim * ce;
+  for (int c = lo + tid; c < hi; c += nthreads)
+    stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
+}
+
+// q L2-normalized (if asked) and scaled, k L2-normalized (and rounded to the entry dtype
+// when `round_k`: replay buffers it), for a warp holding KL elements of each per lane.
+template <int KL>
+__device__ __forceinline__ void normalize_qk(const StepParams& p, float (&q)[KL], float (&k)[KL], bool round_k) {
+  float sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int c = 0; c < KL; ++c) {
+    sq += q[c] * q[c];
+    sk += k[c] * k[c];
+  }
+  sq = warp_sum(sq);
+  sk = warp_sum(sk);
+  const float fq = p.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
+  const float fk = p.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
+#pragma unroll
+  for (int c = 0; c < KL; ++c) {
+    q[c] = q[c] * fq * p.scale;
+    k[c] = k[c] * fk;
+    if (round_k) k[c] = roundx(p.entry_dtype, k[c]);
+  }
+}
+
 // Waits until `n` CTAs (the tiles of one head) have arrived.
 __device__ __forceinline__ void head_barrier(uint32_t* ctr, int n) {
   __syncthreads();

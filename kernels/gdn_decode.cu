@@ -175,24 +175,7 @@ __device__ void decode_body(const StepParams& p) {
 
   // q normalized and scaled, k normalized (and rounded as buffered, except in recurrent
   // mode, which buffers nothing).
-  {
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int c = 0; c < KL; ++c) {
-      sq += q[c] * q[c];
-      sk += k[c] * k[c];
-    }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    const float fq = p.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
-    const float fk = p.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
-#pragma unroll
-    for (int c = 0; c < KL; ++c) {
-      q[c] = q[c] * fq * p.scale;
-      k[c] = k[c] * fk;
-      if (!recurrent) k[c] = roundx(p.entry_dtype, k[c]);
-    }
-  }
+  normalize_qk<KL>(p, q, k, !recurrent);
   float kq = 0.f;
 #pragma unroll
   for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
@@ -391,17 +374,8 @@ __device__ void decode_body(const StepParams& p) {
     if (lane == 0)
       *reinterpret_cast<float*>(head + static_cast<int64_t>(p.kv_cap) * (dv + DK) * ee + 4 * pl.base) = gt;
   }
-  if (p.conv_dim > 0) {
-    // This CTA's share of the conv inputs goes into the window ring (as in kernels/gdn.cu).
-    const int R = p.Hv * p.tiles, rr2 = h * p.tiles + tile;
-    const int lo = static_cast<int>(static_cast<int64_t>(rr2) * p.conv_dim / R);
-    const int hi = static_cast<int>(static_cast<int64_t>(rr2 + 1) * p.conv_dim / R);
-    const int ce = p.conv_dtype == 0 ? 4 : 2;
-    const int slot = __ldcg(meta + kMetaConvEnd) % p.conv_slots;
-    char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + slot) * p.conv_dim * ce;
-    for (int c = lo + static_cast<int>(threadIdx.x); c < hi; c += blockDim.x)
-      stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
-  }
+  if (p.conv_dim > 0)
+    conv_window_share(p, b, seq, h, tile, __ldcg(meta + kMetaConvEnd), threadIdx.x, blockDim.x);
   // Metadata, ring keys and decays: kvr_gdn_finish, next on the stream.
 }
 

@@ -377,22 +377,10 @@ __device__ void sdecode_body(const StepParams& p) {
           q[c] = q_in[c];
           k[c] = k_in[c];
         }
-        float s_q = 0.f, s_k = 0.f;
-#pragma unroll
-        for (int c = 0; c < KL; ++c) {
-          s_q += q[c] * q[c];
-          s_k += k[c] * k[c];
-        }
-        s_q = warp_sum(s_q);
-        s_k = warp_sum(s_k);
-        const float fq = p.l2norm ? 1.f / sqrtf(s_q + 1e-6f) : 1.f;
-        const float fk = p.l2norm ? 1.f / sqrtf(s_k + 1e-6f) : 1.f;
+        normalize_qk<KL>(p, q, k, L > 0);
         float kq = 0.f;
 #pragma unroll
         for (int c = 0; c < KL; ++c) {
-          q[c] = q[c] * fq * p.scale;
-          k[c] = k[c] * fk;
-          if (L > 0) k[c] = roundx(p.entry_dtype, k[c]);
           kq += k[c] * q[c];
           qs[key(c)] = q[c];
           ks[key(c)] = k[c];
@@ -647,17 +635,7 @@ __device__ void sdecode_body(const StepParams& p) {
         }
         if (tid == 0) p.ring_g[(static_cast<int64_t>(seq) * Ls + base) * p.Hv + h] = gt;
       }
-      if (p.conv_dim > 0) {
-        // This item's share of the conv inputs goes into the window ring (as in kernels/gdn.cu).
-        const int nct = p.Hv * p.tiles, rr2 = h * p.tiles + tile;
-        const int lo = static_cast<int>(static_cast<int64_t>(rr2) * p.conv_dim / nct);
-        const int hi = static_cast<int>(static_cast<int64_t>(rr2 + 1) * p.conv_dim / nct);
-        const int ce = p.conv_dtype == 0 ? 4 : 2;
-        const int cslot = conv_end % p.conv_slots;
-        char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + cslot) * p.conv_dim * ce;
-        for (int c = lo + tid; c < hi; c += kStreamThreads)
-          stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
-      }
+      if (p.conv_dim > 0) conv_window_share(p, b, seq, h, tile, conv_end, tid, kStreamThreads);
       __syncthreads();  // (B5) every thread is done with this item's shared memory
       if (next.seq >= 0) load_inputs(next);  // (persistent CTAs)
       // 8. Arrival. The last CTA of a sequence to arrive finishes its step, one item later
