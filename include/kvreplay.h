@@ -809,12 +809,12 @@ typedef struct kvr_sizing {
 #define KVR_BACKEND_CUDA 2
 
 /**
- * `[dk][dv]` per value head, dv contiguous (llama.cpp, flash-linear-attention).
+ * `[dk][dv]` per value head, dv contiguous (flash-linear-attention's default).
  */
 #define KVR_STATE_K_MAJOR 0
 
 /**
- * `[dv][dk]` per value head, dk contiguous (vLLM, FlashInfer).
+ * `[dv][dk]` per value head, dk contiguous (llama.cpp, vLLM, FlashInfer).
  */
 #define KVR_STATE_V_MAJOR 1
 
@@ -1116,9 +1116,9 @@ KVR_NODISCARD kvr_status kvr_gdn_seq_free(struct kvr_gdn_pool *pool, int32_t seq
 KVR_NODISCARD kvr_status kvr_gdn_seq_reset(struct kvr_gdn_pool *pool, int32_t seq, void *stream);
 
 /**
- * Reads a sequence's cursor for `layer`. On CUDA this waits for `stream` (NULL: the
- * context's stream) and copies from the device: for diagnostics and tests, not the
- * decode loop.
+ * Reads a sequence's cursor for `layer`. On CUDA this waits for the context's own stream
+ * (work queued on another stream must be finished or ordered before it by the caller) and
+ * copies from the device: for diagnostics and tests, not the decode loop.
  */
 KVR_NODISCARD
 kvr_status kvr_gdn_seq_cursor(const struct kvr_gdn_pool *pool,
@@ -1534,7 +1534,8 @@ kvr_status kvr_model_tensor_info_get(const struct kvr_model *model,
 /**
  * A zero-copy view of tensor `name` (host memory: the mapped file, read-only), valid
  * until `kvr_model_free`: f32, f16 or bf16, shape outermost first, contiguous. To use it
- * on a CUDA context, copy it with `kvr_tensor_copy` into device memory. With
+ * on the GPU, copy it to device memory yourself (e.g. `cudaMemcpy`: `kvr_tensor_copy`
+ * copies within one context's memory only). With
  * `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
  *
  * Errors: UNKNOWN_ID (no such tensor); UNSUPPORTED (a quantized or integer ggml type:

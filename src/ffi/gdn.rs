@@ -25,9 +25,9 @@ pub(crate) static GDN_POOLS: Registry<GdnPool> = Registry::new("kvr_gdn_pool");
 
 /// How a state matrix is stored.
 pub type kvr_state_layout = i32;
-/// `[dk][dv]` per value head, dv contiguous (llama.cpp, flash-linear-attention).
+/// `[dk][dv]` per value head, dv contiguous (flash-linear-attention's default).
 pub const KVR_STATE_K_MAJOR: kvr_state_layout = 0;
-/// `[dv][dk]` per value head, dk contiguous (vLLM, FlashInfer).
+/// `[dv][dk]` per value head, dk contiguous (llama.cpp, vLLM, FlashInfer).
 pub const KVR_STATE_V_MAJOR: kvr_state_layout = 1;
 
 /// `kv_only_threshold` value that picks the default: min(dk, what one head's state memory
@@ -408,9 +408,9 @@ pub struct kvr_gdn_cursor {
     pub pending: i32,
 }
 
-/// Reads a sequence's cursor for `layer`. On CUDA this waits for `stream` (NULL: the
-/// context's stream) and copies from the device: for diagnostics and tests, not the
-/// decode loop.
+/// Reads a sequence's cursor for `layer`. On CUDA this waits for the context's own stream
+/// (work queued on another stream must be finished or ordered before it by the caller) and
+/// copies from the device: for diagnostics and tests, not the decode loop.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_gdn_seq_cursor(

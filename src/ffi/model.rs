@@ -286,7 +286,8 @@ pub extern "C" fn kvr_model_tensor_info_get(
 
 /// A zero-copy view of tensor `name` (host memory: the mapped file, read-only), valid
 /// until `kvr_model_free`: f32, f16 or bf16, shape outermost first, contiguous. To use it
-/// on a CUDA context, copy it with `kvr_tensor_copy` into device memory. With
+/// on the GPU, copy it to device memory yourself (e.g. `cudaMemcpy`: `kvr_tensor_copy`
+/// copies within one context's memory only). With
 /// `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
 ///
 /// Errors: UNKNOWN_ID (no such tensor); UNSUPPORTED (a quantized or integer ggml type:

@@ -20,9 +20,9 @@
 /// How the state matrix is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StateLayout {
-    /// `[dk][dv]`, dv contiguous (llama.cpp, fla's default).
+    /// `[dk][dv]`, dv contiguous (fla's default).
     KMajor,
-    /// `[dv][dk]`, dk contiguous (vLLM, FlashInfer).
+    /// `[dv][dk]`, dk contiguous (llama.cpp, vLLM, FlashInfer).
     VMajor,
 }
 
