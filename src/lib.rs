@@ -10,6 +10,7 @@ pub mod ffi;
 pub mod gguf;
 pub mod kv;
 pub mod linear;
+pub mod pool;
 pub mod tensor;
 
 pub use backend::{BackendKind, BackendRequest, Context, ContextOptions, DeviceInfo, Stream};

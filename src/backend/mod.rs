@@ -5,6 +5,8 @@ pub mod buffer;
 pub mod cpu;
 pub mod cuda;
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::tensor::{MemoryKind, TensorView};
 
@@ -96,9 +98,12 @@ pub struct DeviceInfo {
     pub driver_version: i32,
 }
 
-enum Backend {
-    Cpu(cpu::CpuBackend),
-    Cuda(cuda::CudaBackend),
+/// The backend of a context, shared with the executors of the pools built on it (chosen
+/// once, when a pool is created).
+#[derive(Clone)]
+pub(crate) enum Backend {
+    Cpu(Arc<cpu::CpuBackend>),
+    Cuda(Arc<cuda::CudaBackend>),
 }
 
 /// An execution context: one backend, its threads or its device, stream and kernels.
@@ -120,14 +125,15 @@ impl Context {
             )));
         }
         let backend = match options.backend {
-            BackendRequest::Cpu => Backend::Cpu(cpu::CpuBackend::new(options.n_threads)?),
-            BackendRequest::Cuda => {
-                Backend::Cuda(cuda::CudaBackend::new(options.device, options.stream)?)
-            }
+            BackendRequest::Cpu => Backend::Cpu(Arc::new(cpu::CpuBackend::new(options.n_threads)?)),
+            BackendRequest::Cuda => Backend::Cuda(Arc::new(cuda::CudaBackend::new(
+                options.device,
+                options.stream,
+            )?)),
             BackendRequest::Auto => match cuda::CudaBackend::new(options.device, options.stream) {
-                Ok(b) => Backend::Cuda(b),
+                Ok(b) => Backend::Cuda(Arc::new(b)),
                 Err(Error::InvalidArgument(m)) => return Err(Error::InvalidArgument(m)),
-                Err(_) => Backend::Cpu(cpu::CpuBackend::new(options.n_threads)?),
+                Err(_) => Backend::Cpu(Arc::new(cpu::CpuBackend::new(options.n_threads)?)),
             },
         };
         Ok(Context { backend })
@@ -144,6 +150,11 @@ impl Context {
     /// The memory kind this context's operations read and write.
     pub fn memory(&self) -> MemoryKind {
         self.backend().memory()
+    }
+
+    /// The backend, for a pool to pick its executor once.
+    pub(crate) fn handle(&self) -> Backend {
+        self.backend.clone()
     }
 
     /// The CPU backend, if this is a CPU context.

@@ -7,12 +7,12 @@ use super::decode::DecodePlan;
 use super::pool::{KvPoolConfig, LayerLayout};
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
+use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, MemoryKind, TensorView};
 
-const MAX_PATCHES: usize = 480;
 pub(super) const MAX_WRITE_GROUPS: usize = 120;
 const MAX_PAGE_COPIES: usize = 240;
 const MAX_INLINE_BATCH: usize = 512;
@@ -47,15 +47,6 @@ impl FastDiv {
         let hi = ((n as u64 * self.mul as u64) >> 32) as u32;
         (hi + n) >> self.shift
     }
-}
-
-#[repr(C)]
-struct PatchParams {
-    dst: u64,
-    count: i32,
-    pad: i32,
-    index: [u32; MAX_PATCHES],
-    value: [i32; MAX_PATCHES],
 }
 
 #[repr(C)]
@@ -206,40 +197,6 @@ struct DecodeLaunch {
     shared_bytes: u32,
     /// CTAs in one full wave (SMs x CTAs per SM).
     wave: u32,
-}
-
-/// Writes `value` at `dst[index]` (i32 elements) for each pair, on the stream: the
-/// values travel in the kernel parameters, so this is asynchronous and capturable.
-pub(crate) fn patch_i32(
-    cuda: &CudaBackend,
-    dst: usize,
-    patches: &[(u32, i32)],
-    stream: Stream,
-) -> Result<()> {
-    for chunk in patches.chunks(MAX_PATCHES) {
-        let mut p = Box::new(PatchParams {
-            dst: dst as u64,
-            count: chunk.len() as i32,
-            pad: 0,
-            index: [0; MAX_PATCHES],
-            value: [0; MAX_PATCHES],
-        });
-        for (i, &(idx, val)) in chunk.iter().enumerate() {
-            p.index[i] = idx;
-            p.value[i] = val;
-        }
-        let mut args = [&mut *p as *mut PatchParams as *mut c_void];
-        let blocks = chunk.len().div_ceil(128) as u32;
-        cuda.launch(
-            Kernel::KvPatch,
-            (blocks, 1, 1),
-            (128, 1, 1),
-            0,
-            stream,
-            &mut args,
-        )?;
-    }
-    Ok(())
 }
 
 /// Device memory and launch settings of one pool.
@@ -649,7 +606,6 @@ mod tests {
     #[test]
     fn param_structs_fit_the_launch_limit() {
         for size in [
-            size_of::<PatchParams>(),
             size_of::<WriteParams>(),
             size_of::<PageCopyParams>(),
             size_of::<DecodeParams>(),

@@ -1,12 +1,14 @@
-//! Replay decoding for linear-attention / SSM layers. Gated DeltaNet (Qwen3-Next, Qwen3.5):
-//! a checkpoint state plus a ring of recent inputs, flushes decided on the device, parallel
-//! speculative verification without per-draft state, commit by moving a cursor, and a
-//! KV-only mode for short sequences (CPU and CUDA).
+//! Replay decoding for linear-attention / SSM layers: the replay core (`replay`: a
+//! checkpoint state plus a ring of recent inputs, flushes decided where the kernels run,
+//! parallel speculative verification without per-draft state, commit by moving a cursor,
+//! KV-only mode for short sequences) and its families, Gated DeltaNet first (`gdn`).
 
 pub mod gdn;
-mod gdn_cpu;
-mod gdn_cuda;
 pub mod math;
+pub mod replay;
 
-pub use gdn::{GdnConfig, GdnIo, GdnMemory, GdnOptions, GdnPool, StateStorage, MAX_DRAFTS};
+pub use gdn::{Gdn, GdnConfig, GdnIo, GdnOptions, GdnPool};
 pub use math::StateLayout;
+pub use replay::{Family, ReplayConfig, ReplayMemory, ReplayPool, StateStorage, MAX_DRAFTS};
+/// Memory of one sequence of a GDN pool.
+pub type GdnMemory = ReplayMemory;

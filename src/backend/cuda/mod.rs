@@ -6,6 +6,7 @@ mod copy;
 pub(crate) mod driver;
 pub mod memory;
 pub(crate) mod module;
+pub(crate) mod patch;
 
 pub use module::{build_info, kernels_compiled};
 

@@ -1,4 +1,4 @@
-//! The GDN pool's device state and launches (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu).
+//! The GDN family's CUDA executor: device state and launches (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu).
 //!
 //! Everything a launch needs travels in its parameters (sequence ids and host accepted
 //! counts inline, in chunks), so decode, verify, commit and flush are asynchronous, need
@@ -6,18 +6,21 @@
 //! moves are made by the kernels from the device metadata.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
-use super::gdn::{
-    GdnConfig, StepPlan, Storage, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING,
-    META_START,
-};
-use super::math::StateLayout;
+use super::{Gdn, GdnPlan};
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
+use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
 use crate::error::{Error, Result};
-use crate::kv::cuda::patch_i32;
+use crate::linear::math::StateLayout;
+use crate::linear::replay::meta::{
+    self, Meta, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING, META_START,
+};
+use crate::linear::replay::{Commit, Executor, Layout, ReplayConfig, Step};
+use crate::pool::BatchIds;
 use crate::tensor::{DType, MemoryKind, TensorView};
 
 const THREADS: u32 = 256;
@@ -184,7 +187,7 @@ fn smem_bytes(dk: usize, tv: usize, t: usize, hmax: usize) -> u32 {
 /// Shared memory of one streaming decode CTA (kernels/gdn_stream.cu `stream_layout`):
 /// `stages` state tiles (K-major key rows padded by 16 bytes), the tile's ring rows, then qs, ks [dk];
 /// sq, sk, us [rows]; aq, ak, wg, gs [max(L, 1)]; 32 words.
-fn stream_smem_bytes(cfg: &GdnConfig, rows: usize, stages: usize) -> usize {
+fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
     let align16 = |x: usize| x.div_ceil(16) * 16;
     let es = cfg.state_dtype.size();
     let st = if cfg.layout == StateLayout::VMajor {
@@ -205,7 +208,10 @@ fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
     (lo <= hi).then_some((lo, hi))
 }
 
-pub(crate) struct DeviceState {
+/// The CUDA executor of a GDN pool.
+pub(crate) struct GdnCuda {
+    cuda: Arc<CudaBackend>,
+    lay: Layout,
     /// Per-(sequence, value head) arrival counters for the KV-only transition.
     sync: DeviceBuffer,
     /// Per-layer state address and stride (for the commit kernel).
@@ -246,8 +252,10 @@ struct StreamLaunch {
     stages: usize,
 }
 
-impl DeviceState {
-    pub(crate) fn new(cuda: &CudaBackend, cfg: &GdnConfig, st: &Storage) -> Result<Self> {
+impl GdnCuda {
+    pub(crate) fn new(cuda_arc: Arc<CudaBackend>, lay: &Layout) -> Result<Self> {
+        let cuda = &*cuda_arc;
+        let cfg = &lay.cfg;
         let pow2 = |d: usize| d.is_power_of_two() && (32..=256).contains(&d);
         if !pow2(cfg.dk) || !pow2(cfg.dv) {
             return Err(Error::Unsupported(format!(
@@ -310,7 +318,7 @@ impl DeviceState {
         // copy in 16-byte pieces. KVR_GDN_DECODE=warp (or general) selects the older
         // kernels instead, KVR_GDN_STREAM_ROWS the rows per CTA (both for benchmarking).
         let es = cfg.state_dtype.size();
-        let aligned = st
+        let aligned = lay
             .states
             .iter()
             .all(|s| s.addr % 16 == 0 && (s.seq_stride * es) % 16 == 0);
@@ -398,7 +406,7 @@ impl DeviceState {
         };
         let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
         sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
-        let descs: Vec<LayerState> = st
+        let descs: Vec<LayerState> = lay
             .states
             .iter()
             .map(|s| LayerState {
@@ -408,7 +416,9 @@ impl DeviceState {
             .collect();
         let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerState>())?;
         layers.upload(&descs)?;
-        Ok(DeviceState {
+        Ok(GdnCuda {
+            cuda: cuda_arc.clone(),
+            lay: lay.clone(),
             sync,
             layers,
             sm_count: cuda.sm_count(),
@@ -428,7 +438,7 @@ impl DeviceState {
     /// once for more state bytes), or for a batch too small for any, the narrowest (the most
     /// CTAs to spread the state over). Persistent CTAs (KVR_GDN_STREAM_PERSIST=1) loop over
     /// items with the next tile in flight; the grid is then what fits on the GPU at once.
-    fn stream_launch(&self, cfg: &GdnConfig, rows: usize) -> Option<StreamLaunch> {
+    fn stream_launch(&self, cfg: &ReplayConfig, rows: usize) -> Option<StreamLaunch> {
         if !self.stream_batches.contains(&rows) {
             return None;
         }
@@ -461,7 +471,7 @@ impl DeviceState {
     /// work per byte) that still gives every SM a CTA. Each CTA pays a few microseconds of
     /// setup beside its state traffic, so fewer, wider CTAs win once the SMs are busy
     /// (H100: 128 rows beat 64 by 5-14 % at B = 8..256, BENCHMARKS.md).
-    fn tile(&self, cfg: &GdnConfig, rows: usize) -> usize {
+    fn tile(&self, cfg: &ReplayConfig, rows: usize) -> usize {
         let (lo, hi) = self.tiles;
         if let Some(t) = self.forced_tile {
             return t;
@@ -474,56 +484,19 @@ impl DeviceState {
         tv
     }
 
-    fn layer_base(
-        cfg: &GdnConfig,
-        st: &Storage,
-        layer: usize,
-    ) -> (u64, u64, u64, u64, u64, u64, u64) {
-        let (l, n) = (layer, cfg.max_seqs);
-        let e = cfg.entry_dtype.size();
-        let snaps = if st.snaps != 0 {
-            st.snaps + l * n * cfg.max_drafts * cfg.state_bytes()
-        } else {
-            0
-        };
-        let ring_u = st.ring_u + l * n * cfg.ring_len * cfg.v_heads * cfg.dv * e;
-        let ring_k = st.ring_k + l * n * cfg.ring_len * cfg.k_heads * cfg.dk * e;
-        let ring_g = st.ring_g + l * n * cfg.ring_len * cfg.v_heads * 4;
-        let meta = st.meta + l * n * META_INTS * 4;
-        let conv = st.conv + l * n * cfg.conv_slots() * cfg.conv_dim * cfg.conv_dtype.size();
-        (
-            st.states[layer].addr as u64,
-            snaps as u64,
-            ring_u as u64,
-            ring_k as u64,
-            ring_g as u64,
-            meta as u64,
-            conv as u64,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn base_params(
-        &self,
-        cfg: &GdnConfig,
-        st: &Storage,
-        layer: usize,
-        op: i32,
-        t: usize,
-        tv: usize,
-    ) -> Box<StepParams> {
-        let (state, snaps, ring_u, ring_k, ring_g, meta, conv) = Self::layer_base(cfg, st, layer);
+    fn base_params(&self, layer: usize, op: i32, t: usize, tv: usize) -> Box<StepParams> {
+        let (cfg, lay) = (&self.lay.cfg, &self.lay);
         Box::new(StepParams {
-            state,
-            snaps,
-            ring_u,
-            ring_k,
-            ring_g,
-            meta,
-            conv,
+            state: lay.states[layer].addr as u64,
+            snaps: lay.snaps.at(layer, 0) as u64,
+            ring_u: lay.ring_u.at(layer, 0) as u64,
+            ring_k: lay.ring_k.at(layer, 0) as u64,
+            ring_g: lay.ring_g.at(layer, 0) as u64,
+            meta: lay.meta.at(layer, 0) as u64,
+            conv: lay.conv.at(layer, 0) as u64,
             sync: self.sync.addr() as u64,
             ids: 0,
-            seq_stride: st.states[layer].seq_stride as i64,
+            seq_stride: lay.states[layer].seq_stride as i64,
             q: DevTensor::default(),
             k: DevTensor::default(),
             v: DevTensor::default(),
@@ -559,14 +532,8 @@ impl DeviceState {
         })
     }
 
-    fn launch_step(
-        &self,
-        cuda: &CudaBackend,
-        cfg: &GdnConfig,
-        p: &mut StepParams,
-        rows: usize,
-        stream: Stream,
-    ) -> Result<()> {
+    fn launch_step(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+        let cfg = &self.lay.cfg;
         let kernel = Kernel::GdnStep {
             state: cfg.state_dtype,
             vmajor: cfg.layout == StateLayout::VMajor,
@@ -577,7 +544,7 @@ impl DeviceState {
         debug_assert!(smem <= STEP_SMEM_LIMIT);
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let mut args = [p as *mut StepParams as *mut c_void];
-        cuda.launch(
+        self.cuda.launch(
             kernel,
             (grid as u32, 1, 1),
             (THREADS, 1, 1),
@@ -587,7 +554,7 @@ impl DeviceState {
         )?;
         if p.op != OP_EXPORT {
             // Metadata, ring keys and decays, after every CTA of the step has read them.
-            cuda.launch(
+            self.cuda.launch(
                 Kernel::GdnFinish,
                 (rows as u32, 1, 1),
                 (FINISH_THREADS, 1, 1),
@@ -602,13 +569,11 @@ impl DeviceState {
     /// The streaming decode kernel (`p.tv` value rows per CTA); it finishes the step itself.
     fn launch_stream(
         &self,
-        cuda: &CudaBackend,
-        cfg: &GdnConfig,
         p: &mut StepParams,
         launch: StreamLaunch,
         stream: Stream,
     ) -> Result<()> {
-        let grid = launch.grid;
+        let cfg = &self.lay.cfg;
         p.stages = launch.stages as i32;
         let kernel = Kernel::GdnStream {
             state: cfg.state_dtype,
@@ -617,9 +582,9 @@ impl DeviceState {
         };
         let smem = stream_smem_bytes(cfg, launch.rows, launch.stages) as u32;
         let mut args = [p as *mut StepParams as *mut c_void];
-        cuda.launch(
+        self.cuda.launch(
             kernel,
-            (grid as u32, 1, 1),
+            (launch.grid as u32, 1, 1),
             (STREAM_THREADS, 1, 1),
             smem,
             stream,
@@ -629,14 +594,8 @@ impl DeviceState {
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
     /// finish kernel.
-    fn launch_decode(
-        &self,
-        cuda: &CudaBackend,
-        cfg: &GdnConfig,
-        p: &mut StepParams,
-        rows: usize,
-        stream: Stream,
-    ) -> Result<()> {
+    fn launch_decode(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+        let cfg = &self.lay.cfg;
         let kernel = Kernel::GdnDecode {
             state: cfg.state_dtype,
             vmajor: cfg.layout == StateLayout::VMajor,
@@ -647,7 +606,7 @@ impl DeviceState {
         // Decays and the two key dot products of every buffered entry (kernels/gdn_decode.cu).
         let smem = 3 * p.hmax as u32 * 4;
         let mut args = [p as *mut StepParams as *mut c_void];
-        cuda.launch(
+        self.cuda.launch(
             kernel,
             (grid as u32, 1, 1),
             (threads, 1, 1),
@@ -655,7 +614,7 @@ impl DeviceState {
             stream,
             &mut args,
         )?;
-        cuda.launch(
+        self.cuda.launch(
             Kernel::GdnFinish,
             (rows as u32, 1, 1),
             (FINISH_THREADS, 1, 1),
@@ -665,199 +624,9 @@ impl DeviceState {
         )
     }
 
-    pub(crate) fn reset_slot(
-        &self,
-        c: &CudaBackend,
-        cfg: &GdnConfig,
-        st: &Storage,
-        s: usize,
-        m: &[i32; META_INTS],
-        stream: Stream,
-    ) -> Result<()> {
-        let mut patches = Vec::with_capacity(cfg.layers * META_INTS);
-        for (layer, ls) in st.states.iter().enumerate() {
-            let addr = ls.addr + s * ls.seq_stride * cfg.state_dtype.size();
-            c.memset_async(addr, 0, cfg.state_bytes(), stream)?;
-            for (f, &v) in m.iter().enumerate() {
-                patches.push((((layer * cfg.max_seqs + s) * META_INTS + f) as u32, v));
-            }
-        }
-        let conv_bytes = cfg.conv_slots() * cfg.conv_dim * cfg.conv_dtype.size();
-        if conv_bytes > 0 {
-            for layer in 0..cfg.layers {
-                c.memset_async(
-                    st.conv + (layer * cfg.max_seqs + s) * conv_bytes,
-                    0,
-                    conv_bytes,
-                    stream,
-                )?;
-            }
-        }
-        patch_i32(c, st.meta, &patches, stream)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn import_state(
-        &self,
-        c: &CudaBackend,
-        cfg: &GdnConfig,
-        st: &Storage,
-        l: usize,
-        s: usize,
-        state: &TensorView,
-        conv: Option<&TensorView>,
-        stream: Stream,
-    ) -> Result<()> {
-        let ls = &st.states[l];
-        let slot = TensorView::contiguous(
-            ls.addr + s * ls.seq_stride * cfg.state_dtype.size(),
-            cfg.state_dtype,
-            MemoryKind::Cuda,
-            state.shape(),
-        )?;
-        c.copy(state, &slot, stream)?;
-        let ls_idx = l * cfg.max_seqs + s;
-        let field = |f: usize| ((ls_idx * META_INTS) + f) as u32;
-        let mut patches = vec![
-            (
-                field(META_MODE),
-                if cfg.ring_len == 0 {
-                    super::gdn::MODE_RECURRENT
-                } else {
-                    super::gdn::MODE_REPLAY
-                },
-            ),
-            (field(META_START), 0),
-            (field(META_H), 0),
-            (field(META_PENDING), 0),
-        ];
-        if let Some(cw) = conv {
-            let ce = cfg.conv_dtype.size();
-            let dst = TensorView::contiguous(
-                st.conv + ls_idx * cfg.conv_slots() * cfg.conv_dim * ce,
-                cfg.conv_dtype,
-                MemoryKind::Cuda,
-                cw.shape(),
-            )?;
-            c.copy(cw, &dst, stream)?;
-            patches.push((field(META_CONV_END), (cfg.conv_kernel - 1) as i32));
-        }
-        patch_i32(c, st.meta, &patches, stream)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn export_state(
-        &self,
-        c: &CudaBackend,
-        cfg: &GdnConfig,
-        st: &Storage,
-        l: usize,
-        s: usize,
-        out: &TensorView,
-        conv: Option<&TensorView>,
-        stream: Stream,
-    ) -> Result<()> {
-        let tv = self.tile(cfg, 1);
-        let mut p = self.base_params(cfg, st, l, OP_EXPORT, 0, tv);
-        p.b = 1;
-        p.export_seq = s as i32;
-        p.out = dev_tensor(out, 0);
-        self.launch_step(c, cfg, &mut p, 1, stream)?;
-        if let Some(cw) = conv {
-            // The commit kernel with nothing pending writes the window and changes nothing.
-            let view = TensorView::new(
-                cw.addr(),
-                cw.dtype(),
-                cw.memory(),
-                &[1, cw.shape()[0], cw.shape()[1]],
-                &[0, cw.strides()[0], cw.strides()[1]],
-            )?;
-            let zero = [0i32];
-            self.commit(
-                c,
-                cfg,
-                st,
-                l..l + 1,
-                &[s as i32],
-                Some(&zero),
-                None,
-                Some(&view),
-                stream,
-            )?;
-        }
-        Ok(())
-    }
-
-    pub(crate) fn step(
-        &self,
-        c: &CudaBackend,
-        cfg: &GdnConfig,
-        st: &Storage,
-        l: usize,
-        plan: &StepPlan,
-        stream: Stream,
-    ) -> Result<()> {
-        if plan.b == 0 {
-            return Ok(());
-        }
-        // One token per sequence with auto-commit: a decode kernel where one applies.
-        let single = plan.t == 1 && plan.auto_commit;
-        let decode = self.decode_rows.filter(|_| single);
-        let chunk_rows = if plan.host_ids.is_some() {
-            MAX_INLINE
-        } else {
-            usize::MAX
-        };
-        let mut b0 = 0;
-        while b0 < plan.b {
-            let rows = (plan.b - b0).min(chunk_rows);
-            let streamed = if single {
-                self.stream_launch(cfg, rows)
-            } else {
-                None
-            };
-            let tv = streamed
-                .map(|s| s.rows)
-                .or(decode)
-                .unwrap_or_else(|| self.tile(cfg, rows));
-            let mut p = self.base_params(cfg, st, l, OP_STEP, plan.t, tv);
-            p.b = rows as i32;
-            p.auto_commit = plan.auto_commit as i32;
-            p.l2norm = plan.l2norm as i32;
-            p.scale = plan.scale;
-            p.q = dev_tensor(&plan.q, b0);
-            p.k = dev_tensor(&plan.k, b0);
-            p.v = dev_tensor(&plan.v, b0);
-            p.g = dev_tensor(&plan.g, b0);
-            p.beta = dev_tensor(&plan.beta, b0);
-            p.out = dev_tensor(&plan.out, b0);
-            if let Some(ci) = &plan.conv_in {
-                p.conv_in = dev_tensor(ci, b0);
-            }
-            match (&plan.host_ids, plan.device_ids) {
-                (Some(ids), _) => p.ids_inline[..rows].copy_from_slice(&ids[b0..b0 + rows]),
-                (None, Some(addr)) => p.ids = (addr + b0 * 4) as u64,
-                (None, None) => unreachable!("a batch always has ids"),
-            }
-            if let Some(launch) = streamed {
-                self.launch_stream(c, cfg, &mut p, launch, stream)?;
-            } else if decode.is_some() {
-                self.launch_decode(c, cfg, &mut p, rows, stream)?;
-            } else {
-                self.launch_step(c, cfg, &mut p, rows, stream)?;
-            }
-            b0 += rows;
-        }
-        Ok(())
-    }
-
     /// Commits layers `layers` for the listed sequences in one launch per 256 rows.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn commit(
+    fn commit_launch(
         &self,
-        c: &CudaBackend,
-        cfg: &GdnConfig,
-        st: &Storage,
         layers: std::ops::Range<usize>,
         ids: &[i32],
         host: Option<&[i32]>,
@@ -865,6 +634,7 @@ impl DeviceState {
         conv: Option<&TensorView>,
         stream: Stream,
     ) -> Result<()> {
+        let (cfg, lay) = (&self.lay.cfg, &self.lay);
         let recurrent = cfg.ring_len == 0;
         let chunks = if recurrent {
             cfg.state_bytes().div_ceil(64 * 1024).clamp(1, 64)
@@ -876,17 +646,14 @@ impl DeviceState {
             let rows = (ids.len() - b0).min(MAX_COMMIT_INLINE);
             let mut p = Box::new(CommitParams {
                 layers: self.layers.addr() as u64,
-                snaps: st.snaps as u64,
-                meta: st.meta as u64,
-                conv: st.conv as u64,
+                snaps: lay.snaps.base as u64,
+                meta: lay.meta.base as u64,
+                conv: lay.conv.base as u64,
                 accepted: 0,
                 conv_out: conv.map_or(DevTensor::default(), |t| dev_tensor(t, b0)),
-                snap_layer_bytes: (cfg.max_seqs * cfg.max_drafts * cfg.state_bytes()) as i64,
+                snap_layer_bytes: lay.snaps.layer_bytes() as i64,
                 state_bytes: cfg.state_bytes() as i64,
-                conv_layer_bytes: (cfg.max_seqs
-                    * cfg.conv_slots()
-                    * cfg.conv_dim
-                    * cfg.conv_dtype.size()) as i64,
+                conv_layer_bytes: lay.conv.layer_bytes() as i64,
                 layer0: layers.start as i32,
                 max_seqs: cfg.max_seqs as i32,
                 max_drafts: cfg.max_drafts as i32,
@@ -912,7 +679,7 @@ impl DeviceState {
                 (None, None) => unreachable!("commit always has counts"),
             }
             let mut args = [&mut *p as *mut CommitParams as *mut c_void];
-            c.launch(
+            self.cuda.launch(
                 Kernel::GdnCommit,
                 (rows as u32, chunks as u32, layers.len() as u32),
                 (256, 1, 1),
@@ -924,39 +691,182 @@ impl DeviceState {
         }
         Ok(())
     }
+}
 
-    pub(crate) fn flush(
+impl Executor<Gdn> for GdnCuda {
+    fn reset_slot(&self, s: usize, m: &Meta, stream: Stream) -> Result<()> {
+        let (cfg, lay, c) = (&self.lay.cfg, &self.lay, &*self.cuda);
+        let mut patches = Vec::with_capacity(cfg.layers * META_INTS);
+        for layer in 0..cfg.layers {
+            c.memset_async(lay.state(layer, s), 0, cfg.state_bytes(), stream)?;
+            if lay.conv.slot_bytes > 0 {
+                c.memset_async(lay.conv.at(layer, s), 0, lay.conv.slot_bytes, stream)?;
+            }
+            for (f, &v) in m.iter().enumerate() {
+                patches.push((lay.meta_index(layer, s, f), v));
+            }
+        }
+        patch_i32(c, lay.meta.base, &patches, stream)
+    }
+
+    fn import_state(
         &self,
-        c: &CudaBackend,
-        cfg: &GdnConfig,
-        st: &Storage,
         l: usize,
-        ids: &[i32],
+        s: usize,
+        state: &TensorView,
+        conv: Option<&TensorView>,
         stream: Stream,
     ) -> Result<()> {
-        let tv = self.tile(cfg, ids.len());
-        for chunk in ids.chunks(MAX_INLINE) {
-            let mut p = self.base_params(cfg, st, l, OP_FLUSH, 0, tv);
-            p.b = chunk.len() as i32;
-            p.ids_inline[..chunk.len()].copy_from_slice(chunk);
-            self.launch_step(c, cfg, &mut p, chunk.len(), stream)?;
+        let (cfg, lay, c) = (&self.lay.cfg, &self.lay, &*self.cuda);
+        let slot = TensorView::contiguous(
+            lay.state(l, s),
+            cfg.state_dtype,
+            MemoryKind::Cuda,
+            state.shape(),
+        )?;
+        c.copy(state, &slot, stream)?;
+        let field = |f: usize| lay.meta_index(l, s, f);
+        let mut patches = vec![
+            (field(META_MODE), meta::imported_mode(cfg)),
+            (field(META_START), 0),
+            (field(META_H), 0),
+            (field(META_PENDING), 0),
+        ];
+        if let Some(cw) = conv {
+            let dst = TensorView::contiguous(
+                lay.conv(l, s, 0),
+                cfg.conv_dtype,
+                MemoryKind::Cuda,
+                cw.shape(),
+            )?;
+            c.copy(cw, &dst, stream)?;
+            patches.push((field(META_CONV_END), (cfg.conv_kernel - 1) as i32));
+        }
+        patch_i32(c, lay.meta.base, &patches, stream)
+    }
+
+    fn export_state(
+        &self,
+        l: usize,
+        s: usize,
+        out: &TensorView,
+        conv: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        let tv = self.tile(&self.lay.cfg, 1);
+        let mut p = self.base_params(l, OP_EXPORT, 0, tv);
+        p.b = 1;
+        p.export_seq = s as i32;
+        p.out = dev_tensor(out, 0);
+        self.launch_step(&mut p, 1, stream)?;
+        if let Some(cw) = conv {
+            // The commit kernel with nothing pending writes the window and changes nothing.
+            let view = TensorView::new(
+                cw.addr(),
+                cw.dtype(),
+                cw.memory(),
+                &[1, cw.shape()[0], cw.shape()[1]],
+                &[0, cw.strides()[0], cw.strides()[1]],
+            )?;
+            let zero = [0i32];
+            self.commit_launch(
+                l..l + 1,
+                &[s as i32],
+                Some(&zero),
+                None,
+                Some(&view),
+                stream,
+            )?;
         }
         Ok(())
     }
 
-    pub(crate) fn read_meta(
-        &self,
-        c: &CudaBackend,
-        addr: usize,
-        m: &mut [i32; META_INTS],
-        stream: Stream,
-    ) -> Result<()> {
+    fn step(&self, step: &Step<'_, GdnPlan>, stream: Stream) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        let plan = step.plan;
+        if step.b == 0 {
+            return Ok(());
+        }
+        // One token per sequence with auto-commit: a decode kernel where one applies.
+        let single = step.t == 1 && step.auto_commit;
+        let decode = self.decode_rows.filter(|_| single);
+        let chunk_rows = match step.ids {
+            BatchIds::Host(_) => MAX_INLINE,
+            BatchIds::Device(_) => usize::MAX,
+        };
+        let mut b0 = 0;
+        while b0 < step.b {
+            let rows = (step.b - b0).min(chunk_rows);
+            let streamed = if single {
+                self.stream_launch(cfg, rows)
+            } else {
+                None
+            };
+            let tv = streamed
+                .map(|s| s.rows)
+                .or(decode)
+                .unwrap_or_else(|| self.tile(cfg, rows));
+            let mut p = self.base_params(step.layer, OP_STEP, step.t, tv);
+            p.b = rows as i32;
+            p.auto_commit = step.auto_commit as i32;
+            p.l2norm = plan.l2norm as i32;
+            p.scale = plan.scale;
+            p.q = dev_tensor(&plan.q, b0);
+            p.k = dev_tensor(&plan.k, b0);
+            p.v = dev_tensor(&plan.v, b0);
+            p.g = dev_tensor(&plan.g, b0);
+            p.beta = dev_tensor(&plan.beta, b0);
+            p.out = dev_tensor(&plan.out, b0);
+            if let Some(ci) = &plan.conv_in {
+                p.conv_in = dev_tensor(ci, b0);
+            }
+            match step.ids {
+                BatchIds::Host(ids) => p.ids_inline[..rows].copy_from_slice(&ids[b0..b0 + rows]),
+                BatchIds::Device(addr) => p.ids = (addr + b0 * 4) as u64,
+            }
+            if let Some(launch) = streamed {
+                self.launch_stream(&mut p, launch, stream)?;
+            } else if decode.is_some() {
+                self.launch_decode(&mut p, rows, stream)?;
+            } else {
+                self.launch_step(&mut p, rows, stream)?;
+            }
+            b0 += rows;
+        }
+        Ok(())
+    }
+
+    fn commit(&self, c: &Commit<'_>, stream: Stream) -> Result<()> {
+        self.commit_launch(
+            c.layers.clone(),
+            c.ids,
+            c.host_accepted,
+            Some(c.accepted),
+            c.conv_state,
+            stream,
+        )
+    }
+
+    fn flush(&self, l: usize, ids: &[i32], stream: Stream) -> Result<()> {
+        let tv = self.tile(&self.lay.cfg, ids.len());
+        for chunk in ids.chunks(MAX_INLINE) {
+            let mut p = self.base_params(l, OP_FLUSH, 0, tv);
+            p.b = chunk.len() as i32;
+            p.ids_inline[..chunk.len()].copy_from_slice(chunk);
+            self.launch_step(&mut p, chunk.len(), stream)?;
+        }
+        Ok(())
+    }
+
+    fn read_meta(&self, layer: usize, slot: usize) -> Result<Meta> {
         let mut bytes = [0u8; META_INTS * 4];
-        c.read_device(addr, &mut bytes, stream)?;
+        self.cuda
+            .read_device(self.lay.meta(layer, slot), &mut bytes, Stream::DEFAULT)?;
+        let mut m = [0i32; META_INTS];
         for (i, v) in m.iter_mut().enumerate() {
             *v = i32::from_ne_bytes(bytes[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
         }
-        Ok(())
+        Ok(m)
     }
 }
 

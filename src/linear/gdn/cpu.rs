@@ -1,0 +1,139 @@
+//! The GDN step on host memory (CPU backend): decode and verify through `math`, on the
+//! replay core's slot operations.
+
+#![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
+
+use super::GdnPlan;
+use crate::backend::cpu::ThreadPool;
+use crate::linear::math::{self, Draft};
+use crate::linear::replay::cpu::{
+    current_state, entry_refs, finish_step, read_vec, round, write_vec, Slot,
+};
+use crate::linear::replay::meta::{self, META_MODE, MODE_RECURRENT};
+use crate::linear::replay::{Layout, ReplayConfig, Step};
+
+/// q and k of (row b, draft t, key head kh) as the step uses them: optionally
+/// L2-normalized, q scaled; k rounded to the entry dtype when it will be buffered.
+fn prep_qk(
+    cfg: &ReplayConfig,
+    plan: &GdnPlan,
+    b: usize,
+    t: usize,
+    kh: usize,
+    round_k: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut q = read_vec(&plan.q, &[b, t, kh, 0], cfg.dk);
+    let mut k = read_vec(&plan.k, &[b, t, kh, 0], cfg.dk);
+    if plan.l2norm {
+        math::l2_normalize(&mut q);
+        math::l2_normalize(&mut k);
+    }
+    q.iter_mut().for_each(|x| *x *= plan.scale);
+    if round_k {
+        k.iter_mut().for_each(|x| *x = round(cfg.entry_dtype, *x));
+    }
+    (q, k)
+}
+
+/// Decode or verify for every (batch row, value head), then the per-sequence bookkeeping.
+pub(crate) fn step(lay: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool) {
+    let cfg = &lay.cfg;
+    let plan = step.plan;
+    let ids = step.ids.host().expect("CPU steps take host ids");
+    let (hv, group) = (cfg.v_heads, cfg.v_heads / cfg.k_heads);
+    let t_count = step.t;
+    threads.parallel_for(step.b * hv, |w| {
+        let (b, h) = (w / hv, w % hv);
+        let id = ids[b];
+        if id < 0 {
+            for t in 0..t_count {
+                write_vec(&plan.out, &[b, t, h, 0], &vec![0f32; cfg.dv]);
+            }
+            return;
+        }
+        let s = Slot::new(lay, step.layer, id as usize);
+        let meta = s.read_meta();
+        let kh = h / group;
+        let recurrent = meta[META_MODE] == MODE_RECURRENT;
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut gs = Vec::new();
+        let mut betas = Vec::new();
+        for t in 0..t_count {
+            // Ring modes use the key as it is stored (rounded to the entry dtype).
+            let (q, k) = prep_qk(cfg, plan, b, t, kh, !recurrent);
+            qs.push(q);
+            ks.push(k);
+            vs.push(read_vec(&plan.v, &[b, t, h, 0], cfg.dv));
+            gs.push(read_vec(&plan.g, &[b, t, h], 1)[0]);
+            betas.push(read_vec(&plan.beta, &[b, t, h], 1)[0]);
+        }
+        let drafts: Vec<Draft<'_>> = (0..t_count)
+            .map(|t| Draft {
+                q: &qs[t],
+                k: &ks[t],
+                v: &vs[t],
+                g: gs[t],
+                beta: betas[t],
+            })
+            .collect();
+        let mut y = vec![vec![0f32; cfg.dv]; t_count];
+        if recurrent {
+            let mut state = s.read_state(s.state(h));
+            for t in 0..t_count {
+                math::recurrent_step(
+                    &mut state, cfg.layout, cfg.dk, cfg.dv, &drafts[t], &mut y[t],
+                );
+                let rounded: Vec<f32> = state.iter().map(|&x| round(cfg.state_dtype, x)).collect();
+                if step.auto_commit {
+                    s.write_state(s.state(h), &rounded);
+                } else {
+                    s.write_state(s.snapshot(t, h), &rounded);
+                }
+                state = rounded;
+            }
+        } else {
+            let (flush, kv_only, base) = meta::placement(cfg, &meta, t_count, step.auto_commit);
+            let (s0, ents) = if flush {
+                let cur = current_state(&s, &meta, h);
+                let rounded: Vec<f32> = cur.iter().map(|&x| round(cfg.state_dtype, x)).collect();
+                s.write_state(s.state(h), &rounded);
+                (Some(rounded), Vec::new())
+            } else if kv_only {
+                (None, s.entries(&meta, h))
+            } else {
+                (Some(s.read_state(s.state(h))), s.entries(&meta, h))
+            };
+            let mut u = vec![vec![0f32; cfg.dv]; t_count];
+            math::verify_head(
+                s0.as_deref(),
+                cfg.layout,
+                cfg.dk,
+                cfg.dv,
+                &entry_refs(&ents),
+                &drafts,
+                &mut y,
+                &mut u,
+            );
+            for t in 0..t_count {
+                let ur: Vec<f32> = u[t].iter().map(|&x| round(cfg.entry_dtype, x)).collect();
+                let pos = if kv_only {
+                    base + t
+                } else {
+                    (base + t) % cfg.ring_len
+                };
+                s.put_entry(kv_only, pos, h, &ur, &ks[t], gs[t]);
+            }
+        }
+        for t in 0..t_count {
+            write_vec(&plan.out, &[b, t, h, 0], &y[t]);
+        }
+    });
+    finish_step(
+        lay,
+        step,
+        |b, t, kh| prep_qk(cfg, plan, b, t, kh, true).1,
+        plan.conv_in.as_ref(),
+    );
+}

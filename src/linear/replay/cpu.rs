@@ -1,0 +1,506 @@
+//! The replay core on host memory (CPU backend): the slot operations every family shares,
+//! built on `math`, and the CPU executor that runs them with the family's step.
+
+#![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
+use super::meta::{
+    self, Meta, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING, META_START,
+    MODE_KV_ONLY, MODE_RECURRENT, MODE_REPLAY,
+};
+use super::{Commit, Executor, Family, Layout, ReplayConfig, Step};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Stream;
+use crate::error::Result;
+use crate::linear::math::{self, Entry, StateLayout};
+use crate::tensor::{DType, TensorView};
+
+#[inline]
+pub(crate) fn load(addr: usize, dtype: DType, i: usize) -> f32 {
+    // SAFETY: callers pass addresses inside the pool's memory or a checked view.
+    unsafe {
+        match dtype {
+            DType::F32 => (addr as *const f32).add(i).read(),
+            DType::F16 => (addr as *const f16).add(i).read().to_f32(),
+            DType::BF16 => (addr as *const bf16).add(i).read().to_f32(),
+            DType::I32 => (addr as *const i32).add(i).read() as f32,
+        }
+    }
+}
+
+#[inline]
+pub(crate) fn store(addr: usize, dtype: DType, i: usize, x: f32) {
+    // SAFETY: as in `load`.
+    unsafe {
+        match dtype {
+            DType::F32 => (addr as *mut f32).add(i).write(x),
+            DType::F16 => (addr as *mut f16).add(i).write(f16::from_f32(x)),
+            DType::BF16 => (addr as *mut bf16).add(i).write(bf16::from_f32(x)),
+            DType::I32 => (addr as *mut i32).add(i).write(x as i32),
+        }
+    }
+}
+
+/// Rounds to what storing as `dtype` keeps.
+pub fn round(dtype: DType, x: f32) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(x).to_f32(),
+        DType::BF16 => bf16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
+/// Element offset of `idx` in a view.
+fn off(t: &TensorView, idx: &[usize]) -> isize {
+    idx.iter()
+        .zip(t.strides())
+        .map(|(&i, &s)| i as isize * s)
+        .sum()
+}
+
+pub(crate) fn read_vec(t: &TensorView, idx: &[usize], n: usize) -> Vec<f32> {
+    let o = off(t, idx);
+    let ds = *t.strides().last().unwrap();
+    let base = (t.addr() as isize + o * t.dtype().size() as isize) as usize;
+    (0..n)
+        .map(|i| {
+            load(
+                (base as isize + i as isize * ds * t.dtype().size() as isize) as usize,
+                t.dtype(),
+                0,
+            )
+        })
+        .collect()
+}
+
+pub(crate) fn write_vec(t: &TensorView, idx: &[usize], x: &[f32]) {
+    let o = off(t, idx);
+    let ds = *t.strides().last().unwrap();
+    let base = t.addr() as isize + o * t.dtype().size() as isize;
+    for (i, &v) in x.iter().enumerate() {
+        store(
+            (base + i as isize * ds * t.dtype().size() as isize) as usize,
+            t.dtype(),
+            0,
+            v,
+        );
+    }
+}
+
+/// The parts of one (layer, sequence slot), with the element access the CPU executor needs.
+pub struct Slot<'a> {
+    /// The pool's configuration.
+    pub cfg: &'a ReplayConfig,
+    lay: &'a Layout,
+    layer: usize,
+    seq: usize,
+}
+
+impl<'a> Slot<'a> {
+    /// (layer, slot) of the pool laid out as `lay`.
+    pub fn new(lay: &'a Layout, layer: usize, seq: usize) -> Self {
+        Slot {
+            cfg: &lay.cfg,
+            lay,
+            layer,
+            seq,
+        }
+    }
+    fn meta_ptr(&self) -> *mut i32 {
+        self.lay.meta(self.layer, self.seq) as *mut i32
+    }
+    /// The metadata record.
+    pub fn read_meta(&self) -> Meta {
+        let mut m = [0; META_INTS];
+        // SAFETY: the pool's host metadata.
+        unsafe { std::ptr::copy_nonoverlapping(self.meta_ptr(), m.as_mut_ptr(), META_INTS) };
+        m
+    }
+    /// Replaces the metadata record.
+    pub fn write_meta(&self, m: &Meta) {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), self.meta_ptr(), META_INTS) };
+    }
+    /// Address of value head `h`'s state (dk * dv elements).
+    pub fn state(&self, h: usize) -> usize {
+        self.lay.head_state(self.layer, self.seq, h)
+    }
+    /// Address of draft `draft`'s snapshot of value head `h`.
+    pub fn snapshot(&self, draft: usize, h: usize) -> usize {
+        self.lay.snapshot(self.layer, self.seq, draft, h)
+    }
+    fn conv(&self, i: usize) -> usize {
+        self.lay.conv(self.layer, self.seq, i)
+    }
+    /// Value head `h`'s state as f32.
+    pub fn read_state(&self, addr: usize) -> Vec<f32> {
+        let c = self.cfg;
+        (0..c.dk * c.dv)
+            .map(|i| load(addr, c.state_dtype, i))
+            .collect()
+    }
+    /// Stores a head's state (rounded to the state dtype).
+    pub fn write_state(&self, addr: usize, s: &[f32]) {
+        for (i, &x) in s.iter().enumerate() {
+            store(addr, self.cfg.state_dtype, i, x);
+        }
+    }
+
+    /// The committed entries of head `h` (oldest first) as owned vectors.
+    pub fn entries(&self, meta: &Meta, h: usize) -> Vec<(Vec<f32>, Vec<f32>, f32)> {
+        let c = self.cfg;
+        let e = c.entry_dtype;
+        let kh = h / (c.v_heads / c.k_heads);
+        let (l, s) = (self.layer, self.seq);
+        let n = meta[META_H] as usize;
+        let read = |addr: usize, n: usize| (0..n).map(|i| load(addr, e, i)).collect::<Vec<_>>();
+        (0..n)
+            .map(|j| {
+                if meta[META_MODE] == MODE_KV_ONLY {
+                    (
+                        read(self.lay.kv_u(l, s, h, j), c.dv),
+                        read(self.lay.kv_k(l, s, h, j), c.dk),
+                        load(self.lay.kv_g(l, s, h, j), DType::F32, 0),
+                    )
+                } else {
+                    let pos = (meta[META_START] as usize + j) % c.ring_len;
+                    (
+                        read(self.lay.ring_u(l, s, pos, h), c.dv),
+                        read(self.lay.ring_k(l, s, pos, kh), c.dk),
+                        load(self.lay.ring_g(l, s, pos, h), DType::F32, 0),
+                    )
+                }
+            })
+            .collect()
+    }
+
+    /// Stores entry `j` (KV-only: u, k and g inside head `h`'s state memory) or ring
+    /// position `j` (replay: u and g of head `h`; ring keys are shared by the heads of a
+    /// group and are written per sequence afterwards, see `put_ring_key`).
+    pub fn put_entry(&self, kv_only: bool, j: usize, h: usize, u: &[f32], k: &[f32], g: f32) {
+        let e = self.cfg.entry_dtype;
+        let (l, s) = (self.layer, self.seq);
+        let put = |addr: usize, x: &[f32]| {
+            x.iter()
+                .enumerate()
+                .for_each(|(i, &v)| store(addr, e, i, v))
+        };
+        if kv_only {
+            put(self.lay.kv_u(l, s, h, j), u);
+            put(self.lay.kv_k(l, s, h, j), k);
+            store(self.lay.kv_g(l, s, h, j), DType::F32, 0, g);
+        } else {
+            put(self.lay.ring_u(l, s, j, h), u);
+            store(self.lay.ring_g(l, s, j, h), DType::F32, 0, g);
+        }
+    }
+
+    /// Stores the key of key head `kh` at ring position `pos`.
+    pub fn put_ring_key(&self, pos: usize, kh: usize, k: &[f32]) {
+        let e = self.cfg.entry_dtype;
+        let addr = self.lay.ring_k(self.layer, self.seq, pos, kh);
+        k.iter()
+            .enumerate()
+            .for_each(|(i, &x)| store(addr, e, i, x));
+    }
+
+    /// Stores conv input `x` at conv-window slot `i`.
+    pub fn put_conv(&self, i: usize, x: &[f32]) {
+        let (addr, dt) = (self.conv(i), self.cfg.conv_dtype);
+        x.iter()
+            .enumerate()
+            .for_each(|(d, &v)| store(addr, dt, d, v));
+    }
+}
+
+/// Borrowed entries.
+pub fn entry_refs(v: &[(Vec<f32>, Vec<f32>, f32)]) -> Vec<Entry<'_>> {
+    v.iter().map(|(u, k, g)| Entry { u, k, g: *g }).collect()
+}
+
+fn reset_slot(lay: &Layout, seq: usize, meta: &Meta) {
+    let cfg = &lay.cfg;
+    for layer in 0..cfg.layers {
+        let s = Slot::new(lay, layer, seq);
+        for h in 0..cfg.v_heads {
+            s.write_state(s.state(h), &vec![0f32; cfg.dk * cfg.dv]);
+        }
+        for slot in 0..cfg.conv_slots() {
+            s.put_conv(slot, &vec![0f32; cfg.conv_dim]);
+        }
+        s.write_meta(meta);
+    }
+}
+
+fn import_state(
+    lay: &Layout,
+    layer: usize,
+    seq: usize,
+    state: &TensorView,
+    conv: Option<&TensorView>,
+) {
+    let cfg = &lay.cfg;
+    let s = Slot::new(lay, layer, seq);
+    let inner = match cfg.layout {
+        StateLayout::KMajor => (cfg.dk, cfg.dv),
+        StateLayout::VMajor => (cfg.dv, cfg.dk),
+    };
+    for h in 0..cfg.v_heads {
+        let mut buf = Vec::with_capacity(cfg.dk * cfg.dv);
+        for r in 0..inner.0 {
+            buf.extend(read_vec(state, &[h, r, 0], inner.1));
+        }
+        s.write_state(s.state(h), &buf);
+    }
+    let mut m = s.read_meta();
+    m[META_MODE] = meta::imported_mode(cfg);
+    m[META_START] = 0;
+    m[META_H] = 0;
+    m[META_PENDING] = 0;
+    if let Some(cw) = conv {
+        for i in 0..cfg.conv_kernel - 1 {
+            s.put_conv(i, &read_vec(cw, &[i, 0], cfg.conv_dim));
+        }
+        m[META_CONV_END] = (cfg.conv_kernel - 1) as i32;
+    }
+    s.write_meta(&m);
+}
+
+/// The current state of head `h` (checkpoint and ring, or the entries alone).
+pub fn current_state(s: &Slot<'_>, meta: &Meta, h: usize) -> Vec<f32> {
+    let c = s.cfg;
+    if meta[META_MODE] == MODE_RECURRENT {
+        return s.read_state(s.state(h));
+    }
+    let ents = s.entries(meta, h);
+    let s0 = (meta[META_MODE] == MODE_REPLAY).then(|| s.read_state(s.state(h)));
+    let mut out = vec![0f32; c.dk * c.dv];
+    math::materialize(
+        s0.as_deref(),
+        c.layout,
+        c.dk,
+        c.dv,
+        &entry_refs(&ents),
+        &mut out,
+    );
+    out
+}
+
+fn conv_window_out(s: &Slot<'_>, end: i32, dst: &TensorView, idx_prefix: &[usize]) {
+    let c = s.cfg;
+    let slots = c.conv_slots() as i32;
+    for i in 0..c.conv_kernel - 1 {
+        let slot = (end - (c.conv_kernel as i32 - 1) + i as i32).rem_euclid(slots) as usize;
+        let x: Vec<f32> = (0..c.conv_dim)
+            .map(|d| load(s.conv(slot), c.conv_dtype, d))
+            .collect();
+        let mut idx = idx_prefix.to_vec();
+        idx.extend([i, 0]);
+        write_vec(dst, &idx, &x);
+    }
+}
+
+fn export_state(
+    lay: &Layout,
+    layer: usize,
+    seq: usize,
+    out: &TensorView,
+    conv_out: Option<&TensorView>,
+) {
+    let cfg = &lay.cfg;
+    let s = Slot::new(lay, layer, seq);
+    let meta = s.read_meta();
+    let inner = match cfg.layout {
+        StateLayout::KMajor => (cfg.dk, cfg.dv),
+        StateLayout::VMajor => (cfg.dv, cfg.dk),
+    };
+    for h in 0..cfg.v_heads {
+        let cur = current_state(&s, &meta, h);
+        for r in 0..inner.0 {
+            write_vec(out, &[h, r, 0], &cur[r * inner.1..(r + 1) * inner.1]);
+        }
+    }
+    if let Some(cw) = conv_out {
+        conv_window_out(&s, meta[META_CONV_END], cw, &[]);
+    }
+}
+
+/// Writes the current state into the checkpoint and empties the ring.
+fn flush_slot(s: &Slot<'_>, meta: &mut Meta) {
+    let c = s.cfg;
+    if meta[META_MODE] == MODE_RECURRENT {
+        return;
+    }
+    for h in 0..c.v_heads {
+        let cur = current_state(s, meta, h);
+        let rounded: Vec<f32> = cur.iter().map(|&x| round(c.state_dtype, x)).collect();
+        s.write_state(s.state(h), &rounded);
+    }
+    meta::flushed(c, meta);
+}
+
+fn flush(lay: &Layout, layer: usize, ids: &[i32]) {
+    for &id in ids.iter().filter(|&&i| i >= 0) {
+        let s = Slot::new(lay, layer, id as usize);
+        let mut m = s.read_meta();
+        flush_slot(&s, &mut m);
+        s.write_meta(&m);
+    }
+}
+
+fn commit(
+    lay: &Layout,
+    layer: usize,
+    ids: &[i32],
+    accepted: &[i32],
+    conv_state: Option<&TensorView>,
+) {
+    let cfg = &lay.cfg;
+    for (b, &id) in ids.iter().enumerate() {
+        if id < 0 {
+            continue;
+        }
+        let s = Slot::new(lay, layer, id as usize);
+        let mut m = s.read_meta();
+        let a = accepted[b].clamp(0, m[META_PENDING]);
+        if m[META_MODE] == MODE_RECURRENT {
+            if a > 0 {
+                for h in 0..cfg.v_heads {
+                    let snap = s.read_state(s.snapshot(a as usize - 1, h));
+                    s.write_state(s.state(h), &snap);
+                }
+            }
+        } else {
+            m[META_H] += a;
+        }
+        m[META_CONV_END] += a;
+        m[META_PENDING] = 0;
+        s.write_meta(&m);
+        if let Some(cs) = conv_state {
+            conv_window_out(&s, m[META_CONV_END], cs, &[b]);
+        }
+    }
+}
+
+/// The per-sequence bookkeeping of a step on the CPU, after every head has read the old
+/// metadata and entries: the new ring keys (`ring_key(row, token, key head)`, as the
+/// family forms them), the flush's metadata, the conv inputs `[B, T, conv_dim]`, then the
+/// committed (decode) or pending (verify) count.
+pub fn finish_step<P>(
+    lay: &Layout,
+    step: &Step<'_, P>,
+    ring_key: impl Fn(usize, usize, usize) -> Vec<f32>,
+    conv_in: Option<&TensorView>,
+) {
+    let cfg = &lay.cfg;
+    let ids = step.ids.host().expect("CPU steps take host ids");
+    let t_count = step.t;
+    for (b, &id) in ids.iter().enumerate() {
+        if id < 0 {
+            continue;
+        }
+        let s = Slot::new(lay, step.layer, id as usize);
+        let mut m = s.read_meta();
+        if m[META_MODE] != MODE_RECURRENT {
+            let (flush, kv_only, base) = meta::placement(cfg, &m, t_count, step.auto_commit);
+            if !kv_only {
+                for t in 0..t_count {
+                    for kh in 0..cfg.k_heads {
+                        s.put_ring_key((base + t) % cfg.ring_len, kh, &ring_key(b, t, kh));
+                    }
+                }
+            }
+            if flush {
+                meta::flushed(cfg, &mut m);
+            }
+        }
+        if let Some(ci) = conv_in {
+            let slots = cfg.conv_slots() as i32;
+            for t in 0..t_count {
+                let slot = (m[META_CONV_END] + t as i32).rem_euclid(slots) as usize;
+                s.put_conv(slot, &read_vec(ci, &[b, t, 0], cfg.conv_dim));
+            }
+        }
+        if step.auto_commit {
+            if m[META_MODE] != MODE_RECURRENT {
+                m[META_H] += t_count as i32;
+            }
+            m[META_CONV_END] += t_count as i32;
+        } else {
+            m[META_PENDING] = t_count as i32;
+        }
+        s.write_meta(&m);
+    }
+}
+
+/// The CPU executor of a family: the generic slot operations above plus the family's step
+/// (`Family::cpu_step`) on the context's thread pool.
+pub struct CpuExecutor<F> {
+    cpu: Arc<CpuBackend>,
+    lay: Layout,
+    _family: PhantomData<fn() -> F>,
+}
+
+impl<F: Family> CpuExecutor<F> {
+    /// The executor of a pool laid out as `lay` in host memory.
+    pub fn new(cpu: Arc<CpuBackend>, lay: &Layout) -> Self {
+        CpuExecutor {
+            cpu,
+            lay: lay.clone(),
+            _family: PhantomData,
+        }
+    }
+}
+
+impl<F: Family> Executor<F> for CpuExecutor<F> {
+    fn reset_slot(&self, slot: usize, meta: &Meta, _stream: Stream) -> Result<()> {
+        reset_slot(&self.lay, slot, meta);
+        Ok(())
+    }
+    fn import_state(
+        &self,
+        layer: usize,
+        slot: usize,
+        state: &TensorView,
+        conv: Option<&TensorView>,
+        _stream: Stream,
+    ) -> Result<()> {
+        import_state(&self.lay, layer, slot, state, conv);
+        Ok(())
+    }
+    fn export_state(
+        &self,
+        layer: usize,
+        slot: usize,
+        out: &TensorView,
+        conv_out: Option<&TensorView>,
+        _stream: Stream,
+    ) -> Result<()> {
+        export_state(&self.lay, layer, slot, out, conv_out);
+        Ok(())
+    }
+    fn step(&self, step: &Step<'_, F::Plan>, _stream: Stream) -> Result<()> {
+        F::cpu_step(&self.lay, step, self.cpu.pool());
+        Ok(())
+    }
+    fn commit(&self, c: &Commit<'_>, _stream: Stream) -> Result<()> {
+        let accepted = c
+            .host_accepted
+            .expect("the core reads host counts for the CPU");
+        for l in c.layers.clone() {
+            commit(&self.lay, l, c.ids, accepted, c.conv_state);
+        }
+        Ok(())
+    }
+    fn flush(&self, layer: usize, ids: &[i32], _stream: Stream) -> Result<()> {
+        flush(&self.lay, layer, ids);
+        Ok(())
+    }
+    fn read_meta(&self, layer: usize, slot: usize) -> Result<Meta> {
+        Ok(Slot::new(&self.lay, layer, slot).read_meta())
+    }
+}
