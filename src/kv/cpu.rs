@@ -2,8 +2,9 @@
 
 use std::ops::Range;
 
+use super::config::{KvPoolConfig, LayerLayout};
 use super::decode::DecodePlan;
-use super::pool::{KvPoolConfig, LayerLayout, PoolState};
+use super::state::PoolState;
 use crate::backend::cpu::element::Element;
 use crate::backend::cpu::ThreadPool;
 use crate::tensor::TensorView;
@@ -111,10 +112,7 @@ pub(super) fn decode(
     plan: &DecodePlan,
     threads: &ThreadPool,
 ) {
-    let ids = plan
-        .host_batch
-        .as_ref()
-        .expect("CPU decode takes host seq ids");
+    let ids = plan.ids.host().expect("CPU decode takes host seq ids");
     let (hkv, dim, t_count, g) = (cfg.kv_heads, cfg.head_dim, plan.t, plan.g);
     let pps = cfg.pages_per_seq();
     let work = plan.b * hkv;

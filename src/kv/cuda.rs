@@ -2,18 +2,21 @@
 
 use std::ffi::c_void;
 use std::ops::Range;
+use std::sync::Arc;
 
+use super::config::{KvPoolConfig, LayerLayout, MAX_WRITE_GROUPS};
 use super::decode::DecodePlan;
-use super::pool::{KvPoolConfig, LayerLayout};
+use super::exec::{KvExecutor, Placed};
+use super::state::PoolState;
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
 use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
 use crate::error::{Error, Result};
+use crate::pool::BatchIds;
 use crate::tensor::{DType, MemoryKind, TensorView};
 
-pub(super) const MAX_WRITE_GROUPS: usize = 120;
 const MAX_PAGE_COPIES: usize = 240;
 const MAX_INLINE_BATCH: usize = 512;
 /// Deepest decode pipeline (ring of tiles between the producer and consumer warps).
@@ -201,6 +204,8 @@ struct DecodeLaunch {
 
 /// Device memory and launch settings of one pool.
 pub(super) struct DeviceState {
+    cuda: Arc<CudaBackend>,
+    cfg: KvPoolConfig,
     /// Block table `[max_seqs][pages_per_seq]` followed by lengths `[max_seqs]`.
     tables: DeviceBuffer,
     layers: DeviceBuffer,
@@ -217,10 +222,11 @@ pub(super) struct DeviceState {
 
 impl DeviceState {
     pub(super) fn new(
-        cuda: &CudaBackend,
+        cuda_arc: Arc<CudaBackend>,
         cfg: &KvPoolConfig,
         layout: &[LayerLayout],
     ) -> Result<Self> {
+        let cuda = &*cuda_arc;
         let table_ints = cfg.max_seqs * cfg.pages_per_seq() + cfg.max_seqs;
         let tables = DeviceBuffer::new(cuda, table_ints * 4)?;
         tables.upload(&vec![0i32; table_ints])?;
@@ -251,6 +257,8 @@ impl DeviceState {
         let counters = DeviceBuffer::new(cuda, n_counters * 4)?;
         counters.upload(&vec![0i32; n_counters])?;
         Ok(DeviceState {
+            cuda: cuda_arc.clone(),
+            cfg: *cfg,
             tables,
             layers,
             batch,
@@ -488,19 +496,18 @@ impl DeviceState {
             return Ok(());
         }
         let mut batch_inline = [0i32; MAX_INLINE_BATCH];
-        let batch_ptr = match (&plan.host_batch, plan.device_batch) {
-            (Some(ids), _) if ids.len() <= MAX_INLINE_BATCH => {
+        let batch_ptr = match &plan.ids {
+            BatchIds::Host(ids) if ids.len() <= MAX_INLINE_BATCH => {
                 batch_inline[..ids.len()].copy_from_slice(ids);
                 0
             }
-            (Some(ids), _) => {
+            BatchIds::Host(ids) => {
                 // Too many to travel in the parameters: copy them (not graph-capturable).
                 let bytes: Vec<u8> = ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
                 cuda.copy_to_device_async(self.batch.addr(), &bytes, stream)?;
                 self.batch.addr() as u64
             }
-            (None, Some(addr)) => addr as u64,
-            (None, None) => unreachable!("a batch is always given"),
+            BatchIds::Device(addr) => *addr as u64,
         };
         let y_tiles = (plan.g * plan.t).div_ceil(16);
         let mut wave = launch.wave as usize;
@@ -568,6 +575,40 @@ impl DeviceState {
             stream,
             &mut args,
         )
+    }
+}
+
+impl KvExecutor for DeviceState {
+    fn sync_tables(&self, st: &mut PoolState, stream: Stream) -> Result<()> {
+        if !st.page_copies.is_empty() {
+            self.copy_pages(&self.cuda, &self.cfg, &st.page_copies, stream)?;
+            st.page_copies.clear();
+        }
+        if !st.patches.is_empty() {
+            self.apply_patches(&self.cuda, &st.patches, stream)?;
+            st.patches.clear();
+        }
+        Ok(())
+    }
+    fn write_tokens(
+        &self,
+        _st: &PoolState,
+        layers: Range<usize>,
+        placed: &Placed,
+        k: &TensorView,
+        v: &TensorView,
+        stream: Stream,
+    ) -> Result<()> {
+        DeviceState::write_tokens(self, &self.cuda, &self.cfg, layers, placed, k, v, stream)
+    }
+    fn decode(
+        &self,
+        lay: &LayerLayout,
+        _st: &PoolState,
+        plan: &DecodePlan,
+        stream: Stream,
+    ) -> Result<()> {
+        DeviceState::decode(self, &self.cuda, &self.cfg, lay, plan, stream)
     }
 }
 

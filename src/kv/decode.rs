@@ -1,10 +1,12 @@
 //! Decode arguments: options, validation, and the normalized plan both backends run.
 
-use super::pool::{KvPool, PoolState};
+use super::config::KvPoolConfig;
+use super::state::PoolState;
 use crate::backend::cuda::module::DECODE_HEAD_DIMS;
 use crate::backend::BackendKind;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, MemoryKind, TensorView};
+use crate::pool::{as_batch_4d, check_float, check_layer, BatchIds};
+use crate::tensor::{DType, TensorView};
 
 /// Most query tokens per sequence in one decode (speculative verification window).
 pub const MAX_QUERY_TOKENS: usize = 8;
@@ -57,10 +59,8 @@ pub(crate) struct DecodePlan {
     pub t: usize,
     pub hq: usize,
     pub g: usize,
-    /// Sequence ids from host memory.
-    pub host_batch: Option<Vec<i32>>,
-    /// Address of the sequence ids in device memory.
-    pub device_batch: Option<usize>,
+    /// Sequence ids (host: checked; device: read by the kernel).
+    pub ids: BatchIds,
     pub q: TensorView,
     pub out: TensorView,
     pub lse: Option<TensorView>,
@@ -70,29 +70,11 @@ pub(crate) struct DecodePlan {
     pub max_ctas: usize,
 }
 
-fn four_d(t: &TensorView, name: &str) -> Result<TensorView> {
-    match t.ndim() {
-        4 => Ok(*t),
-        3 => {
-            let s = t.shape();
-            let st = t.strides();
-            TensorView::new(
-                t.addr(),
-                t.dtype(),
-                t.memory(),
-                &[s[0], 1, s[1], s[2]],
-                &[st[0], 0, st[1], st[2]],
-            )
-        }
-        n => Err(Error::InvalidArgument(format!(
-            "{name} must have 3 ([B, Hq, D]) or 4 ([B, T, Hq, D]) dimensions, not {n}"
-        ))),
-    }
-}
-
 /// Validates a decode call against the pool and normalizes its tensors.
 pub(crate) fn check(
-    pool: &KvPool,
+    cfg: &KvPoolConfig,
+    backend: BackendKind,
+    st: &PoolState,
     layer: usize,
     io: &DecodeIo<'_>,
     opts: &DecodeOptions,
@@ -103,36 +85,18 @@ pub(crate) fn check(
         out,
         lse,
     } = *io;
-    let cfg = pool.config();
-    let backend = pool.context().backend();
     let memory = backend.memory();
-    if layer >= cfg.layers {
-        return Err(Error::OutOfRange(format!(
-            "layer {layer} out of range (the pool has {})",
-            cfg.layers
-        )));
-    }
-    if seq_ids.dtype() != DType::I32 || seq_ids.ndim() != 1 {
-        return Err(Error::DTypeMismatch(format!(
-            "seq_ids must be a 1-D i32 tensor, not {}-D {}",
-            seq_ids.ndim(),
-            seq_ids.dtype()
-        )));
-    }
-    if seq_ids.memory() == MemoryKind::Cuda && backend != BackendKind::Cuda {
-        return Err(Error::InvalidArgument(
-            "seq_ids is in CUDA memory but the pool is on the CPU".into(),
-        ));
-    }
+    check_layer(layer, cfg.layers)?;
+    let ids = BatchIds::check(seq_ids, &st.seqs, backend)?;
     let b = seq_ids.shape()[0];
-    if b > cfg.max_seqs {
-        return Err(Error::OutOfRange(format!(
-            "batch of {b} rows exceeds the pool's max_seqs ({})",
-            cfg.max_seqs
+    if !(3..=4).contains(&q.ndim()) {
+        return Err(Error::InvalidArgument(format!(
+            "q must have 3 ([B, Hq, D]) or 4 ([B, T, Hq, D]) dimensions, not {}",
+            q.ndim()
         )));
     }
-    let q4 = four_d(q, "q")?;
-    let o4 = four_d(out, "out")?;
+    let q4 = as_batch_4d(q, "q", true)?;
+    let o4 = as_batch_4d(out, "out", true)?;
     let [qb, t, hq, d] = [q4.shape()[0], q4.shape()[1], q4.shape()[2], q4.shape()[3]];
     if qb != b {
         return Err(Error::InvalidArgument(format!(
@@ -170,12 +134,7 @@ pub(crate) fn check(
         )));
     }
     for (name, tv) in [("q", &q4), ("out", &o4)] {
-        if !tv.dtype().is_float() {
-            return Err(Error::DTypeMismatch(format!(
-                "{name} must be f32, f16 or bf16, not {}",
-                tv.dtype()
-            )));
-        }
+        check_float(tv, name)?;
         tv.expect_memory(memory, name)?;
         if backend == BackendKind::Cuda && tv.strides()[3] != 1 {
             return Err(Error::InvalidArgument(format!(
@@ -260,45 +219,15 @@ pub(crate) fn check(
             opts.window
         )));
     }
-    let (host_batch, device_batch) = match seq_ids.memory() {
-        MemoryKind::Host => {
-            let ids: Vec<i32> = if b == 0 {
-                Vec::new()
-            } else {
-                // SAFETY: the caller's descriptor points at `b` readable i32s.
-                (0..b)
-                    .map(|i| unsafe {
-                        (seq_ids.addr() as *const i32)
-                            .offset(i as isize * seq_ids.strides()[0])
-                            .read()
-                    })
-                    .collect()
-            };
-            (Some(ids), None)
-        }
-        MemoryKind::Cuda => {
-            if seq_ids.strides()[0] != 1 && b > 1 {
-                return Err(Error::InvalidArgument(
-                    "device seq_ids must be contiguous".into(),
-                ));
-            }
-            (None, Some(seq_ids.addr()))
-        }
-    };
-    if let Some(ids) = &host_batch {
-        let st = pool.lock();
-        check_batch_ids(&st, ids)?;
-        if backend == BackendKind::Cpu {
-            check_batch_lengths(&st, ids, t)?;
-        }
+    if let Some(ids) = ids.host() {
+        check_batch_lengths(st, ids, t)?;
     }
     Ok(DecodePlan {
         b,
         t,
         hq,
         g,
-        host_batch,
-        device_batch,
+        ids,
         q: q4,
         out: o4,
         lse,
@@ -309,30 +238,11 @@ pub(crate) fn check(
     })
 }
 
-fn check_batch_ids(st: &PoolState, ids: &[i32]) -> Result<()> {
-    for (i, &id) in ids.iter().enumerate() {
-        if id == -1 {
-            continue;
-        }
-        if id < 0 || id as usize >= st.seqs.len() || st.seqs[id as usize].is_none() {
-            return Err(Error::UnknownId(format!(
-                "seq_ids[{i}] = {id} is not a live sequence (use -1 for an unused row)"
-            )));
-        }
-        if ids[..i].contains(&id) {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {id} appears twice in seq_ids"
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// Every live sequence must hold its `t` query tokens.
-pub(crate) fn check_batch_lengths(st: &PoolState, ids: &[i32], t: usize) -> Result<()> {
+fn check_batch_lengths(st: &PoolState, ids: &[i32], t: usize) -> Result<()> {
     for &id in ids {
         if id >= 0 {
-            let len = st.seqs[id as usize].as_ref().map_or(0, |s| s.len);
+            let len = st.seqs.get(id).map_or(0, |s| s.len);
             if len < t {
                 return Err(Error::OutOfRange(format!(
                     "sequence {id} has {len} tokens but {t} query tokens were given; append the \

@@ -3,12 +3,16 @@
 //! that reads K/V through the block table (CPU and CUDA).
 
 pub mod allocator;
+pub mod config;
 mod cpu;
-pub(crate) mod cuda;
+mod cuda;
 pub mod decode;
+mod exec;
 pub mod pool;
 pub mod sizing;
+mod state;
 
 pub use allocator::BlockAllocator;
+pub use config::{KvPoolConfig, LayerLayout, SeqId};
 pub use decode::{DecodeIo, DecodeOptions, MAX_GQA_GROUP, MAX_QUERY_TOKENS};
-pub use pool::{Admission, KvPool, KvPoolConfig, KvStorage, LayerLayout, PoolStats, SeqId};
+pub use pool::{Admission, KvPool, KvStorage, PoolStats};

@@ -34,112 +34,15 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::allocator::BlockAllocator;
-use super::cuda::DeviceState;
+use super::config::{KvPoolConfig, LayerLayout, SeqId, MAX_WRITE_GROUPS};
 use super::decode::{self, DecodeIo, DecodeOptions};
+use super::exec::{CpuKv, KvExecutor};
+use super::state::{PoolState, SeqState};
 use crate::backend::buffer::Buffer;
-use crate::backend::{BackendKind, Context, Stream};
+use crate::backend::{Backend, BackendKind, Context, Stream};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, MemoryKind, TensorView};
-
-/// A sequence id: a slot in `0..max_seqs`.
-pub type SeqId = i32;
-
-/// Shape and capacity of a pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvPoolConfig {
-    /// Attention layers.
-    pub layers: usize,
-    /// KV heads per layer.
-    pub kv_heads: usize,
-    /// Elements per head.
-    pub head_dim: usize,
-    /// Tokens per page (any >= 1).
-    pub page_size: usize,
-    /// Element type of K and V.
-    pub dtype: DType,
-    /// Pages in the pool.
-    pub capacity_pages: usize,
-    /// Sequence slots.
-    pub max_seqs: usize,
-    /// Longest sequence (sets the block-table width).
-    pub max_seq_len: usize,
-}
-
-impl KvPoolConfig {
-    /// Bytes of K plus V for one page across all layers.
-    pub fn page_bytes(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.page_size * self.head_dim * self.dtype.size()
-    }
-    /// Block-table entries per sequence.
-    pub fn pages_per_seq(&self) -> usize {
-        self.max_seq_len.div_ceil(self.page_size)
-    }
-    /// The capacity, in pages, that a byte budget for K and V buys.
-    pub fn pages_for_budget(&self, bytes: usize) -> usize {
-        bytes / self.page_bytes().max(1)
-    }
-
-    fn validate(&self) -> Result<()> {
-        let fields = [
-            ("layers", self.layers),
-            ("kv_heads", self.kv_heads),
-            ("head_dim", self.head_dim),
-            ("page_size", self.page_size),
-            ("capacity_pages", self.capacity_pages),
-            ("max_seqs", self.max_seqs),
-            ("max_seq_len", self.max_seq_len),
-        ];
-        for (name, v) in fields {
-            if v == 0 {
-                return Err(Error::InvalidArgument(format!("{name} must be at least 1")));
-            }
-        }
-        if !self.dtype.is_float() {
-            return Err(Error::DTypeMismatch(format!(
-                "KV dtype must be f32, f16 or bf16, not {}",
-                self.dtype
-            )));
-        }
-        // Device-side indices are 32-bit.
-        let limits = [
-            ("capacity_pages", self.capacity_pages, i32::MAX as usize),
-            ("max_seqs", self.max_seqs, 1 << 20),
-            ("max_seq_len", self.max_seq_len, i32::MAX as usize / 2),
-            ("page_size", self.page_size, 1 << 24),
-            ("layers", self.layers, 4096),
-            ("kv_heads", self.kv_heads, 4096),
-            ("head_dim", self.head_dim, 1 << 16),
-        ];
-        for (name, v, max) in limits {
-            if v > max {
-                return Err(Error::OutOfRange(format!("{name} = {v} exceeds {max}")));
-            }
-        }
-        let table = self.max_seqs.checked_mul(self.pages_per_seq());
-        if table.is_none_or(|t| t > (i32::MAX as usize) / 2) {
-            return Err(Error::OutOfRange(format!(
-                "the block table ({} sequences x {} pages) is too large; lower max_seqs or max_seq_len",
-                self.max_seqs,
-                self.pages_per_seq()
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// Where one layer's K and V live: addresses and (page, head, token) strides in elements;
-/// the head dimension is contiguous.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LayerLayout {
-    /// Address of page 0, head 0, slot 0 of K.
-    pub k: usize,
-    /// Address of page 0, head 0, slot 0 of V.
-    pub v: usize,
-    /// K strides: page, head, token.
-    pub k_strides: [usize; 3],
-    /// V strides: page, head, token.
-    pub v_strides: [usize; 3],
-}
+use crate::pool::{check_float, layer_range};
+use crate::tensor::{MemoryKind, TensorView};
 
 /// Who owns the pool's K/V memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -182,25 +85,6 @@ pub struct PoolStats {
     pub page_bytes: usize,
 }
 
-#[derive(Clone, Debug)]
-pub(crate) struct SeqState {
-    pub(crate) pages: Vec<u32>,
-    pub(crate) len: usize,
-}
-
-/// Mutable pool state, behind the pool's mutex.
-pub(crate) struct PoolState {
-    pub(crate) alloc: BlockAllocator,
-    pub(crate) seqs: Vec<Option<SeqState>>,
-    /// Host mirror of the block table `[max_seqs][pages_per_seq]` and lengths `[max_seqs]`.
-    pub(crate) table: Vec<i32>,
-    pub(crate) lens: Vec<i32>,
-    /// Device entries to patch: (index into [table | lens], value).
-    patches: Vec<(u32, i32)>,
-    /// Page pairs (source, destination) to copy for copy-on-write, not yet issued.
-    page_copies: Vec<(u32, u32)>,
-}
-
 /// A paged KV pool. Thread-safe: calls may come from several threads (they serialize on
 /// the pool's mutex); device work must still be stream-ordered by the caller.
 pub struct KvPool {
@@ -209,7 +93,7 @@ pub struct KvPool {
     layout: Vec<LayerLayout>,
     _owned: Option<Buffer>,
     state: Mutex<PoolState>,
-    device: Option<DeviceState>,
+    exec: Box<dyn KvExecutor>,
 }
 
 impl KvPool {
@@ -253,18 +137,10 @@ impl KvPool {
                 (layers, None)
             }
         };
-        let pps = cfg.pages_per_seq();
-        let state = PoolState {
-            alloc: BlockAllocator::new(cfg.capacity_pages),
-            seqs: vec![None; cfg.max_seqs],
-            table: vec![0; cfg.max_seqs * pps],
-            lens: vec![0; cfg.max_seqs],
-            patches: Vec::new(),
-            page_copies: Vec::new(),
-        };
-        let device = match ctx.cuda() {
-            Some(cuda) => Some(DeviceState::new(cuda, &cfg, &layout)?),
-            None => None,
+        let state = PoolState::new(&cfg);
+        let exec: Box<dyn KvExecutor> = match ctx.handle() {
+            Backend::Cpu(cpu) => Box::new(CpuKv::new(cpu, cfg, layout.clone())),
+            Backend::Cuda(cuda) => Box::new(super::cuda::DeviceState::new(cuda, &cfg, &layout)?),
         };
         Ok(KvPool {
             ctx,
@@ -272,7 +148,7 @@ impl KvPool {
             layout,
             _owned: owned,
             state: Mutex::new(state),
-            device,
+            exec,
         })
     }
 
@@ -293,72 +169,28 @@ impl KvPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn slot(&self, seq: SeqId) -> Result<usize> {
-        if seq < 0 || seq as usize >= self.cfg.max_seqs {
-            return Err(Error::UnknownId(format!(
-                "sequence {seq} does not exist (ids are 0..{})",
-                self.cfg.max_seqs
-            )));
-        }
-        Ok(seq as usize)
-    }
-
     fn live<'a>(&self, st: &'a PoolState, seq: SeqId) -> Result<&'a SeqState> {
-        let s = self.slot(seq)?;
-        st.seqs[s]
-            .as_ref()
-            .ok_or_else(|| Error::UnknownId(format!("sequence {seq} is not live")))
+        st.seqs.get(seq)
     }
 
-    fn set_len(&self, st: &mut PoolState, slot: usize, len: usize) {
-        st.lens[slot] = len as i32;
-        let idx = (self.cfg.max_seqs * self.cfg.pages_per_seq() + slot) as u32;
-        st.patches.push((idx, len as i32));
-    }
-
-    fn set_table(&self, st: &mut PoolState, slot: usize, i: usize, page: u32) {
-        let idx = slot * self.cfg.pages_per_seq() + i;
-        st.table[idx] = page as i32;
-        st.patches.push((idx as u32, page as i32));
-    }
-
-    /// Pushes pending device work (page copies, then table/length patches) on `stream`.
+    /// Issues pending table work (page copies, then table/length patches) on `stream`.
     /// On failure the pending work is kept for the next call.
     fn flush(&self, st: &mut PoolState, stream: Stream) -> Result<()> {
-        let Some(dev) = &self.device else {
-            // CPU: copy-on-write pages now; the host table is the only table.
-            for (src, dst) in std::mem::take(&mut st.page_copies) {
-                super::cpu::copy_page(&self.cfg, &self.layout, src, dst);
-            }
-            st.patches.clear();
-            return Ok(());
-        };
-        let cuda = self.ctx.cuda().expect("CUDA backend");
-        if !st.page_copies.is_empty() {
-            dev.copy_pages(cuda, &self.cfg, &st.page_copies, stream)?;
-            st.page_copies.clear();
-        }
-        if !st.patches.is_empty() {
-            dev.apply_patches(cuda, &st.patches, stream)?;
-            st.patches.clear();
-        }
-        Ok(())
+        self.exec.sync_tables(st, stream)
     }
 
     /// Adds an empty sequence and returns its id (the lowest free slot).
     pub fn seq_add(&self, stream: Stream) -> Result<SeqId> {
         let mut st = self.lock();
-        let slot = st.seqs.iter().position(Option::is_none).ok_or_else(|| {
-            Error::PoolExhausted(format!(
-                "all {} sequence slots are in use",
-                self.cfg.max_seqs
-            ))
-        })?;
-        st.seqs[slot] = Some(SeqState {
-            pages: Vec::new(),
-            len: 0,
-        });
-        self.set_len(&mut st, slot, 0);
+        let slot = st.seqs.free_slot()?;
+        st.seqs.fill(
+            slot,
+            SeqState {
+                pages: Vec::new(),
+                len: 0,
+            },
+        );
+        st.set_len(slot, 0);
         self.flush(&mut st, stream)?;
         Ok(slot as SeqId)
     }
@@ -366,13 +198,11 @@ impl KvPool {
     /// Frees a sequence and releases its pages.
     pub fn seq_free(&self, seq: SeqId, stream: Stream) -> Result<()> {
         let mut st = self.lock();
-        let slot = self.slot(seq)?;
-        self.live(&st, seq)?;
-        let s = st.seqs[slot].take().expect("live");
+        let s = st.seqs.remove(seq)?;
         for p in s.pages {
             st.alloc.release(p);
         }
-        self.set_len(&mut st, slot, 0);
+        st.set_len(seq as usize, 0);
         self.flush(&mut st, stream)
     }
 
@@ -381,18 +211,13 @@ impl KvPool {
     pub fn seq_fork(&self, src: SeqId, stream: Stream) -> Result<SeqId> {
         let mut st = self.lock();
         let parent = self.live(&st, src)?.clone();
-        let slot = st.seqs.iter().position(Option::is_none).ok_or_else(|| {
-            Error::PoolExhausted(format!(
-                "all {} sequence slots are in use",
-                self.cfg.max_seqs
-            ))
-        })?;
+        let slot = st.seqs.free_slot()?;
         for (i, &p) in parent.pages.iter().enumerate() {
             st.alloc.retain(p);
-            self.set_table(&mut st, slot, i, p);
+            st.set_table(slot, i, p);
         }
-        self.set_len(&mut st, slot, parent.len);
-        st.seqs[slot] = Some(parent);
+        st.set_len(slot, parent.len);
+        st.seqs.fill(slot, parent);
         self.flush(&mut st, stream)?;
         Ok(slot as SeqId)
     }
@@ -400,8 +225,8 @@ impl KvPool {
     /// Shortens a sequence to `len` tokens (speculative rollback), releasing whole pages.
     pub fn seq_truncate(&self, seq: SeqId, len: usize, stream: Stream) -> Result<()> {
         let mut st = self.lock();
-        let slot = self.slot(seq)?;
         let cur = self.live(&st, seq)?.len;
+        let slot = seq as usize;
         if len > cur {
             return Err(Error::OutOfRange(format!(
                 "cannot truncate sequence {seq} to {len} tokens: it has {cur}"
@@ -409,14 +234,14 @@ impl KvPool {
         }
         let keep = len.div_ceil(self.cfg.page_size);
         let released: Vec<u32> = {
-            let s = st.seqs[slot].as_mut().expect("live");
+            let s = st.seq_mut(slot);
             s.len = len;
             s.pages.split_off(keep)
         };
         for p in released {
             st.alloc.release(p);
         }
-        self.set_len(&mut st, slot, len);
+        st.set_len(slot, len);
         self.flush(&mut st, stream)
     }
 
@@ -450,7 +275,7 @@ impl KvPool {
             None => (
                 0,
                 tokens.div_ceil(self.cfg.page_size),
-                st.seqs.iter().any(Option::is_none),
+                st.seqs.free_slot().is_ok(),
             ),
             Some(q) => {
                 let s = self.live(&st, q)?;
@@ -507,7 +332,7 @@ impl KvPool {
             }
             let slot = seq as usize;
             let (len, npages, last) = {
-                let s = st.seqs[slot].as_ref().expect("live");
+                let s = st.seq(slot);
                 (s.len, s.pages.len(), s.pages.last().copied())
             };
             if len % ps != 0 {
@@ -516,19 +341,19 @@ impl KvPool {
                     let fresh = st.alloc.alloc_n(1).expect("counted")[0];
                     st.page_copies.push((last, fresh));
                     st.alloc.release(last);
-                    st.seqs[slot].as_mut().expect("live").pages[npages - 1] = fresh;
-                    self.set_table(st, slot, npages - 1, fresh);
+                    st.seq_mut(slot).pages[npages - 1] = fresh;
+                    st.set_table(slot, npages - 1, fresh);
                 }
             }
             let add = (len + n).div_ceil(ps) - npages;
             let fresh = st.alloc.alloc_n(add).expect("counted");
             for (j, &p) in fresh.iter().enumerate() {
-                self.set_table(st, slot, npages + j, p);
+                st.set_table(slot, npages + j, p);
             }
-            let s = st.seqs[slot].as_mut().expect("live");
+            let s = st.seq_mut(slot);
             s.pages.extend_from_slice(&fresh);
             s.len = len + n;
-            self.set_len(st, slot, len + n);
+            st.set_len(slot, len + n);
         }
         Ok(())
     }
@@ -545,14 +370,7 @@ impl KvPool {
         v: &TensorView,
         extending: bool,
     ) -> Result<usize> {
-        if let Some(l) = layer {
-            if l >= self.cfg.layers {
-                return Err(Error::OutOfRange(format!(
-                    "layer {l} out of range (the pool has {})",
-                    self.cfg.layers
-                )));
-            }
-        }
+        layer_range(layer, self.cfg.layers)?;
         let total: usize = groups.iter().map(|g| g.1).sum();
         let ps = self.cfg.page_size;
         for (i, &(seq, n)) in groups.iter().enumerate() {
@@ -594,23 +412,18 @@ impl KvPool {
                     t.shape()
                 )));
             }
-            if !t.dtype().is_float() {
-                return Err(Error::DTypeMismatch(format!(
-                    "{name} must be f32, f16 or bf16, not {}",
-                    t.dtype()
-                )));
-            }
+            check_float(t, name)?;
             if self.ctx.backend() == BackendKind::Cpu && t.memory() == MemoryKind::Cuda {
                 return Err(Error::InvalidArgument(format!(
                     "{name} is in CUDA memory but the pool is on the CPU"
                 )));
             }
         }
-        if groups.len() > super::cuda::MAX_WRITE_GROUPS * 64 {
+        if groups.len() > MAX_WRITE_GROUPS * 64 {
             return Err(Error::OutOfRange(format!(
                 "{} sequences in one write; at most {}",
                 groups.len(),
-                super::cuda::MAX_WRITE_GROUPS * 64
+                MAX_WRITE_GROUPS * 64
             )));
         }
         Ok(total)
@@ -632,27 +445,15 @@ impl KvPool {
             if n == 0 {
                 continue;
             }
-            let len = st.seqs[seq as usize].as_ref().expect("live").len;
+            let len = st.seq(seq as usize).len;
             placed.push((seq as usize, len - n, n, off));
             off += n;
         }
         if placed.is_empty() {
             return Ok(());
         }
-        let layers = match layer {
-            Some(l) => l..l + 1,
-            None => 0..self.cfg.layers,
-        };
-        match &self.device {
-            None => {
-                super::cpu::write_tokens(&self.cfg, &self.layout, st, layers, &placed, k, v);
-                Ok(())
-            }
-            Some(dev) => {
-                let cuda = self.ctx.cuda().expect("CUDA backend");
-                dev.write_tokens(cuda, &self.cfg, layers, &placed, k, v, stream)
-            }
-        }
+        let layers = layer_range(layer, self.cfg.layers)?;
+        self.exec.write_tokens(st, layers, &placed, k, v, stream)
     }
 
     /// Writes K and V for the last `count` positions of each listed sequence, for one layer
@@ -693,7 +494,7 @@ impl KvPool {
         let mut filled = vec![0u32; self.cfg.capacity_pages];
         let mut sequences = 0;
         let mut tokens = 0;
-        for s in st.seqs.iter().flatten() {
+        for (_, s) in st.seqs.iter() {
             sequences += 1;
             tokens += s.len;
             for (i, &p) in s.pages.iter().enumerate() {
@@ -724,23 +525,9 @@ impl KvPool {
         opts: &DecodeOptions,
         stream: Stream,
     ) -> Result<()> {
-        let plan = decode::check(self, layer, io, opts)?;
-        match &self.device {
-            None => {
-                let st = self.lock();
-                let pool = self.ctx.cpu().expect("CPU backend").pool();
-                super::cpu::decode(&self.cfg, &self.layout[layer], &st, &plan, pool);
-                Ok(())
-            }
-            Some(dev) => {
-                if let Some(ids) = &plan.host_batch {
-                    let st = self.lock();
-                    decode::check_batch_lengths(&st, ids, plan.t)?;
-                }
-                let cuda = self.ctx.cuda().expect("CUDA backend");
-                dev.decode(cuda, &self.cfg, &self.layout[layer], &plan, stream)
-            }
-        }
+        let st = self.lock();
+        let plan = decode::check(&self.cfg, self.ctx.backend(), &st, layer, io, opts)?;
+        self.exec.decode(&self.layout[layer], &st, &plan, stream)
     }
 }
 

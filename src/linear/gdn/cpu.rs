@@ -3,7 +3,7 @@
 
 #![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
 
-use super::GdnPlan;
+use super::io::GdnPlan;
 use crate::backend::cpu::ThreadPool;
 use crate::linear::math::{self, Draft};
 use crate::linear::replay::cpu::{

@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::{Gdn, GdnPlan};
+use super::io::{Gdn, GdnPlan};
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
 use crate::backend::cuda::patch::patch_i32;

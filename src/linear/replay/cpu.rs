@@ -8,11 +8,13 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
+use super::config::ReplayConfig;
+use super::exec::{Commit, Executor, Family, Step};
 use super::meta::{
     self, Meta, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING, META_START,
     MODE_KV_ONLY, MODE_RECURRENT, MODE_REPLAY,
 };
-use super::{Commit, Executor, Family, Layout, ReplayConfig, Step};
+use super::storage::Layout;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Stream;
 use crate::error::Result;
