@@ -2,6 +2,7 @@
 //! CPU and CUDA executors).
 
 use crate::error::{Error, Result};
+use crate::pool::require_positive;
 use crate::tensor::DType;
 
 /// Most write groups of one CUDA write launch (`kMaxWriteGroups`, kernels/kv_pool.cu);
@@ -47,7 +48,7 @@ impl KvPoolConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
-        let fields = [
+        require_positive(&[
             ("layers", self.layers),
             ("kv_heads", self.kv_heads),
             ("head_dim", self.head_dim),
@@ -55,12 +56,7 @@ impl KvPoolConfig {
             ("capacity_pages", self.capacity_pages),
             ("max_seqs", self.max_seqs),
             ("max_seq_len", self.max_seq_len),
-        ];
-        for (name, v) in fields {
-            if v == 0 {
-                return Err(Error::InvalidArgument(format!("{name} must be at least 1")));
-            }
-        }
+        ])?;
         if !self.dtype.is_float() {
             return Err(Error::DTypeMismatch(format!(
                 "KV dtype must be f32, f16 or bf16, not {}",

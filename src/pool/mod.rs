@@ -7,4 +7,6 @@ mod views;
 
 pub use batch::{read_host_i32, BatchIds};
 pub use slots::SlotTable;
-pub use views::{as_batch_3d, as_batch_4d, check_float, check_layer, layer_range};
+pub use views::{
+    as_batch_3d, as_batch_4d, check_float, check_layer, layer_range, require_positive,
+};

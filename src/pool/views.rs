@@ -73,3 +73,11 @@ pub fn layer_range(layer: Option<usize>, layers: usize) -> Result<Range<usize>> 
         None => Ok(0..layers),
     }
 }
+
+/// Every named count is at least 1.
+pub fn require_positive(fields: &[(&str, usize)]) -> Result<()> {
+    match fields.iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => Err(Error::InvalidArgument(format!("{name} must be at least 1"))),
+        None => Ok(()),
+    }
+}

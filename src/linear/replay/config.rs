@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::linear::math::StateLayout;
+use crate::pool::require_positive;
 use crate::tensor::DType;
 
 /// Most draft tokens one verify can carry.
@@ -88,7 +89,7 @@ impl ReplayConfig {
 
     /// Checks the configuration (backend limits are checked when a pool is created).
     pub fn validate(&self) -> Result<()> {
-        for (name, v) in [
+        require_positive(&[
             ("layers", self.layers),
             ("k_heads", self.k_heads),
             ("v_heads", self.v_heads),
@@ -96,11 +97,7 @@ impl ReplayConfig {
             ("dv", self.dv),
             ("max_seqs", self.max_seqs),
             ("max_drafts", self.max_drafts),
-        ] {
-            if v == 0 {
-                return Err(Error::InvalidArgument(format!("{name} must be at least 1")));
-            }
-        }
+        ])?;
         if self.v_heads % self.k_heads != 0 {
             return Err(Error::InvalidArgument(format!(
                 "v_heads ({}) must be a multiple of k_heads ({})",
