@@ -92,6 +92,8 @@ for k in stream warp; do
   run "gpu_gdn-$k" env KVR_GDN_DECODE=$k bin/gpu_gdn --test-threads=1 --nocapture
 done
 run "gpu_gdn-stream-persistent" env KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1 bin/gpu_gdn --test-threads=1 --nocapture
+# and with verify on the general kernel instead of gdn_sverify.cu.
+run "gpu_gdn-verify-general" env KVR_GDN_VERIFY=general bin/gpu_gdn --test-threads=1 --nocapture
 run test_cuda_stream bin/test_cuda_stream
 for e in bin/example_*; do
   [ -x "$e" ] || continue

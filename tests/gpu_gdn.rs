@@ -501,6 +501,9 @@ fn gpu_verify_and_commit_match_cpu() {
         (1, 2, 64, 16, 21, K, F32, F32, 4, 8), // KV-only -> state mid-round
         (1, 2, 128, 32, 0, K, BF16, F32, 8, 24),
         (1, 1, 256, 16, 0, V, F32, F32, 6, 0),
+        (1, 2, 128, 16, 0, V, BF16, BF16, 4, 8),
+        (2, 4, 64, 24, 0, K, F32, BF16, 5, 0),
+        (4, 8, 128, 64, 0, V, F32, F32, 8, 12), // several heads per key head, wide ring
     ];
     let mut report = Vec::new();
     for &(hk, hv, d, ring, tau, layout, state, entry, drafts, conv) in &cases {

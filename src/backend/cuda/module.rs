@@ -77,6 +77,14 @@ pub(crate) enum Kernel {
         vmajor: bool,
         dk: usize,
     },
+    /// `kvr_gdn_sverify_<state>_<k|v>_d<dk>` (kernels/gdn_sverify.cu): speculative verify
+    /// of T drafts with the state tile streamed into shared memory; dk is one of
+    /// [`GDN_DECODE_DKS`].
+    GdnVerify {
+        state: DType,
+        vmajor: bool,
+        dk: usize,
+    },
 }
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
@@ -92,7 +100,8 @@ const GDN_COMMIT: usize = 38;
 const GDN_FINISH: usize = 39;
 const GDN_DECODE_BASE: usize = 40;
 const GDN_STREAM_BASE: usize = 52;
-const KERNEL_COUNT: usize = 64;
+const GDN_VERIFY_BASE: usize = 64;
+const KERNEL_COUNT: usize = 76;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -142,6 +151,13 @@ impl Kernel {
                 }
             }
         }
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for vmajor in [false, true] {
+                    v.push(Kernel::GdnVerify { state, vmajor, dk });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -178,6 +194,9 @@ impl Kernel {
             Kernel::GdnStream { state, vmajor, dk } => {
                 GDN_STREAM_BASE + gdn_decode_slot(state, vmajor, dk)
             }
+            Kernel::GdnVerify { state, vmajor, dk } => {
+                GDN_VERIFY_BASE + gdn_decode_slot(state, vmajor, dk)
+            }
         }
     }
 
@@ -208,6 +227,11 @@ impl Kernel {
             ),
             Kernel::GdnStream { state, vmajor, dk } => format!(
                 "kvr_gdn_sdecode_{}_{}_d{dk}",
+                state.name(),
+                if vmajor { "v" } else { "k" }
+            ),
+            Kernel::GdnVerify { state, vmajor, dk } => format!(
+                "kvr_gdn_sverify_{}_{}_d{dk}",
                 state.name(),
                 if vmajor { "v" } else { "k" }
             ),

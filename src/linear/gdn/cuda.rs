@@ -200,6 +200,24 @@ fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
 }
 
 /// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
+/// Shared memory of one streaming verify CTA at T drafts (kernels/gdn_sverify.cu
+/// `sverify_layout`): the state tile, the tile's ring rows, then qs, ks [T][dk]; sq, sk, vt
+/// [T][rows]; aq, ak [T][L]; wg, gs [L]; two [T][T] coefficient blocks and 3 [T]; 32 words.
+fn sverify_smem_bytes(cfg: &ReplayConfig, rows: usize, t: usize) -> usize {
+    let align16 = |x: usize| x.div_ceil(16) * 16;
+    let es = cfg.state_dtype.size();
+    let st = if cfg.layout == StateLayout::VMajor {
+        rows * cfg.dk * es
+    } else {
+        cfg.dk * (rows * es + 16)
+    };
+    let l = cfg.ring_len.max(1);
+    align16(st)
+        + align16(cfg.ring_len * rows * cfg.entry_dtype.size())
+        + 4 * (2 * t * cfg.dk + 3 * t * rows + 2 * t * l + 2 * l + 2 * t * t + 3 * t)
+        + 4 * 32
+}
+
 /// float4 vectors and V-major rows have at most 32 threads.
 fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
     let lo = 8usize.max(1024 / dk);
@@ -233,6 +251,10 @@ pub(crate) struct GdnCuda {
     stream_persistent: bool,
     /// Batch rows (per launch) for which the streaming kernel is used.
     stream_batches: std::ops::Range<usize>,
+    /// (value rows per CTA, resident CTAs per SM at `max_drafts`) the streaming verify
+    /// kernel (kernels/gdn_sverify.cu) may use, widest first; empty where it does not apply
+    /// (recurrent or KV-only pools, other dk, unaligned states, KVR_GDN_VERIFY=general).
+    verify_rows: Vec<(usize, usize)>,
 }
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
@@ -404,6 +426,40 @@ impl GdnCuda {
                 (true, true) => 64..usize::MAX,
             }
         };
+        // The streaming verify kernel: replay pools without KV-only mode (recurrent pools
+        // keep the per-draft snapshots of the general kernel: they are the baseline).
+        let mut verify_rows = Vec::new();
+        if GDN_DECODE_DKS.contains(&cfg.dk)
+            && cfg.ring_len > 0
+            && cfg.kv_only_threshold == 0
+            && aligned
+            && std::env::var("KVR_GDN_VERIFY").as_deref() != Ok("general")
+        {
+            let kernel = Kernel::GdnVerify {
+                state: cfg.state_dtype,
+                vmajor: cfg.layout == StateLayout::VMajor,
+                dk: cfg.dk,
+            };
+            let mut fits: Vec<(usize, usize)> = STREAM_ROWS
+                .into_iter()
+                .filter(|&r| r >= min_rows && r <= cfg.dv && cfg.dv % r == 0)
+                .map(|r| (sverify_smem_bytes(cfg, r, cfg.max_drafts), r))
+                .filter(|&(bytes, _)| bytes <= STREAM_SMEM_LIMIT)
+                .collect();
+            if !fits.is_empty() {
+                cuda.prefer_shared_memory(kernel)?;
+                fits.sort_unstable();
+                let mut per_sm = Vec::new();
+                for (bytes, r) in fits {
+                    per_sm.push((
+                        r,
+                        cuda.prepare_kernel(kernel, bytes as u32, STREAM_THREADS)? as usize,
+                    ));
+                }
+                per_sm.sort_unstable_by_key(|&(r, _)| std::cmp::Reverse(r));
+                verify_rows = per_sm.into_iter().filter(|&(_, n)| n > 0).collect();
+            }
+        }
         let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
         sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
         let descs: Vec<LayerState> = lay
@@ -429,7 +485,42 @@ impl GdnCuda {
             forced_stream_rows,
             stream_persistent,
             stream_batches,
+            verify_rows,
         })
+    }
+
+    /// Value rows per CTA of the streaming verify kernel for a batch of `rows` sequences:
+    /// the widest tile whose CTAs still fill every SM, or the narrowest; `None` where the
+    /// kernel does not apply.
+    fn verify_launch(&self, cfg: &ReplayConfig, rows: usize) -> Option<usize> {
+        let sms = self.sm_count as usize;
+        let items = |r: usize| rows * cfg.v_heads * (cfg.dv / r);
+        self.verify_rows
+            .iter()
+            .find(|&&(r, per_sm)| items(r) >= per_sm * sms)
+            .or(self.verify_rows.last())
+            .map(|&(r, _)| r)
+    }
+
+    /// The streaming verify kernel (`p.tv` value rows per CTA); it finishes the step itself.
+    fn launch_verify(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        let kernel = Kernel::GdnVerify {
+            state: cfg.state_dtype,
+            vmajor: cfg.layout == StateLayout::VMajor,
+            dk: cfg.dk,
+        };
+        let smem = sverify_smem_bytes(cfg, p.tv as usize, p.t as usize) as u32;
+        let grid = rows * cfg.v_heads * p.tiles as usize;
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (STREAM_THREADS, 1, 1),
+            smem,
+            stream,
+            &mut args,
+        )
     }
 
     /// The streaming decode launch for a batch of `rows` sequences, or `None` where the
@@ -802,8 +893,14 @@ impl Executor<Gdn> for GdnCuda {
             } else {
                 None
             };
+            let verified = if step.auto_commit {
+                None
+            } else {
+                self.verify_launch(cfg, rows)
+            };
             let tv = streamed
                 .map(|s| s.rows)
+                .or(verified)
                 .or(decode)
                 .unwrap_or_else(|| self.tile(cfg, rows));
             let mut p = self.base_params(step.layer, OP_STEP, step.t, tv);
@@ -826,6 +923,8 @@ impl Executor<Gdn> for GdnCuda {
             }
             if let Some(launch) = streamed {
                 self.launch_stream(&mut p, launch, stream)?;
+            } else if verified.is_some() {
+                self.launch_verify(&mut p, rows, stream)?;
             } else if decode.is_some() {
                 self.launch_decode(&mut p, rows, stream)?;
             } else {

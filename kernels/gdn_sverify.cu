@@ -1,0 +1,504 @@
+// Gated DeltaNet speculative verify, streaming form:
+//   kvr_gdn_sverify_<state>_<k|v>_d<dk>   T = 1..8 draft tokens per sequence in one launch, in
+//                                         replay pools without KV-only mode (src/linear/gdn/
+//                                         cuda.rs picks it: `verify_launch`)
+//
+// The structure of gdn_stream.cu's decode, for T tokens: a CTA owns one tile of R value rows
+// of one (sequence, value head) and first issues the bulk copy of its state tile into shared
+// memory; while it flies, the drafts' q and k are normalized (a warp per draft), their key
+// products formed, the ring's u rows of the tile and decays loaded. The state is read once
+// for all T drafts: no per-draft state, nothing written unless the ring must flush.
+//
+// Math, per value row v of the tile, with the history H(x) = e^G (S x)[v] + sum_j w_j (k_j . x)
+// u_j[v] (checkpoint S, ring entries j < h, w_j the decays of the entries newer than j) and
+// gam_s = g_0 + ... + g_s the drafts' cumulative log decays (math::verify_head):
+//   u_s = beta_s (v_s - e^{gam_s} H(k_s)) - sum_{s' < s} beta_s e^{gam_s - gam_s'} (k_s . k_s') u_s'
+//   y_s = e^{gam_s} H(q_s) + sum_{s' <= s} e^{gam_s - gam_s'} (k_s' . q_s) u_s'
+// The u_s go into the ring after the committed entries; the metadata records T pending drafts
+// (kvr_gdn_commit keeps the accepted prefix). When h + 2T > L the ring flushes first: the
+// tile's state e^G S + sum_j w_j u_j k_j^T is written back, and the drafts start a new ring.
+//
+// The bookkeeping is done in the launch: the first tile of a head writes the drafts' keys and
+// decays (outside a flush nobody reads those slots), and the last CTA of a sequence to arrive
+// writes the metadata (in a flush also the keys and decays, which overwrite the oldest
+// entries every CTA of the sequence reads).
+#include "gdn_stream.cuh"
+
+namespace kvr {
+namespace gdn {
+
+// Shared-memory layout of a verify CTA (bytes); the host computes the size with the same
+// formula (`sverify_smem_bytes`, src/linear/gdn/cuda.rs): the state tile, the ring's u rows of
+// the tile, then floats qs, ks [T][dk]; sq, sk, vt [T][R]; aq, ak [T][L]; wg, gs [L];
+// A, Bq [T][T]; gam, gt, bt [T]; then 32 words.
+struct VLayout {
+  int ut, qs, ks, sq, sk, vt, aq, ak, wg, gs, co, ints, total;
+};
+__host__ __device__ inline VLayout sverify_layout(bool vm, int dk, int R, int es, int L, int ee, int T) {
+  VLayout s;
+  const int Lc = L > 0 ? L : 1;
+  s.ut = align16(vm ? R * dk * es : dk * (R * es + 16));
+  s.qs = s.ut + align16(L * R * ee);
+  s.ks = s.qs + 4 * T * dk;
+  s.sq = s.ks + 4 * T * dk;
+  s.sk = s.sq + 4 * T * R;
+  s.vt = s.sk + 4 * T * R;
+  s.aq = s.vt + 4 * T * R;
+  s.ak = s.aq + 4 * T * Lc;
+  s.wg = s.ak + 4 * T * Lc;
+  s.gs = s.wg + 4 * Lc;
+  s.co = s.gs + 4 * Lc;
+  s.ints = s.co + 4 * (2 * T * T + 3 * T);
+  s.total = s.ints + 4 * 32;
+  return s;
+}
+
+template <typename SD, bool VM, int DK>
+__device__ void sverify_body(const StepParams& p) {
+  extern __shared__ __align__(16) unsigned char sm[];
+  constexpr int ES = sizeof(SD);
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int R = p.tv, T = p.T;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = p.Hv / p.Hk;
+  const int dv = p.dv, L = p.L;
+  const int per_seq = p.Hv * p.tiles;
+  const Tensor& out = p.out;
+  const int ee = p.entry_dtype == 0 ? 4 : 2;
+  const VLayout lay = sverify_layout(VM, DK, R, ES, L, ee, T);
+  unsigned char* st = sm;
+  unsigned char* ut = sm + lay.ut;
+  float* qs = reinterpret_cast<float*>(sm + lay.qs);
+  float* ks = reinterpret_cast<float*>(sm + lay.ks);
+  float* sq = reinterpret_cast<float*>(sm + lay.sq);
+  float* sk = reinterpret_cast<float*>(sm + lay.sk);
+  float* vt = reinterpret_cast<float*>(sm + lay.vt);
+  float* aq = reinterpret_cast<float*>(sm + lay.aq);
+  float* ak = reinterpret_cast<float*>(sm + lay.ak);
+  float* wg = reinterpret_cast<float*>(sm + lay.wg);
+  float* gs = reinterpret_cast<float*>(sm + lay.gs);
+  float* cA = reinterpret_cast<float*>(sm + lay.co);  // [T][T]: beta_s e^{gam_s-gam_s'} k_s . k_s'
+  float* cB = cA + T * T;                              // [T][T]: e^{gam_s-gam_s'} k_s' . q_s
+  float* gam = cB + T * T;
+  float* gt = gam + T;
+  float* bt = gt + T;
+  int* mi = reinterpret_cast<int*>(sm + lay.ints);
+  const int Lc = L > 0 ? L : 1;
+  const int row_bytes = VM ? DK * ES : R * ES + 16;
+  auto key = [&](int c) { return (c / VW) * (32 * VW) + lane * VW + c % VW; };
+
+  const int it = blockIdx.x;
+  const int tile = it % p.tiles;
+  const int h = (it / p.tiles) % p.Hv;
+  const int b = it / p.tiles / p.Hv;
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const int kh = h / group;
+  const int v0 = tile * R;
+  if (seq < 0) {  // an unused row: zero outputs
+    for (int i = tid; i < T * R; i += kStreamThreads) {
+      const int s = i / R, r = i - s * R;
+      stx(out.p, out.dtype, b * out.s[0] + s * out.s[1] + h * out.s[2] + (v0 + r) * out.s[3], 0.f);
+    }
+    return;
+  }
+  char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * DK * dv) * ES;
+
+  // 1. The state tile (bulk copy on sm_90, cp.async before), the metadata, the drafts' inputs.
+  __shared__ uint64_t bar;
+#if KVR_GDN_BULK
+  if (tid == 0) {
+    mbar_init(&bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 0) {
+    if constexpr (VM) {
+      if (lane == 0) {
+        const uint32_t bytes = R * DK * ES;
+        mbar_expect_tx(&bar, bytes);
+        bulk_copy(st, head + static_cast<int64_t>(v0) * DK * ES, bytes, &bar);
+      }
+    } else {
+      if (lane == 0) mbar_expect_tx(&bar, DK * R * ES);
+      __syncwarp();
+      for (int k = lane; k < DK; k += 32)
+        bulk_copy(st + k * row_bytes, head + (static_cast<int64_t>(k) * dv + v0) * ES, R * ES, &bar);
+    }
+  }
+#else
+  if constexpr (VM) {
+    const char* src = head + static_cast<int64_t>(v0) * DK * ES;
+    const int n16 = R * DK * ES / 16;
+    for (int i = tid; i < n16; i += kStreamThreads) cp_async_16(st + 16 * i, src + 16 * i, 16);
+  } else {
+    const int c16 = R * ES / 16;
+    for (int i = tid; i < DK * c16; i += kStreamThreads) {
+      const int k = i / c16, c = i - k * c16;
+      cp_async_16(st + k * row_bytes + 16 * c, head + (static_cast<int64_t>(k) * dv + v0) * ES + 16 * c, 16);
+    }
+  }
+  cp_async_commit();
+#endif
+  const int32_t* meta_g = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  if (tid == 0) {
+    const int4 m0 = __ldcg(reinterpret_cast<const int4*>(meta_g));
+    mi[0] = m0.x;
+    mi[1] = m0.y;
+    mi[2] = m0.z;
+    mi[3] = m0.w;
+    mi[4] = __ldcg(meta_g + kMetaConvEnd);
+  }
+  if (tid < T) {
+    gt[tid] = ldx(p.g.p, p.g.dtype, b * p.g.s[0] + tid * p.g.s[1] + h * p.g.s[2]);
+    bt[tid] = ldx(p.beta.p, p.beta.dtype, b * p.beta.s[0] + tid * p.beta.s[1] + h * p.beta.s[2]);
+  }
+  for (int i = tid; i < T * R; i += kStreamThreads) {
+    const int s = i / R, r = i - s * R;
+    vt[i] = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + s * p.v.s[1] + h * p.v.s[2] + (v0 + r) * p.v.s[3]);
+  }
+  if (warp < T) {  // warp s: draft s's q and k, normalized (k rounded as buffered)
+    const int s = warp;
+    const int64_t qo = b * p.q.s[0] + s * p.q.s[1] + kh * p.q.s[2];
+    const int64_t ko = b * p.k.s[0] + s * p.k.s[1] + kh * p.k.s[2];
+    float q[KL], k[KL];
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      q[c] = ldx(p.q.p, p.q.dtype, qo + key(c) * p.q.s[3]);
+      k[c] = ldx(p.k.p, p.k.dtype, ko + key(c) * p.k.s[3]);
+    }
+    normalize_qk<KL>(p, q, k, true);
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      qs[s * DK + key(c)] = q[c];
+      ks[s * DK + key(c)] = k[c];
+    }
+  }
+  __syncthreads();  // (B1) metadata, inputs, q and k
+
+  const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
+  const int nbuf = hcnt;
+  const bool flush = hcnt + 2 * T > L;
+  const int base = (start + hcnt) % Lc;
+  auto slot = [&](int j) { return (start + j) % Lc; };
+  auto entry_k = [&](int j) -> const char* {
+    return p.ring_k + ((static_cast<int64_t>(seq) * Lc + slot(j)) * p.Hk + kh) * DK * ee;
+  };
+
+  // 2. The ring's u rows of the tile and decays (asynchronous), the drafts' coefficients and
+  //    the entries' key products.
+  if (nbuf > 0) {
+    const int c16 = R * ee / 16;
+    for (int i = tid; i < nbuf * c16; i += kStreamThreads) {
+      const int j = i / c16, c = i - j * c16;
+      const char* src = p.ring_u + ((static_cast<int64_t>(seq) * Lc + slot(j)) * p.Hv + h) * dv * ee +
+                        static_cast<int64_t>(v0) * ee + 16 * c;
+      cp_async_16(ut + j * R * ee + 16 * c, src, 16);
+    }
+    for (int j = tid; j < nbuf; j += kStreamThreads) gs[j] = p.ring_g[(static_cast<int64_t>(seq) * Lc + slot(j)) * p.Hv + h];
+  }
+  cp_async_commit();
+  if (tid < T) {
+    float a = 0.f;
+    for (int s = 0; s <= tid; ++s) a += gt[s];
+    gam[tid] = a;
+  }
+  // Draft pairs (s, s'): s' < s for A, s' <= s for Bq; a warp per pair.
+  for (int x = warp; x < 2 * T * T; x += kStreamWarps) {
+    const bool isq = x >= T * T;
+    const int s = (x % (T * T)) / T, s2 = x % T;
+    if (isq ? s2 > s : s2 >= s) continue;
+    const float* a = isq ? qs + s * DK : ks + s * DK;
+    const float* c = ks + s2 * DK;
+    float d = 0.f;
+    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
+    d = warp_sum(d);
+    if (lane == 0) (isq ? cB : cA)[s * T + s2] = d;
+  }
+  // Entry products k_j . q_s and k_j . k_s: a warp per entry, four sums per reduce4.
+  for (int j = warp; j < nbuf; j += kStreamWarps) {
+    float kj[KL];
+    const char* kp = entry_k(j);
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
+    for (int x0 = 0; x0 < 2 * T; x0 += 4) {
+      float P[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int x = min(x0 + e, 2 * T - 1);
+        const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
+        float d = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) d += kj[c] * v[key(c)];
+        P[e] = d;
+      }
+      const float r = reduce4(P, lane);
+      const int x = x0 + (lane >> 3);
+      if ((lane & 7) == 0 && x < 2 * T) (x < T ? aq + x * Lc : ak + (x - T) * Lc)[j] = r;
+    }
+  }
+#if KVR_GDN_BULK
+  cp_async_wait<0>();
+  mbar_wait(&bar, 0);
+#else
+  cp_async_wait<0>();
+#endif
+  __syncthreads();  // (B2) tile, ring rows, products, gam
+
+  // 3. Warp 0: the entries' weights w_j (suffix scan over the decays) and e^G; the others:
+  //    the drafts' coefficients. Every warp: (S q_s)[v], (S k_s)[v] over the tile.
+  if (warp == 0) {
+    float carry = 0.f;
+    for (int blk = nbuf > 0 ? ((nbuf - 1) / 32) * 32 : -32; blk >= 0; blk -= 32) {
+      const int jl = blk + lane;
+      float x = jl < nbuf ? gs[jl] : 0.f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const float t = __shfl_down_sync(0xffffffffu, x, o);
+        if (lane + o < 32) x += t;
+      }
+      float excl = __shfl_down_sync(0xffffffffu, x, 1);
+      if (lane == 31) excl = 0.f;
+      if (jl < nbuf) {
+        const float w = expf(carry + excl);
+        wg[jl] = w;
+        for (int s = 0; s < T; ++s) {
+          aq[s * Lc + jl] *= w;
+          ak[s * Lc + jl] *= w;
+        }
+      }
+      carry += __shfl_sync(0xffffffffu, x, 0);
+    }
+    if (lane == 0) mi[6] = __float_as_int(expf(carry));
+  } else if (tid - 32 < T * T) {
+    const int s = (tid - 32) / T, s2 = (tid - 32) % T;
+    const float e = expf(gam[s] - gam[s2]);
+    if (s2 < s) cA[s * T + s2] *= bt[s] * e;
+    if (s2 <= s) cB[s * T + s2] *= e;
+  }
+  if constexpr (VM) {
+    const int rpw = R / kStreamWarps;
+    for (int r = 0; r < rpw; ++r) {
+      const int row = warp * rpw + r;
+      float s_[KL];
+#pragma unroll
+      for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(reinterpret_cast<const SD*>(st + row * row_bytes) + key(c), &s_[c]);
+      for (int x0 = 0; x0 < 2 * T; x0 += 4) {
+        float P[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int x = min(x0 + e, 2 * T - 1);
+          const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
+          float d = 0.f;
+#pragma unroll
+          for (int c = 0; c < KL; ++c) d += s_[c] * v[key(c)];
+          P[e] = d;
+        }
+        const float red = reduce4(P, lane);
+        const int x = x0 + (lane >> 3);
+        if ((lane & 7) == 0 && x < 2 * T) (x < T ? sq + x * R : sk + (x - T) * R)[row] = red;
+      }
+    }
+  } else {
+    // K-major: lane = (quad, ksub); a quad is 4 value columns, ksub steps over key rows; up
+    // to 2 drafts per pass (q and k of each: 16 accumulators).
+    const int nq = R / 32, ns = 32 / nq;
+    const int ql = lane / ns, ksub = lane - ql * ns;
+    const int c0 = warp * (R / kStreamWarps) + 4 * ql;
+    for (int s0 = 0; s0 < T; s0 += 2) {
+      const int s1 = min(s0 + 1, T - 1);
+      float acc[4][4] = {};
+      for (int k = ksub; k < DK; k += ns) {
+        float s_[4];
+        ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s_);
+        const float x0 = qs[s0 * DK + k], x1 = ks[s0 * DK + k], x2 = qs[s1 * DK + k], x3 = ks[s1 * DK + k];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          acc[0][x] += s_[x] * x0;
+          acc[1][x] += s_[x] * x1;
+          acc[2][x] += s_[x] * x2;
+          acc[3][x] += s_[x] * x3;
+        }
+      }
+      for (int m = 1; m < ns; m <<= 1)
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) acc[a][x] += __shfl_xor_sync(0xffffffffu, acc[a][x], m);
+      if (ksub == 0) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          sq[s0 * R + c0 + x] = acc[0][x];
+          sk[s0 * R + c0 + x] = acc[1][x];
+          sq[s1 * R + c0 + x] = acc[2][x];
+          sk[s1 * R + c0 + x] = acc[3][x];
+        }
+      }
+    }
+  }
+  __syncthreads();  // (B3) weights, e^G, coefficients, (S q), (S k)
+
+  // 4. Row phase: thread t < R owns value row v0 + t.
+  const float eG = __int_as_float(mi[6]);
+  if (tid < R) {
+    float hq[kMaxT], hk[kMaxT];
+#pragma unroll
+    for (int s = 0; s < kMaxT; ++s) {
+      hq[s] = s < T ? eG * sq[s * R + tid] : 0.f;
+      hk[s] = s < T ? eG * sk[s * R + tid] : 0.f;
+    }
+    for (int j = 0; j < nbuf; ++j) {
+      const float uj = ldx(ut, p.entry_dtype, j * R + tid);
+#pragma unroll
+      for (int s = 0; s < kMaxT; ++s) {
+        if (s < T) {
+          hq[s] += aq[s * Lc + j] * uj;
+          hk[s] += ak[s * Lc + j] * uj;
+        }
+      }
+    }
+    float u[kMaxT];
+#pragma unroll
+    for (int s = 0; s < kMaxT; ++s) {
+      if (s < T) {
+        float x = bt[s] * (vt[s * R + tid] - expf(gam[s]) * hk[s]);
+#pragma unroll
+        for (int s2 = 0; s2 < s; ++s2) x -= cA[s * T + s2] * u[s2];
+        u[s] = x;
+        float y = expf(gam[s]) * hq[s];
+#pragma unroll
+        for (int s2 = 0; s2 <= s; ++s2) y += cB[s * T + s2] * u[s2];
+        stx(out.p, out.dtype, b * out.s[0] + s * out.s[1] + h * out.s[2] + (v0 + tid) * out.s[3], y);
+        char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.Hv + h) * dv * ee;
+        stx(dst, p.entry_dtype, v0 + tid, u[s]);
+      }
+    }
+  }
+
+  // 5. A flush writes the tile's state e^G S + sum_j w_j u_j k_j^T back (the drafts' ring
+  //    slots may be the oldest entries' slots: their u rows of this tile are in shared memory).
+  if (flush) {
+    if constexpr (VM) {
+      const int rpw = R / kStreamWarps;
+      for (int r0 = 0; r0 < rpw; r0 += 2) {
+        float s_[2][KL];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
+#pragma unroll
+          for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(row + key(c), &s_[e][c]);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) s_[e][c] *= eG;
+        }
+        for (int j = 0; j < nbuf; ++j) {
+          float kj[KL];
+          const char* kp = entry_k(j);
+#pragma unroll
+          for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float wu = wg[j] * ldx(ut, p.entry_dtype, j * R + warp * rpw + r0 + e);
+#pragma unroll
+            for (int c = 0; c < KL; ++c) s_[e][c] += wu * kj[c];
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int c = 0; c < KL; c += VW)
+            st_vec<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
+                           &s_[e][c]);
+      }
+    } else {
+      const int nq = R / 32, ns = 32 / nq;
+      const int ql = lane / ns, ksub = lane - ql * ns;
+      const int c0 = warp * (R / kStreamWarps) + 4 * ql;
+      for (int k = ksub; k < DK; k += ns) {
+        float s_[4];
+        ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s_);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) s_[x] *= eG;
+        for (int j = 0; j < nbuf; ++j) {
+          const float f = wg[j] * ldx(entry_k(j), p.entry_dtype, k);
+          float u4[4];
+          ld_entry<4>(reinterpret_cast<const char*>(ut), p.entry_dtype, j * R + c0, u4);
+#pragma unroll
+          for (int x = 0; x < 4; ++x) s_[x] += f * u4[x];
+        }
+        st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s_);
+      }
+      __syncthreads();
+      const int c16 = R * ES / 16;
+      for (int i = tid; i < DK * c16; i += kStreamThreads) {
+        const int k = i / c16, c = i - k * c16;
+        *reinterpret_cast<int4*>(head + (static_cast<int64_t>(k) * dv + v0) * ES + 16 * c) =
+            *reinterpret_cast<const int4*>(st + k * row_bytes + 16 * c);
+      }
+    }
+  }
+
+  // 6. The drafts' keys and decays (outside a flush: nobody reads those slots this step), and
+  //    this CTA's share of the drafts' conv inputs.
+  if (!flush && tile == 0) {
+    if (h % group == 0) {
+      for (int i = tid; i < T * DK; i += kStreamThreads) {
+        const int s = i / DK, c = i - s * DK;
+        char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.Hk + kh) * DK * ee;
+        stx(kd, p.entry_dtype, c, ks[i]);
+      }
+    }
+    if (tid < T) p.ring_g[(static_cast<int64_t>(seq) * Lc + (base + tid) % Lc) * p.Hv + h] = gt[tid];
+  }
+  if (p.conv_dim > 0) {
+    const int parts = p.Hv * p.tiles, part = h * p.tiles + tile;
+    const int lo = static_cast<int>(static_cast<int64_t>(part) * p.conv_dim / parts);
+    const int hi = static_cast<int>(static_cast<int64_t>(part + 1) * p.conv_dim / parts);
+    const int ce = p.conv_dtype == 0 ? 4 : 2;
+    for (int s = 0; s < T; ++s) {
+      char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + (conv_end + s) % p.conv_slots) * p.conv_dim * ce;
+      for (int c = lo + tid; c < hi; c += kStreamThreads)
+        stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + s * p.conv_in.s[1] + c * p.conv_in.s[2]));
+    }
+  }
+
+  // 7. Arrival: the last CTA of the sequence finishes the step (every other CTA has read the
+  //    metadata and, in a flush, the entries' keys and decays it overwrites).
+  __syncthreads();
+  if (tid == 0) {
+    const int arr = atomicAdd(p.meta + static_cast<int64_t>(seq) * kMetaInts + kMetaArrive, 1);
+    mi[7] = arr == per_seq - 1;
+  }
+  __syncthreads();
+  if (mi[7]) {
+    __threadfence();
+    Place pl;
+    pl.flush = flush;
+    pl.kv_store = false;
+    pl.base = base;
+    if (flush) ring_keys_and_decays(p, b, seq, base, warp, lane, tid, kStreamThreads);
+    if (tid == 0) {
+      int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+      finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+      meta[kMetaArrive] = 0;
+    }
+  }
+}
+
+}  // namespace gdn
+}  // namespace kvr
+
+#define KVR_GDN_SVERIFY(SD, SN, VM, LN, DK)                                                  \
+  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 2)                 \
+      kvr_gdn_sverify_##SN##_##LN##_d##DK(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::sverify_body<SD, VM, DK>(p);                                                   \
+  }
+#define KVR_GDN_SVERIFY_DK(DK)                         \
+  KVR_GDN_SVERIFY(float, f32, false, k, DK)            \
+  KVR_GDN_SVERIFY(float, f32, true, v, DK)             \
+  KVR_GDN_SVERIFY(__nv_bfloat16, bf16, false, k, DK)   \
+  KVR_GDN_SVERIFY(__nv_bfloat16, bf16, true, v, DK)
+KVR_GDN_SVERIFY_DK(64)
+KVR_GDN_SVERIFY_DK(128)
+KVR_GDN_SVERIFY_DK(256)
+#undef KVR_GDN_SVERIFY_DK
+#undef KVR_GDN_SVERIFY
