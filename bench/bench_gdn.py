@@ -21,7 +21,7 @@ pool and a separate state tensor for fla), as the other layers of a model would 
 Bandwidth counts the bytes each implementation must move (below), against a read+write
 streaming ceiling (1 GiB copy) measured in the same run.
 
-    python3 bench_gdn.py [--quick] [--tiles] [--srows] [--decode-only] [--layout k|v]
+    python3 bench_gdn.py [--quick] [--tiles] [--srows] [--decode-only | --verify-only] [--layout k|v]
                          [--rings 8,16] [--batches 1,8,256]
                                         # writes $OUT/gdn_bench_<k|v>.json if $OUT is set
                                         # (a full V-major run also $OUT/h200-gdn.json, the
@@ -483,6 +483,9 @@ def main():
         tile_sweep(results)
     if "--srows" in sys.argv:
         stream_rows_sweep(results)
+    if "--verify-only" in sys.argv:
+        verify_sweep(results)
+        return
     decode_sweep(results["copy_tbs"], results)
     if "--decode-only" not in sys.argv:
         verify_sweep(results)
