@@ -215,12 +215,23 @@ __device__ void sverify_body(const StepParams& p) {
     d = warp_sum(d);
     if (lane == 0) (isq ? cB : cA)[s * T + s2] = d;
   }
-  // Entry products k_j . q_s and k_j . k_s: a warp per entry, four sums per reduce4.
+  // Entry products k_j . q_s and k_j . k_s: a warp per entry, four sums per reduce4; the next
+  // entry's key is loaded before this one's products (the loads are round trips to L2).
+  float kn[KL];
+  if (warp < nbuf) {
+    const char* kp = entry_k(warp);
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kn[c]);
+  }
   for (int j = warp; j < nbuf; j += kStreamWarps) {
     float kj[KL];
-    const char* kp = entry_k(j);
 #pragma unroll
-    for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
+    for (int c = 0; c < KL; ++c) kj[c] = kn[c];
+    if (j + kStreamWarps < nbuf) {
+      const char* kp = entry_k(j + kStreamWarps);
+#pragma unroll
+      for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kn[c]);
+    }
     for (int x0 = 0; x0 < 2 * T; x0 += 4) {
       float P[4];
 #pragma unroll

@@ -495,9 +495,12 @@ impl GdnCuda {
     fn verify_launch(&self, cfg: &ReplayConfig, rows: usize) -> Option<usize> {
         let sms = self.sm_count as usize;
         let items = |r: usize| rows * cfg.v_heads * (cfg.dv / r);
-        self.verify_rows
-            .iter()
+        // One resident CTA per SM leaves nothing to hide a CTA's dependent phases behind
+        // (H200: T = 8 at 128 rows ran 4x slower than T = 4 at two CTAs per SM).
+        let two = self.verify_rows.iter().filter(|&&(_, per_sm)| per_sm >= 2);
+        two.clone()
             .find(|&&(r, per_sm)| items(r) >= per_sm * sms)
+            .or(two.last())
             .or(self.verify_rows.last())
             .map(|&(r, _)| r)
     }
