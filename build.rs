@@ -284,7 +284,12 @@ fn generate_header(manifest: &Path) {
         cbindgen::Config::from_file(manifest.join("cbindgen.toml")).expect("read cbindgen.toml");
     let version = |name: &str| env::var(name).expect("version variable");
     let macros = format!(
-        "#define KVR_VERSION_MAJOR {}\n#define KVR_VERSION_MINOR {}\n#define KVR_VERSION_PATCH {}\n\
+        "/** Major version of this header (0 while the API may still change between minors). */\n\
+         #define KVR_VERSION_MAJOR {}\n\
+         /** Minor version of this header. */\n\
+         #define KVR_VERSION_MINOR {}\n\
+         /** Patch version of this header. */\n\
+         #define KVR_VERSION_PATCH {}\n\
          /** The version as one number: major * 10000 + minor * 100 + patch. */\n\
          #define KVR_VERSION_NUMBER ((KVR_VERSION_MAJOR * 10000) + (KVR_VERSION_MINOR * 100) + KVR_VERSION_PATCH)\n",
         version("CARGO_PKG_VERSION_MAJOR"),
@@ -295,10 +300,34 @@ fn generate_header(manifest: &Path) {
     config.after_includes = Some(format!("\n{macros}{existing}"));
     // Only src/ffi (and the modules it declares) is parsed: the core's public items are
     // not part of the C API.
+    let mut text = Vec::new();
     cbindgen::Builder::new()
         .with_src(manifest.join("src/ffi/mod.rs"))
         .with_config(config)
         .generate()
         .expect("cbindgen failed")
-        .write_to_file(dest);
+        .write(&mut text);
+    let text = String::from_utf8(text).expect("cbindgen wrote UTF-8");
+    std::fs::write(&dest, parenthesize_casts(&text)).expect("write the header");
+}
+
+/// cbindgen writes a constant declared `N as kvr_x` as `#define NAME (kvr_x)N`; wrap the
+/// value in parentheses so that the macro expands to one expression everywhere
+/// (`sizeof KVR_STATUS_OK`, `-KVR_LAYER_ALL`).
+#[cfg(feature = "header")]
+fn parenthesize_casts(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 1024);
+    for line in text.lines() {
+        match line
+            .strip_prefix("#define ")
+            .and_then(|r| r.split_once(' '))
+        {
+            Some((name, value)) if value.starts_with("(kvr_") => {
+                out.push_str(&format!("#define {name} ({value})"));
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }

@@ -107,7 +107,7 @@ class Inputs:
         ]
 
 
-def pool(B, ring, layers, thr=0, entry=kvr.DTYPE_F32, drafts=0):
+def pool(B, ring, layers, thr=kvr.GDN_THRESHOLD_OFF, entry=kvr.DTYPE_F32, drafts=0):
     p = lib.gdn_pool(ctx, n_layers=layers, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=ring,
                      kv_only_threshold=thr, max_drafts=drafts, max_seqs=B, entry_dtype=entry, layout=LAYOUT)
     seqs = [lib.gdn_seq_add(p, cur_stream()) for _ in range(B)]
@@ -320,19 +320,19 @@ def kv_only_sweep(results):
     p, seqs = pool(B, 0, ns)
     rec = time_graph(Ours(p, seqs, inp), ns, ns * 8, replays=5)
     free(p)
-    cap = lib.gdn_memory_for(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
-                             kv_only_threshold=-1).kv_only_threshold
+    cap = lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
+                             kv_only_threshold=kvr.GDN_THRESHOLD_DEFAULT).kv_only_threshold
     p, seqs = pool(B, 16, ns, thr=int(cap), entry=kvr.DTYPE_BF16)
     o = Ours(p, seqs, inp)
     ctxs = [8, 16, 32, 64, 96, 120]
     for c in ctxs:
         for s in seqs:
-            lib.check(lib.lib.kvr_gdn_seq_reset(p, s, kvr.ctypes.c_void_p(cur_stream())), "reset")
+            lib.check(lib.lib.kvr_gdn_pool_seq_reset(p, s, kvr.ctypes.c_void_p(cur_stream())), "reset")
         for _ in range(c - 2):
             for i in range(ns):
                 o(i)
         torch.cuda.synchronize()
-        mode = lib.gdn_info(p, 0, seqs[0]).mode
+        mode = lib.gdn_cursor(p, 0, seqs[0]).mode
         t = time_graph(o, ns, ns * 4, replays=1, warm=False)
         # time_graph replays once untimed first: the timed steps run at context c + 2..c + 5.
         rows.append({"B": B, "context": c + 4, "kv_only_us": t, "recurrent_us": rec, "mode": mode,
@@ -347,12 +347,12 @@ def memory_table(results):
     print("\n== memory per sequence and layer (Qwen3-Next GDN layer, fp32 state)", flush=True)
     rows = []
     for T in (2, 4, 8):
-        snap = lib.gdn_memory_for(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=0, max_drafts=T)
+        snap = lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=0, max_drafts=T)
         for L in RINGS:
             for ename, e in (("f32", kvr.DTYPE_F32), ("bf16", kvr.DTYPE_BF16)):
                 if L < T:
                     continue
-                m = lib.gdn_memory_for(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=L,
+                m = lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=L,
                                        max_drafts=T, entry_dtype=e)
                 row = {"T": T, "L": L, "entries": ename, "snapshots_bytes": snap.total_bytes,
                        "replay_bytes": m.total_bytes, "seqs_ratio": snap.total_bytes / m.total_bytes}
@@ -471,7 +471,7 @@ def main():
         return
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "fla": FLA_VERSION, "torch": torch.__version__,
-               "kvreplay": lib.lib.kvr_version().decode()}
+               "kvreplay": lib.lib.kvr_library_version().decode()}
     results["read_tbs"] = read_ceiling()
     results["copy_tbs"] = copy_ceiling()
     results["inplace_tbs"] = inplace_ceiling()

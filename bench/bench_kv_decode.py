@@ -298,7 +298,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": L2_BYTES,
                "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-               "kvreplay": lib.lib.kvr_version().decode(), "matrix": [], "skipped": [],
+               "kvreplay": lib.lib.kvr_library_version().decode(), "matrix": [], "skipped": [],
                "page_sweep": [], "skewed": [], "capacity": []}
     ceiling = read_ceiling()
     results["read_ceiling_tbs"] = ceiling

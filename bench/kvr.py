@@ -14,7 +14,8 @@ STATUS_OK = 0
 BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA = 0, 1, 2
 DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_I32 = 0, 1, 2, 3
 DEVICE_HOST, DEVICE_CUDA = 0, 1
-ALL_LAYERS = -1
+LAYER_ALL = -1  # kvr_layer_select
+SEQ_NONE = -1  # kvr_seq_id: a new sequence (admit), an unused batch row
 ADMIT_OK, ADMIT_LATER, ADMIT_NEVER = 0, 1, 2
 
 
@@ -85,7 +86,7 @@ class KvPoolStats(ctypes.Structure):
     ]
 
 
-class DecodeParams(ctypes.Structure):
+class KvDecodeParams(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("scale", ctypes.c_float),
@@ -122,7 +123,7 @@ class GdnPoolParams(ctypes.Structure):
     ] + [("states", ctypes.POINTER(GdnStateStorage))]
 
 
-class GdnMemory(ctypes.Structure):
+class GdnPoolMemory(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("reserved", ctypes.c_uint32)] + [
         (n, ctypes.c_int64)
         for n in ("state_bytes", "ring_bytes", "conv_bytes", "snapshot_bytes", "total_bytes", "kv_only_threshold")
@@ -133,12 +134,13 @@ class GdnStepParams(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("scale", ctypes.c_float), ("l2norm_qk", ctypes.c_int32)]
 
 
-class GdnSeqInfo(ctypes.Structure):
+class GdnCursor(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("mode", "ring_start", "buffered", "pending")]
 
 
 STATE_K_MAJOR, STATE_V_MAJOR = 0, 1
 GDN_MODE_KV_ONLY, GDN_MODE_REPLAY, GDN_MODE_RECURRENT = 0, 1, 2
+GDN_THRESHOLD_DEFAULT, GDN_THRESHOLD_OFF = -1, 0
 
 
 class KvrError(RuntimeError):
@@ -158,10 +160,10 @@ def load(path=None):
                 path = cand
                 break
     lib = ctypes.CDLL(path)
-    lib.kvr_last_error_message.restype = ctypes.c_char_p
-    lib.kvr_status_str.restype = ctypes.c_char_p
-    lib.kvr_version.restype = ctypes.c_char_p
-    lib.kvr_build_info.restype = ctypes.c_char_p
+    lib.kvr_error_last_message.restype = ctypes.c_char_p
+    lib.kvr_status_string.restype = ctypes.c_char_p
+    lib.kvr_library_version.restype = ctypes.c_char_p
+    lib.kvr_library_build_info.restype = ctypes.c_char_p
     return lib
 
 
@@ -171,8 +173,8 @@ class Lib:
 
     def check(self, status, what):
         if status != STATUS_OK:
-            msg = self.lib.kvr_last_error_message().decode()
-            raise KvrError(f"{what}: {self.lib.kvr_status_str(status).decode()} ({status}): {msg}")
+            msg = self.lib.kvr_error_last_message().decode()
+            raise KvrError(f"{what}: {self.lib.kvr_status_string(status).decode()} ({status}): {msg}")
 
     def context(self, backend=BACKEND_CUDA, stream=None, threads=0):
         p = ContextParams()
@@ -229,17 +231,17 @@ class Lib:
     def stats(self, pool):
         s = KvPoolStats()
         s.struct_size = ctypes.sizeof(KvPoolStats)
-        self.check(self.lib.kvr_kv_pool_stats(pool, ctypes.byref(s)), "stats")
+        self.check(self.lib.kvr_kv_pool_get_stats(pool, ctypes.byref(s)), "stats")
         return s
 
     def decode_params(self, scale=0.0, softcap=0.0, window=0, max_ctas=0):
-        p = DecodeParams()
-        self.check(self.lib.kvr_decode_params_default(ctypes.byref(p)), "decode params")
+        p = KvDecodeParams()
+        self.check(self.lib.kvr_kv_decode_params_default(ctypes.byref(p)), "decode params")
         p.scale, p.softcap, p.window, p.max_ctas = scale, softcap, window, max_ctas
         return p
 
     def decode(self, pool, layer, ids, q, out, lse=None, params=None, stream=None):
-        return self.lib.kvr_kv_decode(
+        return self.lib.kvr_kv_pool_decode(
             pool,
             layer,
             ctypes.byref(ids),
@@ -266,16 +268,16 @@ class Lib:
         self.check(self.lib.kvr_gdn_pool_new(ctx, ctypes.byref(p), ctypes.byref(pool)), "kvr_gdn_pool_new")
         return pool
 
-    def gdn_memory_for(self, **kw):
+    def gdn_params_memory(self, **kw):
         p = self.gdn_params(**kw)
-        m = GdnMemory()
-        m.struct_size = ctypes.sizeof(GdnMemory)
-        self.check(self.lib.kvr_gdn_memory_for(ctypes.byref(p), ctypes.byref(m)), "kvr_gdn_memory_for")
+        m = GdnPoolMemory()
+        m.struct_size = ctypes.sizeof(GdnPoolMemory)
+        self.check(self.lib.kvr_gdn_pool_params_memory(ctypes.byref(p), ctypes.byref(m)), "kvr_gdn_pool_params_memory")
         return m
 
     def gdn_seq_add(self, pool, stream=None):
         s = ctypes.c_int32()
-        self.check(self.lib.kvr_gdn_seq_add(pool, ctypes.c_void_p(stream), ctypes.byref(s)), "gdn seq_add")
+        self.check(self.lib.kvr_gdn_pool_seq_add(pool, ctypes.c_void_p(stream), ctypes.byref(s)), "gdn seq_add")
         return s.value
 
     def gdn_step_params(self, scale=0.0, l2norm=True):
@@ -285,7 +287,7 @@ class Lib:
         return p
 
     def gdn_step(self, verify, pool, layer, ids, q, k, v, g, beta, conv, out, params, stream=None):
-        f = self.lib.kvr_gdn_verify if verify else self.lib.kvr_gdn_decode
+        f = self.lib.kvr_gdn_pool_verify if verify else self.lib.kvr_gdn_pool_decode
         return f(
             pool,
             layer,
@@ -302,7 +304,7 @@ class Lib:
         )
 
     def gdn_commit(self, pool, layer, ids, accepted, conv_state=None, stream=None):
-        return self.lib.kvr_gdn_commit(
+        return self.lib.kvr_gdn_pool_commit(
             pool,
             layer,
             ctypes.byref(ids),
@@ -313,22 +315,22 @@ class Lib:
 
     def gdn_import(self, pool, layer, seq, state, conv=None, stream=None):
         self.check(
-            self.lib.kvr_gdn_import_state(pool, layer, seq, ctypes.byref(state),
+            self.lib.kvr_gdn_pool_import_state(pool, layer, seq, ctypes.byref(state),
                                           ctypes.byref(conv) if conv is not None else None, ctypes.c_void_p(stream)),
-            "kvr_gdn_import_state",
+            "kvr_gdn_pool_import_state",
         )
 
     def gdn_export(self, pool, layer, seq, out, conv_out=None, stream=None):
         self.check(
-            self.lib.kvr_gdn_export_state(pool, layer, seq, ctypes.byref(out),
+            self.lib.kvr_gdn_pool_export_state(pool, layer, seq, ctypes.byref(out),
                                           ctypes.byref(conv_out) if conv_out is not None else None,
                                           ctypes.c_void_p(stream)),
-            "kvr_gdn_export_state",
+            "kvr_gdn_pool_export_state",
         )
 
-    def gdn_info(self, pool, layer, seq):
-        i = GdnSeqInfo()
-        self.check(self.lib.kvr_gdn_seq_cursor(pool, layer, seq, ctypes.byref(i)), "kvr_gdn_seq_cursor")
+    def gdn_cursor(self, pool, layer, seq):
+        i = GdnCursor()
+        self.check(self.lib.kvr_gdn_pool_get_cursor(pool, layer, seq, ctypes.byref(i)), "kvr_gdn_pool_get_cursor")
         return i
 
 

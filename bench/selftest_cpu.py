@@ -21,7 +21,7 @@ for n in lens:
     v = rng.standard_normal((L, n, H, D), dtype=np.float32)
     kt = kvr.tensor(k.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(k.shape))
     vt = kvr.tensor(v.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(v.shape))
-    lib.write(pool, kvr.ALL_LAYERS, [s], [n], kt, vt)
+    lib.write(pool, kvr.LAYER_ALL, [s], [n], kt, vt)
     data[s] = (k, v)
 st = lib.stats(pool)
 assert st.sequences == 3 and st.tokens == sum(lens), (st.sequences, st.tokens)
@@ -54,14 +54,14 @@ for b, s in enumerate(ids):
         worst = max(worst, float(np.abs(o - out[b, h]).max()))
         worst = max(worst, abs(float(m + np.log(p.sum())) - float(lse[b, h])))
 assert worst < 1e-4, worst
-print(f"bench/kvr.py bindings: ok (kvreplay {lib.lib.kvr_version().decode()}, max error {worst:.1e})")
+print(f"bench/kvr.py bindings: ok (kvreplay {lib.lib.kvr_library_version().decode()}, max error {worst:.1e})")
 
 # --- GDN bindings: a replay pool and a recurrent pool through ctypes, verify + commit, against
 # a numpy recurrence.
 Hk, Hv, Dk = 1, 2, 32
 gp = lib.gdn_pool(ctx, n_layers=2, n_k_heads=Hk, n_v_heads=Hv, dk=Dk, dv=Dk, ring_len=8, max_seqs=4,
                   kv_only_threshold=0, max_drafts=4)
-mem = lib.gdn_memory_for(n_layers=2, n_k_heads=Hk, n_v_heads=Hv, dk=Dk, dv=Dk, ring_len=8, max_drafts=4)
+mem = lib.gdn_params_memory(n_layers=2, n_k_heads=Hk, n_v_heads=Hv, dk=Dk, dv=Dk, ring_len=8, max_drafts=4)
 assert mem.state_bytes == 2 * Hv * Dk * Dk * 4 and mem.snapshot_bytes == 0, (mem.state_bytes, mem.snapshot_bytes)
 sq = lib.gdn_seq_add(gp)
 S = np.zeros((Hv, Dk, Dk))  # [h][v][k]
@@ -100,7 +100,7 @@ for rnd in range(6):
         gw = max(gw, float(np.abs(y - o[0, t]).max()))
         if t + 1 == acc[0]:
             S = probe.copy()
-info = lib.gdn_info(gp, 1, sq)
+info = lib.gdn_cursor(gp, 1, sq)
 assert info.mode == kvr.GDN_MODE_REPLAY and info.pending == 0, (info.mode, info.pending)
 st = np.zeros((Hv, Dk, Dk), dtype=np.float32)  # K-major: [h][k][v]
 lib.gdn_export(gp, 1, sq, kvr.tensor(st.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(st.shape)))

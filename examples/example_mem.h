@@ -85,7 +85,7 @@ static kvr_tensor tensor(void *data, kvr_dtype dtype, int ndim, const int64_t *s
     kvr_tensor t;
     if (kvr_tensor_init(&t, data, dtype, host || !on_cuda ? KVR_DEVICE_HOST : KVR_DEVICE_CUDA, ndim,
                         shape) != KVR_STATUS_OK) {
-        fprintf(stderr, "kvr_tensor_init: %s\n", kvr_last_error_message());
+        fprintf(stderr, "kvr_tensor_init: %s\n", kvr_error_last_message());
         exit(1);
     }
     return t;
@@ -96,7 +96,7 @@ static kvr_tensor tensor(void *data, kvr_dtype dtype, int ndim, const int64_t *s
         kvr_status s_ = (call);                                                            \
         if (s_ != KVR_STATUS_OK) {                                                         \
             fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,            \
-                    kvr_status_str(s_), kvr_last_error_message());                         \
+                    kvr_status_string(s_), kvr_error_last_message());                         \
             exit(1);                                                                       \
         }                                                                                  \
     } while (0)
@@ -104,7 +104,7 @@ static kvr_tensor tensor(void *data, kvr_dtype dtype, int ndim, const int64_t *s
 /* Picks the backend: "cpu", "cuda", or (NULL) CUDA when usable; returns the context. */
 static kvr_context *example_context(const char *want) {
     int want_cuda = want == NULL ? -1 : strcmp(want, "cuda") == 0;
-    if (want_cuda != 0 && kvr_kernels_compiled() && load_driver()) on_cuda = 1;
+    if (want_cuda != 0 && kvr_library_kernels_compiled() && load_driver()) on_cuda = 1;
     if (want_cuda == 1 && !on_cuda) {
         fprintf(stderr, "CUDA requested but not usable here\n");
         exit(1);

@@ -9,8 +9,8 @@ static void describe(kvr_context *ctx) {
     kvr_device_info info;
     memset(&info, 0, sizeof info);
     info.struct_size = sizeof info;
-    if (kvr_context_device_info(ctx, &info) != KVR_STATUS_OK) {
-        printf("  (device info failed: %s)\n", kvr_last_error_message());
+    if (kvr_context_get_device_info(ctx, &info) != KVR_STATUS_OK) {
+        printf("  (device info failed: %s)\n", kvr_error_last_message());
         return;
     }
     if (info.backend == KVR_BACKEND_CUDA) {
@@ -34,27 +34,27 @@ static int try_backend(kvr_backend backend, const char *name) {
     p.backend = backend;
     kvr_status s = kvr_context_new(&p, &ctx);
     if (s != KVR_STATUS_OK) {
-        printf("%-5s context: not available: %s (%s)\n", name, kvr_status_str(s),
-               kvr_last_error_message());
+        printf("%-5s context: not available: %s (%s)\n", name, kvr_status_string(s),
+               kvr_error_last_message());
         return 0;
     }
     printf("%-5s context: ok, backend %s\n", name,
-           kvr_context_backend(ctx) == KVR_BACKEND_CUDA ? "CUDA" : "CPU");
+           kvr_context_get_backend(ctx) == KVR_BACKEND_CUDA ? "CUDA" : "CPU");
     describe(ctx);
     kvr_context_free(ctx);
     return 0;
 }
 
 int main(void) {
-    printf("kvreplay %s (header %d.%d.%d)\n", kvr_version(), KVR_VERSION_MAJOR, KVR_VERSION_MINOR,
+    printf("kvreplay %s (header %d.%d.%d)\n", kvr_library_version(), KVR_VERSION_MAJOR, KVR_VERSION_MINOR,
            KVR_VERSION_PATCH);
-    printf("kernels: %s\n", kvr_build_info());
+    printf("kernels: %s\n", kvr_library_build_info());
     int32_t n = 0;
-    kvr_status s = kvr_cuda_device_count(&n);
+    kvr_status s = kvr_cuda_get_device_count(&n);
     if (s == KVR_STATUS_OK)
         printf("CUDA devices: %d\n", n);
     else
-        printf("CUDA devices: none (%s)\n", kvr_last_error_message());
+        printf("CUDA devices: none (%s)\n", kvr_error_last_message());
     int rc = 0;
     rc |= try_backend(KVR_BACKEND_CPU, "CPU");
     rc |= try_backend(KVR_BACKEND_CUDA, "CUDA");

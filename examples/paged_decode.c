@@ -63,7 +63,7 @@ static double decode(kvr_kv_pool *pool, const int32_t *ids, int b, int T, int la
     const int64_t sq[4] = {b, T, HQ, D}, sid[1] = {b};
     kvr_tensor tq = tensor(dq, KVR_DTYPE_F32, 4, sq, 0), to = tensor(dout, KVR_DTYPE_F32, 4, sq, 0);
     kvr_tensor tid = tensor((void *)ids, KVR_DTYPE_I32, 1, sid, 1);
-    CHECK(kvr_kv_decode(pool, layer, &tid, &tq, &to, NULL, NULL, NULL));
+    CHECK(kvr_kv_pool_decode(pool, layer, &tid, &tq, &to, NULL, NULL, NULL));
     buf_get(o, dout, n * 4);
     double worst = 0;
     for (int i = 0; i < b; i++)
@@ -88,9 +88,9 @@ static double decode(kvr_kv_pool *pool, const int32_t *ids, int b, int T, int la
 }
 
 static void stats(kvr_kv_pool *pool, const char *when) {
-    kvr_kv_stats st;
+    kvr_kv_pool_stats st;
     st.struct_size = sizeof st;
-    CHECK(kvr_kv_pool_stats(pool, &st));
+    CHECK(kvr_kv_pool_get_stats(pool, &st));
     printf("  %-28s pages %lld used / %lld free / %lld shared, %lld sequences, %lld tokens, %lld "
            "empty slots\n",
            when, (long long)st.pages_used, (long long)st.pages_free, (long long)st.pages_shared,
@@ -144,7 +144,7 @@ int main(int argc, char **argv) {
     int64_t n0;
     CHECK(kvr_kv_pool_seq_truncate(pool, ids[0], len[ids[0]] - 2, NULL));
     len[ids[0]] -= 2;
-    CHECK(kvr_kv_pool_seq_len(pool, ids[0], &n0));
+    CHECK(kvr_kv_pool_get_seq_len(pool, ids[0], &n0));
     stats(pool, "after rejecting 2 drafts:");
     worst = fmax(worst, decode(pool, ids, 4, 1, 1, &checksum));
     CHECK(kvr_kv_pool_seq_free(pool, ids[1], NULL));

@@ -56,8 +56,8 @@ int main(int argc, char **argv) {
     int32_t ids[B];
     for (int b = 0; b < B; b++) {
         int32_t a, r;
-        CHECK(kvr_gdn_seq_add(replay, NULL, &a));
-        CHECK(kvr_gdn_seq_add(recur, NULL, &r));
+        CHECK(kvr_gdn_pool_seq_add(replay, NULL, &a));
+        CHECK(kvr_gdn_pool_seq_add(recur, NULL, &r));
         if (a != r) return 1;
         ids[b] = a;
     }
@@ -100,8 +100,8 @@ int main(int argc, char **argv) {
                    tb = tensor(beta, KVR_DTYPE_F32, 3, sg, 0), tc = tensor(conv, KVR_DTYPE_F32, 3, sc, 0),
                    t1 = tensor(out1, KVR_DTYPE_F32, 4, sv, 0), t2 = tensor(out2, KVR_DTYPE_F32, 4, sv, 0);
         if (verify) {
-            CHECK(kvr_gdn_verify(replay, 0, &t_ids, &tq, &tk, &tv, &tg, &tb, &tc, &t1, &sp, NULL));
-            CHECK(kvr_gdn_verify(recur, 0, &t_ids, &tq, &tk, &tv, &tg, &tb, &tc, &t2, &sp, NULL));
+            CHECK(kvr_gdn_pool_verify(replay, 0, &t_ids, &tq, &tk, &tv, &tg, &tb, &tc, &t1, &sp, NULL));
+            CHECK(kvr_gdn_pool_verify(recur, 0, &t_ids, &tq, &tk, &tv, &tg, &tb, &tc, &t2, &sp, NULL));
             /* The "sampler": accept a random prefix of each sequence's drafts. */
             int32_t a[B];
             for (int b = 0; b < B; b++) a[b] = (int32_t)(uniform(0, 1) * (T + 1)) % (T + 1);
@@ -111,16 +111,16 @@ int main(int argc, char **argv) {
             const int64_t sw[3] = {B, K1, CONV};
             kvr_tensor ta = tensor(acc, KVR_DTYPE_I32, 1, ids_shape, 0);
             kvr_tensor tw1 = tensor(win1, KVR_DTYPE_F32, 3, sw, 0), tw2 = tensor(win2, KVR_DTYPE_F32, 3, sw, 0);
-            CHECK(kvr_gdn_commit(replay, 0, &t_ids, &ta, &tw1, NULL));
-            CHECK(kvr_gdn_commit(recur, 0, &t_ids, &ta, &tw2, NULL));
+            CHECK(kvr_gdn_pool_commit(replay, 0, &t_ids, &ta, &tw1, NULL));
+            CHECK(kvr_gdn_pool_commit(recur, 0, &t_ids, &ta, &tw2, NULL));
         } else {
             const int64_t dq[3] = {B, HK, D}, dv3[3] = {B, HV, D}, dg[2] = {B, HV}, dc[2] = {B, CONV};
             kvr_tensor dqt = tensor(q, KVR_DTYPE_F32, 3, dq, 0), dkt = tensor(k, KVR_DTYPE_F32, 3, dq, 0),
                        dvt = tensor(v, KVR_DTYPE_F32, 3, dv3, 0), dgt = tensor(g, KVR_DTYPE_F32, 2, dg, 0),
                        dbt = tensor(beta, KVR_DTYPE_F32, 2, dg, 0), dct = tensor(conv, KVR_DTYPE_F32, 2, dc, 0),
                        d1 = tensor(out1, KVR_DTYPE_F32, 3, dv3, 0), d2 = tensor(out2, KVR_DTYPE_F32, 3, dv3, 0);
-            CHECK(kvr_gdn_decode(replay, 0, &t_ids, &dqt, &dkt, &dvt, &dgt, &dbt, &dct, &d1, &sp, NULL));
-            CHECK(kvr_gdn_decode(recur, 0, &t_ids, &dqt, &dkt, &dvt, &dgt, &dbt, &dct, &d2, &sp, NULL));
+            CHECK(kvr_gdn_pool_decode(replay, 0, &t_ids, &dqt, &dkt, &dvt, &dgt, &dbt, &dct, &d1, &sp, NULL));
+            CHECK(kvr_gdn_pool_decode(recur, 0, &t_ids, &dqt, &dkt, &dvt, &dgt, &dbt, &dct, &d2, &sp, NULL));
         }
         buf_get(o1, out1, (size_t)B * T * HV * D * 4);
         buf_get(o2, out2, (size_t)B * T * HV * D * 4);
@@ -142,17 +142,17 @@ int main(int argc, char **argv) {
     kvr_tensor ts1 = tensor(st1, KVR_DTYPE_F32, 3, ss, 0), ts2 = tensor(st2, KVR_DTYPE_F32, 3, ss, 0);
     double state_err = 0;
     for (int b = 0; b < B; b++) {
-        CHECK(kvr_gdn_export_state(replay, 0, ids[b], &ts1, NULL, NULL));
-        CHECK(kvr_gdn_export_state(recur, 0, ids[b], &ts2, NULL, NULL));
+        CHECK(kvr_gdn_pool_export_state(replay, 0, ids[b], &ts1, NULL, NULL));
+        CHECK(kvr_gdn_pool_export_state(recur, 0, ids[b], &ts2, NULL, NULL));
         buf_get(s1, st1, HV * D * D * 4);
         buf_get(s2, st2, HV * D * D * 4);
         double e = rel_err(s1, s2, HV * D * D);
         if (e > state_err) state_err = e;
     }
-    kvr_gdn_memory m1, m2;
+    kvr_gdn_pool_memory m1, m2;
     m1.struct_size = m2.struct_size = sizeof m1;
-    CHECK(kvr_gdn_pool_memory(replay, &m1));
-    CHECK(kvr_gdn_pool_memory(recur, &m2));
+    CHECK(kvr_gdn_pool_get_memory(replay, &m1));
+    CHECK(kvr_gdn_pool_get_memory(recur, &m2));
     printf("accepted %d of %d drafts; replay vs recurrent: max relative error %.2e (outputs), "
            "%.2e (states); conv windows identical\n",
            accepted_total, drafted_total, worst, state_err);

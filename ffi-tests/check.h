@@ -16,7 +16,7 @@ static int g_checks = 0;
         if (!(cond)) {                                                               \
             ++g_failures;                                                            \
             fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__,  \
-                    __LINE__, #cond, kvr_last_error_message());                      \
+                    __LINE__, #cond, kvr_error_last_message());                      \
         }                                                                            \
     } while (0)
 
@@ -27,9 +27,9 @@ static int g_checks = 0;
         if (s_ != (expected)) {                                                      \
             ++g_failures;                                                            \
             fprintf(stderr, "%s:%d: %s returned %d (%s), expected %d (%s); %s\n",     \
-                    __FILE__, __LINE__, #expr, (int)s_, kvr_status_str(s_),           \
-                    (int)(expected), kvr_status_str(expected),                       \
-                    kvr_last_error_message());                                       \
+                    __FILE__, __LINE__, #expr, (int)s_, kvr_status_string(s_),           \
+                    (int)(expected), kvr_status_string(expected),                       \
+                    kvr_error_last_message());                                       \
         }                                                                            \
     } while (0)
 

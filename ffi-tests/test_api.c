@@ -8,14 +8,32 @@
 
 #include "check.h"
 
+/* Named values are single constant expressions of their own typedef: usable in
+ * _Static_assert, case labels and under sizeof without surprises. */
+_Static_assert(KVR_LAYER_ALL == -1, "KVR_LAYER_ALL");
+_Static_assert(KVR_GDN_THRESHOLD_DEFAULT == -1 && KVR_GDN_THRESHOLD_OFF == 0, "thresholds");
+_Static_assert(sizeof KVR_STATUS_NULL_ARG == sizeof(kvr_status), "one expression");
+_Static_assert(-KVR_LAYER_ALL == 1 && 2 - KVR_STATUS_NULL_ARG == 3, "negative values");
+_Static_assert(KVR_MODEL_LAYOUT_CONTIGUOUS_SNAPSHOTS + 1 == KVR_MODEL_LAYOUT_COUNT, "layouts");
+
+static const char *mode_name(kvr_gdn_mode m) {
+    switch (m) {
+    case KVR_GDN_MODE_KV_ONLY: return "kv-only";
+    case KVR_GDN_MODE_REPLAY: return "replay";
+    case KVR_GDN_MODE_RECURRENT: return "recurrent";
+    default: return "?";
+    }
+}
+
 static void test_version(void) {
+    CHECK(strcmp(mode_name(KVR_GDN_MODE_REPLAY), "replay") == 0);
     char expected[64];
     snprintf(expected, sizeof expected, "%d.%d.%d", KVR_VERSION_MAJOR, KVR_VERSION_MINOR,
              KVR_VERSION_PATCH);
-    CHECK(strcmp(kvr_version(), expected) == 0);
+    CHECK(strcmp(kvr_library_version(), expected) == 0);
     CHECK(KVR_VERSION_NUMBER == KVR_VERSION_MAJOR * 10000 + KVR_VERSION_MINOR * 100 +
                                     KVR_VERSION_PATCH);
-    CHECK(kvr_build_info() != NULL && strlen(kvr_build_info()) > 0);
+    CHECK(kvr_library_build_info() != NULL && strlen(kvr_library_build_info()) > 0);
 }
 
 static void test_status_strings(void) {
@@ -28,11 +46,11 @@ static void test_status_strings(void) {
                         KVR_STATUS_POOL_EXHAUSTED, KVR_STATUS_IO_ERROR,
                         KVR_STATUS_MALFORMED_FILE};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) {
-        CHECK(kvr_status_str(all[i]) != NULL);
-        CHECK(strcmp(kvr_status_str(all[i]), "unknown status") != 0);
+        CHECK(kvr_status_string(all[i]) != NULL);
+        CHECK(strcmp(kvr_status_string(all[i]), "unknown status") != 0);
     }
-    CHECK(strcmp(kvr_status_str(12345), "unknown status") == 0);
-    CHECK(strcmp(kvr_status_str(-12345), "unknown status") == 0);
+    CHECK(strcmp(kvr_status_string(12345), "unknown status") == 0);
+    CHECK(strcmp(kvr_status_string(-12345), "unknown status") == 0);
 }
 
 static void test_context_errors(void) {
@@ -40,7 +58,7 @@ static void test_context_errors(void) {
     kvr_context *ctx = (kvr_context *)(uintptr_t)0x1111;
 
     CHECK_STATUS(kvr_context_params_default(NULL), KVR_STATUS_NULL_ARG);
-    CHECK(strlen(kvr_last_error_message()) > 0);
+    CHECK(strlen(kvr_error_last_message()) > 0);
     CHECK_STATUS(kvr_context_params_default(&p), KVR_STATUS_OK);
     CHECK(p.struct_size == sizeof p);
     CHECK(p.backend == KVR_BACKEND_AUTO);
@@ -62,7 +80,7 @@ static void test_context_errors(void) {
     p.device = 0;
     p.struct_size = 8; /* too small */
     CHECK_STATUS(kvr_context_new(&p, &ctx), KVR_STATUS_INVALID_ARG);
-    CHECK(strstr(kvr_last_error_message(), "struct_size") != NULL);
+    CHECK(strstr(kvr_error_last_message(), "struct_size") != NULL);
     p.struct_size = 0;
     CHECK_STATUS(kvr_context_new(&p, &ctx), KVR_STATUS_INVALID_ARG);
     CHECK(ctx == (kvr_context *)(uintptr_t)0x1111);
@@ -72,40 +90,40 @@ static void test_context_errors(void) {
     CHECK_STATUS(kvr_context_params_default(&p), KVR_STATUS_OK);
     p.backend = KVR_BACKEND_CPU;
     CHECK_STATUS(kvr_context_new(&p, &ctx), KVR_STATUS_OK);
-    CHECK(kvr_context_backend(ctx) == KVR_BACKEND_CPU);
+    CHECK(kvr_context_get_backend(ctx) == KVR_BACKEND_CPU);
     kvr_context_free(ctx);
     kvr_context_free(ctx);
-    CHECK(strstr(kvr_last_error_message(), "freed twice") != NULL);
-    CHECK(kvr_context_backend(ctx) == KVR_BACKEND_INVALID);
-    CHECK(kvr_context_backend(NULL) == KVR_BACKEND_INVALID);
+    CHECK(strstr(kvr_error_last_message(), "freed twice") != NULL);
+    CHECK(kvr_context_get_backend(ctx) == KVR_BACKEND_INVALID);
+    CHECK(kvr_context_get_backend(NULL) == KVR_BACKEND_INVALID);
     CHECK_STATUS(kvr_context_load_kernels(NULL), KVR_STATUS_NULL_ARG);
     CHECK_STATUS(kvr_context_synchronize(NULL, NULL), KVR_STATUS_NULL_ARG);
-    CHECK_STATUS(kvr_cuda_device_count(NULL), KVR_STATUS_NULL_ARG);
+    CHECK_STATUS(kvr_cuda_get_device_count(NULL), KVR_STATUS_NULL_ARG);
 }
 
 static void test_auto_and_cuda(void) {
     int32_t n = -1;
-    kvr_status s = kvr_cuda_device_count(&n);
+    kvr_status s = kvr_cuda_get_device_count(&n);
     kvr_context_params p;
     kvr_context *ctx = NULL;
     CHECK_STATUS(kvr_context_params_default(&p), KVR_STATUS_OK);
     CHECK_STATUS(kvr_context_new(&p, &ctx), KVR_STATUS_OK); /* AUTO never fails here */
-    kvr_backend b = kvr_context_backend(ctx);
+    kvr_backend b = kvr_context_get_backend(ctx);
     CHECK(b == KVR_BACKEND_CPU || b == KVR_BACKEND_CUDA);
     kvr_context_free(ctx);
     ctx = NULL;
     p.backend = KVR_BACKEND_CUDA;
     kvr_status c = kvr_context_new(&p, &ctx);
-    if (!kvr_kernels_compiled()) {
+    if (!kvr_library_kernels_compiled()) {
         CHECK(c == KVR_STATUS_NOT_COMPILED);
     } else if (s != KVR_STATUS_OK || n == 0) {
         CHECK(c == KVR_STATUS_CUDA_UNAVAILABLE);
         CHECK(ctx == NULL);
         CHECK(b == KVR_BACKEND_CPU);
-        printf("no CUDA here: %s\n", kvr_last_error_message());
+        printf("no CUDA here: %s\n", kvr_error_last_message());
     } else {
         CHECK(c == KVR_STATUS_OK);
-        CHECK(kvr_context_backend(ctx) == KVR_BACKEND_CUDA);
+        CHECK(kvr_context_get_backend(ctx) == KVR_BACKEND_CUDA);
         kvr_context_free(ctx);
     }
 }
@@ -128,9 +146,9 @@ static void test_cpu_copy(void) {
 
     kvr_device_info info;
     memset(&info, 0, sizeof info);
-    CHECK_STATUS(kvr_context_device_info(ctx, &info), KVR_STATUS_INVALID_ARG);
+    CHECK_STATUS(kvr_context_get_device_info(ctx, &info), KVR_STATUS_INVALID_ARG);
     info.struct_size = sizeof info;
-    CHECK_STATUS(kvr_context_device_info(ctx, &info), KVR_STATUS_OK);
+    CHECK_STATUS(kvr_context_get_device_info(ctx, &info), KVR_STATUS_OK);
     CHECK(info.backend == KVR_BACKEND_CPU && info.multiprocessor_count == 2);
 
     /* Transpose a 6 x 10 f32 matrix into a bf16 matrix with padded rows. */

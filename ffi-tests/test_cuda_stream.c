@@ -45,7 +45,7 @@ static int skip(const char *why) {
     } while (0)
 
 int main(void) {
-    if (!kvr_kernels_compiled()) return skip("library built without CUDA kernels");
+    if (!kvr_library_kernels_compiled()) return skip("library built without CUDA kernels");
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib) return skip("no libcuda.so.1 (no NVIDIA driver)");
     LOAD(p_cuInit, "cuInit");
@@ -76,7 +76,7 @@ int main(void) {
     p.stream = stream;
     kvr_context *ctx = NULL;
     CHECK_STATUS(kvr_context_new(&p, &ctx), KVR_STATUS_OK);
-    CHECK(kvr_context_backend(ctx) == KVR_BACKEND_CUDA);
+    CHECK(kvr_context_get_backend(ctx) == KVR_BACKEND_CUDA);
 
     enum { N = 100003 };
     static float host_src[N], host_back[N];

@@ -19,7 +19,7 @@ int failures = 0;
 
 void check(bool ok, const char *what) {
     if (!ok) {
-        std::fprintf(stderr, "test_cxx: %s failed (%s)\n", what, kvr_last_error_message());
+        std::fprintf(stderr, "test_cxx: %s failed (%s)\n", what, kvr_error_last_message());
         ++failures;
     }
 }
@@ -47,6 +47,6 @@ int main() {
     check(std::memcmp(src.data(), back.data(), src.size() * sizeof(float)) == 0,
           "round trip of f16-exact values");
     if (failures) return 1;
-    std::printf("test_cxx: ok (kvreplay %s)\n", kvr_version());
+    std::printf("test_cxx: ok (kvreplay %s)\n", kvr_library_version());
     return 0;
 }

@@ -2,11 +2,21 @@
  * kvreplay: paged KV memory for softmax attention and replay decoding for
  * linear-attention / SSM layers, for C and C++ inference engines.
  *
+ * Naming: functions are kvr_<object>_<verb>, with the object's full name (kvr_kv_pool_decode,
+ * kvr_gdn_pool_get_cursor, kvr_model_compute_sizing); the object comes first, then inputs,
+ * then outputs. Named values are constants of their own typedef, written ((type)value):
+ * KVR_STATUS_* (kvr_status), KVR_GDN_MODE_* (kvr_gdn_mode), KVR_LAYER_ALL (kvr_layer_select).
+ *
  * Conventions: every fallible function returns a kvr_status (0 = KVR_STATUS_OK,
- * negative = error; kvr_last_error_message() has the details). Out-parameters are
- * written only on success, and a failed call leaves every object as it was.
+ * negative = error; kvr_error_last_message() has the details). Each function's comment
+ * lists what it returns, who owns what, whether it is thread-safe and the state after a
+ * failure; any kvr_status function can also return KVR_STATUS_PANIC (a bug, caught at the
+ * boundary). Out-parameters are written only on success, and a failed call leaves every
+ * object as it was, except after KVR_STATUS_CUDA_ERROR (queued work may be half done).
  * Parameter structs start with uint32_t struct_size and are filled by their
- * kvr_*_params_default function. Handles are opaque; kvr_*_free(NULL) is a no-op.
+ * kvr_*_params_default function. Handles are opaque: a freed or foreign handle gives
+ * KVR_STATUS_INVALID_ARG; kvr_*_free(NULL) is a no-op and kvr_*_free of a dead handle is
+ * ignored (and recorded); freeing a pool frees its sequences; a pool keeps its context alive.
  * SPDX-License-Identifier: MIT OR Apache-2.0
  */
 
@@ -19,8 +29,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/** Major version of this header (0 while the API may still change between minors). */
 #define KVR_VERSION_MAJOR 0
+/** Minor version of this header. */
 #define KVR_VERSION_MINOR 1
+/** Patch version of this header. */
 #define KVR_VERSION_PATCH 0
 /** The version as one number: major * 10000 + minor * 100 + patch. */
 #define KVR_VERSION_NUMBER ((KVR_VERSION_MAJOR * 10000) + (KVR_VERSION_MINOR * 100) + KVR_VERSION_PATCH)
@@ -36,30 +49,9 @@
 
 
 /**
- * `kv_only_threshold` value that picks the default: min(dk, what one head's state memory
- * holds).
+ * Number of layouts: the length of the per-layout arrays of `kvr_model_sizing`.
  */
-#define KVR_GDN_DEFAULT_THRESHOLD -1
-
-/**
- * Per-sequence modes reported by `kvr_gdn_seq_cursor`.
- */
-#define KVR_GDN_MODE_KV_ONLY 0
-
-/**
- * Checkpoint state plus ring.
- */
-#define KVR_GDN_MODE_REPLAY 1
-
-/**
- * State read and written every step (pools with `ring_len` 0).
- */
-#define KVR_GDN_MODE_RECURRENT 2
-
-/**
- * `layer` value of `kvr_kv_pool_write` that writes every layer.
- */
-#define KVR_ALL_LAYERS -1
+#define KVR_MODEL_LAYOUT_COUNT 4
 
 /**
  * Most dimensions a `kvr_tensor` can have.
@@ -90,7 +82,7 @@ typedef struct kvr_model kvr_model;
 
 /**
  * Result of every fallible call: `KVR_STATUS_OK` (0) or a negative error code. Values are
- * explicit and never reused; `kvr_last_error_message()` gives the details of a failure.
+ * explicit and never reused; `kvr_error_last_message()` gives the details of a failure.
  */
 typedef int32_t kvr_status;
 
@@ -131,7 +123,7 @@ typedef struct kvr_context_params {
 } kvr_context_params;
 
 /**
- * What a context runs on, filled by `kvr_context_device_info`.
+ * What a context runs on, filled by `kvr_context_get_device_info`.
  */
 typedef struct kvr_device_info {
     /**
@@ -184,6 +176,12 @@ typedef struct kvr_device_info {
      */
     char name[256];
 } kvr_device_info;
+
+/**
+ * A KV-only threshold in tokens (`kvr_gdn_pool_params.kv_only_threshold`): a count >= 0
+ * or `KVR_GDN_THRESHOLD_DEFAULT`.
+ */
+typedef int32_t kvr_gdn_threshold;
 
 /**
  * Element type of a tensor.
@@ -246,9 +244,9 @@ typedef struct kvr_gdn_pool_params {
     int32_t ring_len;
     /**
      * Sequences of at most this many tokens keep no state (KV-only);
-     * `KVR_GDN_DEFAULT_THRESHOLD` (default) = min(dk, capacity), 0 = off.
+     * `KVR_GDN_THRESHOLD_DEFAULT` (default) = min(dk, capacity), `KVR_GDN_THRESHOLD_OFF` = off.
      */
-    int32_t kv_only_threshold;
+    kvr_gdn_threshold kv_only_threshold;
     /**
      * Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
      */
@@ -293,9 +291,9 @@ typedef struct kvr_gdn_pool_params {
  * Memory one sequence of a pool needs (all layers), by part. `snapshot_bytes` is what a
  * recurrent pool spends on per-draft states; a replay pool spends `ring_bytes` instead.
  */
-typedef struct kvr_gdn_memory {
+typedef struct kvr_gdn_pool_memory {
     /**
-     * `sizeof(kvr_gdn_memory)` as the library wrote it.
+     * `sizeof(kvr_gdn_pool_memory)` as the library wrote it.
      */
     uint32_t struct_size;
     /**
@@ -326,16 +324,27 @@ typedef struct kvr_gdn_memory {
      * The KV-only threshold the pool uses (tokens).
      */
     int64_t kv_only_threshold;
-} kvr_gdn_memory;
+} kvr_gdn_pool_memory;
 
 /**
- * What `kvr_gdn_seq_cursor` reports about one (layer, sequence).
+ * A sequence id of a pool (`kvr_kv_pool`, `kvr_gdn_pool`): >= 0 for a live sequence, or
+ * `KVR_SEQ_NONE`.
+ */
+typedef int32_t kvr_seq_id;
+
+/**
+ * How a sequence of a GDN pool is decoded in one layer (`kvr_gdn_cursor.mode`).
+ */
+typedef int32_t kvr_gdn_mode;
+
+/**
+ * What `kvr_gdn_pool_get_cursor` reports about one (layer, sequence).
  */
 typedef struct kvr_gdn_cursor {
     /**
-     * `KVR_GDN_MODE_*`.
+     * `KVR_GDN_MODE_KV_ONLY`, `_REPLAY` or `_RECURRENT`.
      */
-    int32_t mode;
+    kvr_gdn_mode mode;
     /**
      * Ring position of the oldest buffered entry.
      */
@@ -392,7 +401,8 @@ typedef struct kvr_tensor {
 } kvr_tensor;
 
 /**
- * Options of `kvr_gdn_decode` / `kvr_gdn_verify`; fill with `kvr_gdn_step_params_default`.
+ * Options of `kvr_gdn_pool_decode` / `kvr_gdn_pool_verify`; fill with
+ * `kvr_gdn_step_params_default`.
  */
 typedef struct kvr_gdn_step_params {
     /**
@@ -409,6 +419,12 @@ typedef struct kvr_gdn_step_params {
      */
     int32_t l2norm_qk;
 } kvr_gdn_step_params;
+
+/**
+ * The `layer` argument of calls that can cover every layer at once (`kvr_kv_pool_write`,
+ * `kvr_gdn_pool_commit`, `kvr_gdn_pool_flush`): a layer index >= 0, or `KVR_LAYER_ALL`.
+ */
+typedef int32_t kvr_layer_select;
 
 /**
  * One layer's K and V memory for a pool over caller-owned tensors. Element `d` of head `h`
@@ -514,11 +530,11 @@ typedef struct kvr_kv_pool_params {
 typedef int32_t kvr_admission;
 
 /**
- * Pool occupancy, filled by `kvr_kv_pool_stats`.
+ * Pool occupancy, filled by `kvr_kv_pool_get_stats`.
  */
-typedef struct kvr_kv_stats {
+typedef struct kvr_kv_pool_stats {
     /**
-     * Set to `sizeof(kvr_kv_stats)` before the call.
+     * Set to `sizeof(kvr_kv_pool_stats)` before the call.
      */
     uint32_t struct_size;
     /**
@@ -557,14 +573,14 @@ typedef struct kvr_kv_stats {
      * Bytes of K and V per page, all layers.
      */
     int64_t page_bytes;
-} kvr_kv_stats;
+} kvr_kv_pool_stats;
 
 /**
- * Options for `kvr_kv_decode`; fill with `kvr_decode_params_default`.
+ * Options for `kvr_kv_pool_decode`; fill with `kvr_kv_decode_params_default`.
  */
-typedef struct kvr_decode_params {
+typedef struct kvr_kv_decode_params {
     /**
-     * `sizeof(kvr_decode_params)` as the caller compiled it.
+     * `sizeof(kvr_kv_decode_params)` as the caller compiled it.
      */
     uint32_t struct_size;
     /**
@@ -585,10 +601,10 @@ typedef struct kvr_decode_params {
      * the rounding, the same from call to call.
      */
     int32_t max_ctas;
-} kvr_decode_params;
+} kvr_kv_decode_params;
 
 /**
- * Counts from a model's plan.
+ * Counts from a model's plan, filled by `kvr_model_get_info`.
  */
 typedef struct kvr_model_info {
     /**
@@ -599,9 +615,21 @@ typedef struct kvr_model_info {
      * Layers (`{arch}.block_count`).
      */
     int32_t n_layers;
+    /**
+     * Softmax-attention layers (`KVR_LAYER_ATTENTION`).
+     */
     int32_t n_attention_layers;
+    /**
+     * Gated DeltaNet layers (`KVR_LAYER_GDN`).
+     */
     int32_t n_gdn_layers;
+    /**
+     * Mamba-2 layers (`KVR_LAYER_MAMBA2`).
+     */
     int32_t n_mamba2_layers;
+    /**
+     * Blocks without a sequence mixer (`KVR_LAYER_MLP`).
+     */
     int32_t n_mlp_layers;
     /**
      * `{arch}.context_length` (0 if absent).
@@ -627,44 +655,78 @@ typedef struct kvr_model_info {
 typedef int32_t kvr_layer_kind;
 
 /**
- * One layer's plan; fields that do not apply to the kind are 0.
+ * One layer's plan, filled by `kvr_model_get_layer`; fields that do not apply to the kind
+ * are 0.
  */
 typedef struct kvr_layer_plan {
     /**
-     * `KVR_LAYER_*`.
+     * `KVR_LAYER_ATTENTION`, `_GDN`, `_MAMBA2` or `_MLP`.
      */
     kvr_layer_kind kind;
     /**
-     * Attention: query heads, KV heads, K and V head dims, sliding window (0: none).
+     * Attention: query heads.
      */
     int32_t heads;
+    /**
+     * Attention: KV heads.
+     */
     int32_t kv_heads;
+    /**
+     * Attention: K head dim.
+     */
     int32_t head_dim_k;
+    /**
+     * Attention: V head dim.
+     */
     int32_t head_dim_v;
+    /**
+     * Attention: sliding window in tokens (0: none).
+     */
     int32_t sliding_window;
     /**
-     * GDN: key heads, value heads, key and value head dims.
+     * GDN: key heads Hk.
      */
     int32_t k_heads;
+    /**
+     * GDN: value heads Hv.
+     */
     int32_t v_heads;
+    /**
+     * GDN: key head dim.
+     */
     int32_t dk;
+    /**
+     * GDN: value head dim.
+     */
     int32_t dv;
     /**
-     * Mamba-2: heads, head dim, groups, state size.
+     * Mamba-2: heads.
      */
     int32_t ssm_heads;
+    /**
+     * Mamba-2: head dim.
+     */
     int32_t ssm_head_dim;
+    /**
+     * Mamba-2: groups.
+     */
     int32_t ssm_groups;
+    /**
+     * Mamba-2: state size.
+     */
     int32_t ssm_state;
     /**
-     * GDN and Mamba-2: causal-conv kernel width and channels.
+     * GDN and Mamba-2: causal-conv kernel width.
      */
     int32_t conv_kernel;
+    /**
+     * GDN and Mamba-2: causal-conv channels.
+     */
     int32_t conv_dim;
 } kvr_layer_plan;
 
 /**
- * A tensor of the file, any ggml type.
+ * A tensor of the file, any ggml type, filled by `kvr_model_get_tensor_info`.
  */
 typedef struct kvr_model_tensor_info {
     /**
@@ -690,11 +752,12 @@ typedef struct kvr_model_tensor_info {
 } kvr_model_tensor_info;
 
 /**
- * What an engine plans for; fill with `kvr_sizing_params_default`.
+ * What an engine plans for (`kvr_model_compute_sizing`, `kvr_model_get_kv_pool_params`,
+ * `kvr_model_get_gdn_pool_params`); fill with `kvr_model_sizing_params_default`.
  */
-typedef struct kvr_sizing_params {
+typedef struct kvr_model_sizing_params {
     /**
-     * `sizeof(kvr_sizing_params)` as the caller compiled it.
+     * `sizeof(kvr_model_sizing_params)` as the caller compiled it.
      */
     uint32_t struct_size;
     /**
@@ -733,20 +796,27 @@ typedef struct kvr_sizing_params {
      * Conv window element type (default f32).
      */
     kvr_dtype conv_dtype;
-} kvr_sizing_params;
+} kvr_model_sizing_params;
 
 /**
- * Per-sequence costs and how many sequences fit, for four layouts: index 0 paged KV +
- * GDN ring (kvreplay), 1 paged KV + per-draft snapshots, 2 contiguous KV (the model's
- * context reserved per sequence) + ring, 3 contiguous KV + snapshots.
+ * Per-sequence costs and how many sequences fit, for each `kvr_model_layout`.
  */
-typedef struct kvr_sizing {
+typedef struct kvr_model_sizing {
     /**
-     * `sizeof(kvr_sizing)` as the library wrote it.
+     * `sizeof(kvr_model_sizing)` as the library wrote it.
      */
     uint32_t struct_size;
+    /**
+     * Softmax-attention layers.
+     */
     int32_t n_attention_layers;
+    /**
+     * Gated DeltaNet layers.
+     */
     int32_t n_gdn_layers;
+    /**
+     * Mamba-2 layers.
+     */
     int32_t n_mamba2_layers;
     /**
      * Tokens per sequence used (seq_len, or the context length).
@@ -760,7 +830,14 @@ typedef struct kvr_sizing {
      * Pages per sequence (seq_len + spec_window tokens).
      */
     int64_t pages_per_seq;
+    /**
+     * Paged KV bytes per sequence (`pages_per_seq` pages).
+     */
     int64_t paged_kv_bytes_per_seq;
+    /**
+     * Contiguous KV bytes per sequence (the context length, or `seq_len` if longer, plus
+     * the speculative window).
+     */
     int64_t contiguous_kv_bytes_per_seq;
     /**
      * GDN and Mamba-2 states.
@@ -779,185 +856,248 @@ typedef struct kvr_sizing {
      */
     int64_t mamba2_extra_bytes_per_seq;
     /**
-     * Bytes per sequence for the four layouts.
+     * Bytes per sequence, indexed by `kvr_model_layout`.
      */
-    int64_t bytes_per_seq[4];
+    int64_t bytes_per_seq[KVR_MODEL_LAYOUT_COUNT];
     /**
-     * Sequences that fit in the budget for the four layouts.
+     * Sequences that fit in the budget, indexed by `kvr_model_layout`.
      */
-    int64_t max_seqs[4];
-} kvr_sizing;
+    int64_t max_seqs[KVR_MODEL_LAYOUT_COUNT];
+} kvr_model_sizing;
 
 /**
- * Only returned by `kvr_context_backend` for a NULL or dead handle.
+ * A memory layout `kvr_model_compute_sizing` compares: the index into the per-layout arrays
+ * of `kvr_model_sizing` (`bytes_per_seq[KVR_MODEL_LAYOUT_PAGED_RING]`, ...).
  */
-#define KVR_BACKEND_INVALID -1
+typedef int32_t kvr_model_layout;
+
+/**
+ * Only returned by `kvr_context_get_backend` for a NULL or dead handle.
+ */
+#define KVR_BACKEND_INVALID ((kvr_backend)-1)
 
 /**
  * CUDA if it can be used here (driver, device and kernels present), else CPU.
  */
-#define KVR_BACKEND_AUTO 0
+#define KVR_BACKEND_AUTO ((kvr_backend)0)
 
 /**
  * Host memory and host threads.
  */
-#define KVR_BACKEND_CPU 1
+#define KVR_BACKEND_CPU ((kvr_backend)1)
 
 /**
  * CUDA device memory and kernels on a stream.
  */
-#define KVR_BACKEND_CUDA 2
+#define KVR_BACKEND_CUDA ((kvr_backend)2)
 
 /**
  * `[dk][dv]` per value head, dv contiguous (flash-linear-attention's default).
  */
-#define KVR_STATE_K_MAJOR 0
+#define KVR_STATE_K_MAJOR ((kvr_state_layout)0)
 
 /**
  * `[dv][dk]` per value head, dk contiguous (llama.cpp, vLLM, FlashInfer).
  */
-#define KVR_STATE_V_MAJOR 1
+#define KVR_STATE_V_MAJOR ((kvr_state_layout)1)
+
+/**
+ * Picks the default threshold: min(dk, what one head's state memory holds) for a replay
+ * pool, off for a recurrent pool (`ring_len` 0).
+ */
+#define KVR_GDN_THRESHOLD_DEFAULT ((kvr_gdn_threshold)-1)
+
+/**
+ * No KV-only mode: every sequence keeps a state from its first token.
+ */
+#define KVR_GDN_THRESHOLD_OFF ((kvr_gdn_threshold)0)
+
+/**
+ * No state yet: the output is computed from the buffered entries (short sequences).
+ */
+#define KVR_GDN_MODE_KV_ONLY ((kvr_gdn_mode)0)
+
+/**
+ * Checkpoint state plus ring.
+ */
+#define KVR_GDN_MODE_REPLAY ((kvr_gdn_mode)1)
+
+/**
+ * State read and written every step (pools with `ring_len` 0).
+ */
+#define KVR_GDN_MODE_RECURRENT ((kvr_gdn_mode)2)
+
+/**
+ * No sequence: a new one in `kvr_kv_pool_admit`, an unused row in a batch's `seq_ids`.
+ */
+#define KVR_SEQ_NONE ((kvr_seq_id)-1)
+
+/**
+ * Every layer of the pool, in one call.
+ */
+#define KVR_LAYER_ALL ((kvr_layer_select)-1)
 
 /**
  * Fits now.
  */
-#define KVR_ADMIT_OK 0
+#define KVR_ADMIT_OK ((kvr_admission)0)
 
 /**
  * Does not fit now, would in a pool with enough pages / ids free.
  */
-#define KVR_ADMIT_LATER 1
+#define KVR_ADMIT_LATER ((kvr_admission)1)
 
 /**
  * Can never fit: longer than `max_seq_len` or more pages than the pool has.
  */
-#define KVR_ADMIT_NEVER 2
+#define KVR_ADMIT_NEVER ((kvr_admission)2)
 
 /**
  * Softmax attention (a KV cache).
  */
-#define KVR_LAYER_ATTENTION 0
+#define KVR_LAYER_ATTENTION ((kvr_layer_kind)0)
 
 /**
  * Gated DeltaNet (a linear-attention state).
  */
-#define KVR_LAYER_GDN 1
+#define KVR_LAYER_GDN ((kvr_layer_kind)1)
 
 /**
  * Mamba-2 (an SSM state).
  */
-#define KVR_LAYER_MAMBA2 2
+#define KVR_LAYER_MAMBA2 ((kvr_layer_kind)2)
 
 /**
  * A block without a sequence mixer (no cache).
  */
-#define KVR_LAYER_MLP 3
+#define KVR_LAYER_MLP ((kvr_layer_kind)3)
+
+/**
+ * Paged KV + GDN ring (kvreplay).
+ */
+#define KVR_MODEL_LAYOUT_PAGED_RING ((kvr_model_layout)0)
+
+/**
+ * Paged KV + per-draft state snapshots.
+ */
+#define KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS ((kvr_model_layout)1)
+
+/**
+ * Contiguous KV (the model's context, or `seq_len` if longer, reserved per sequence) + GDN
+ * ring.
+ */
+#define KVR_MODEL_LAYOUT_CONTIGUOUS_RING ((kvr_model_layout)2)
+
+/**
+ * Contiguous KV + per-draft state snapshots.
+ */
+#define KVR_MODEL_LAYOUT_CONTIGUOUS_SNAPSHOTS ((kvr_model_layout)3)
 
 /**
  * Success.
  */
-#define KVR_STATUS_OK 0
+#define KVR_STATUS_OK ((kvr_status)0)
 
 /**
  * A required pointer argument was NULL.
  */
-#define KVR_STATUS_NULL_ARG -1
+#define KVR_STATUS_NULL_ARG ((kvr_status)-1)
 
 /**
  * An argument is malformed: unknown enum value, struct_size too small, bad shape or
  * strides, a handle that is not a live object of the expected kind.
  */
-#define KVR_STATUS_INVALID_ARG -2
+#define KVR_STATUS_INVALID_ARG ((kvr_status)-2)
 
 /**
  * Host or device memory could not be allocated.
  */
-#define KVR_STATUS_OUT_OF_MEMORY -3
+#define KVR_STATUS_OUT_OF_MEMORY ((kvr_status)-3)
 
 /**
  * CUDA cannot be used here: no driver library, no device, a bad ordinal, an old driver.
  */
-#define KVR_STATUS_CUDA_UNAVAILABLE -4
+#define KVR_STATUS_CUDA_UNAVAILABLE ((kvr_status)-4)
 
 /**
  * The library was built without CUDA kernels (no nvcc at build time).
  */
-#define KVR_STATUS_NOT_COMPILED -5
+#define KVR_STATUS_NOT_COMPILED ((kvr_status)-5)
 
 /**
  * A CUDA driver call or kernel launch failed.
  */
-#define KVR_STATUS_CUDA_ERROR -6
+#define KVR_STATUS_CUDA_ERROR ((kvr_status)-6)
 
 /**
  * The operation or combination of arguments is not supported.
  */
-#define KVR_STATUS_UNSUPPORTED -7
+#define KVR_STATUS_UNSUPPORTED ((kvr_status)-7)
 
 /**
  * An internal error (a bug) was caught before it crossed the C boundary.
  */
-#define KVR_STATUS_PANIC -8
+#define KVR_STATUS_PANIC ((kvr_status)-8)
 
 /**
  * A tensor has an element type the operation does not accept.
  */
-#define KVR_STATUS_DTYPE_MISMATCH -9
+#define KVR_STATUS_DTYPE_MISMATCH ((kvr_status)-9)
 
 /**
  * A size or index is outside what the object holds or supports.
  */
-#define KVR_STATUS_OUT_OF_RANGE -10
+#define KVR_STATUS_OUT_OF_RANGE ((kvr_status)-10)
 
 /**
  * A sequence id that is not live in the pool.
  */
-#define KVR_STATUS_UNKNOWN_ID -11
+#define KVR_STATUS_UNKNOWN_ID ((kvr_status)-11)
 
 /**
  * The pool is full: not enough free pages, or no free sequence slot. Nothing changed.
  */
-#define KVR_STATUS_POOL_EXHAUSTED -12
+#define KVR_STATUS_POOL_EXHAUSTED ((kvr_status)-12)
 
 /**
  * A file could not be opened, read or mapped.
  */
-#define KVR_STATUS_IO_ERROR -13
+#define KVR_STATUS_IO_ERROR ((kvr_status)-13)
 
 /**
  * A file is truncated, corrupted or inconsistent (a model file kvreplay will not use).
  */
-#define KVR_STATUS_MALFORMED_FILE -14
+#define KVR_STATUS_MALFORMED_FILE ((kvr_status)-14)
 
 /**
  * 32-bit IEEE float.
  */
-#define KVR_DTYPE_F32 0
+#define KVR_DTYPE_F32 ((kvr_dtype)0)
 
 /**
  * 16-bit IEEE float.
  */
-#define KVR_DTYPE_F16 1
+#define KVR_DTYPE_F16 ((kvr_dtype)1)
 
 /**
  * bfloat16.
  */
-#define KVR_DTYPE_BF16 2
+#define KVR_DTYPE_BF16 ((kvr_dtype)2)
 
 /**
  * 32-bit signed integer (sequence ids, counts).
  */
-#define KVR_DTYPE_I32 3
+#define KVR_DTYPE_I32 ((kvr_dtype)3)
 
 /**
  * Host memory (CPU backend).
  */
-#define KVR_DEVICE_HOST 0
+#define KVR_DEVICE_HOST ((kvr_device_type)0)
 
 /**
  * CUDA device memory of the context's device (CUDA backend).
  */
-#define KVR_DEVICE_CUDA 1
+#define KVR_DEVICE_CUDA ((kvr_device_type)1)
 
 #ifdef __cplusplus
 extern "C" {
@@ -967,7 +1107,10 @@ extern "C" {
  * Fills `*params` with the defaults (AUTO backend, device 0, own stream, all cores) and
  * sets `struct_size`.
  *
- * Returns `KVR_STATUS_OK`, or `KVR_STATUS_NULL_ARG` if `params` is NULL. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
  */
 KVR_NODISCARD kvr_status kvr_context_params_default(struct kvr_context_params *params);
 
@@ -979,85 +1122,115 @@ KVR_NODISCARD kvr_status kvr_context_params_default(struct kvr_context_params *p
  * uses), so `cudaMalloc` pointers and streams of the host can be passed as they are.
  * Kernels are loaded on first use (or by `kvr_context_load_kernels`).
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` if `out` is NULL;
- * `KVR_STATUS_INVALID_ARG` for an unknown backend, a negative device or thread count, a
- * `struct_size` smaller than the first published layout, or a stream that is not of the
- * device's primary context; `KVR_STATUS_CUDA_UNAVAILABLE` when CUDA was requested and
- * there is no driver library, no such device or too old a driver;
- * `KVR_STATUS_NOT_COMPILED` when CUDA was requested from a library built without kernels;
- * `KVR_STATUS_CUDA_ERROR` / `KVR_STATUS_OUT_OF_MEMORY` when setup fails.
- * `*out` is written only on success. The caller owns the context and frees it with
- * `kvr_context_free`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`out` is NULL);
+ * `KVR_STATUS_INVALID_ARG` (an unknown backend, a negative device or thread count, a
+ * `struct_size` smaller than the first published layout, a stream that is not of the
+ * device's primary context); `KVR_STATUS_CUDA_UNAVAILABLE` (CUDA requested and no driver
+ * library, no such device or too old a driver); `KVR_STATUS_NOT_COMPILED` (CUDA requested
+ * from a library built without kernels); `KVR_STATUS_CUDA_ERROR` /
+ * `KVR_STATUS_OUT_OF_MEMORY` (setup failed).
+ * Ownership: the caller owns the new context and frees it with `kvr_context_free`.
+ * `params` is copied; a stream given in it stays the caller's and must outlive the
+ * context.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written and nothing is left allocated.
  */
 KVR_NODISCARD
 kvr_status kvr_context_new(const struct kvr_context_params *params,
                            struct kvr_context **out);
 
 /**
- * Frees a context. NULL is a no-op; a handle that is not a live context (freed already)
- * is ignored and recorded in `kvr_last_error_message`. On CUDA this waits for the work
- * queued through the context's device, destroys the stream it created and unloads its
- * kernels: CUDA Graphs captured with its kernels must be destroyed first. Objects made
- * from the context keep it alive until they are freed. Do not free a context while
- * another thread is inside a call on it.
+ * Releases the caller's handle to a context. NULL is a no-op. The handle is invalid at
+ * once; the context itself lives on while pools made from it exist and is destroyed when
+ * the last of them is freed. Destroying it on CUDA waits for the work queued through its
+ * device, destroys the stream it created and unloads its kernels: destroy CUDA Graphs that
+ * hold its kernels first.
+ *
+ * Returns: nothing.
+ * Ownership: ends the caller's ownership of `ctx`; a stream given in `kvr_context_params`
+ * stays the caller's.
+ * Thread safety: thread-safe; a call already running on another thread keeps the context
+ * alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+ * On failure: a handle that is not a live context (freed already, or of another kind) is
+ * ignored and recorded in `kvr_error_last_message`; nothing changes.
  */
 void kvr_context_free(struct kvr_context *ctx);
 
 /**
- * Returns the backend in use: `KVR_BACKEND_CPU` or `KVR_BACKEND_CUDA` (never AUTO), or
- * `KVR_BACKEND_INVALID` for a NULL or dead handle. Thread-safe.
+ * Returns the backend a context uses.
+ *
+ * Returns: `KVR_BACKEND_CPU` or `KVR_BACKEND_CUDA` (never AUTO); `KVR_BACKEND_INVALID` for
+ * a NULL or dead handle.
+ * Ownership: nothing changes hands.
+ * Thread safety: thread-safe.
+ * On failure: `KVR_BACKEND_INVALID`, with the reason in `kvr_error_last_message`.
  */
-kvr_backend kvr_context_backend(const struct kvr_context *ctx);
+kvr_backend kvr_context_get_backend(const struct kvr_context *ctx);
 
 /**
  * Describes the device behind `ctx`: name, SM count, compute capability, memory, driver.
  * Set `out->struct_size = sizeof(kvr_device_info)` first.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx or out);
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx` or `out`);
  * `KVR_STATUS_INVALID_ARG` (not a live context, `struct_size` too small);
- * `KVR_STATUS_CUDA_ERROR` if the driver query fails. `*out` is written only on success.
- * Thread-safe.
+ * `KVR_STATUS_CUDA_ERROR` (the driver query failed).
+ * Ownership: `*out` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_context_device_info(const struct kvr_context *ctx,
-                                   struct kvr_device_info *out);
+kvr_status kvr_context_get_device_info(const struct kvr_context *ctx,
+                                       struct kvr_device_info *out);
 
 /**
  * Loads the context's CUDA kernels now instead of at the first launch, so that a CUDA
  * Graph capture that follows sees no module load. A no-op for a CPU context.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` for a NULL or
- * dead handle; `KVR_STATUS_NOT_COMPILED`; `KVR_STATUS_CUDA_ERROR` when the fatbin has no
- * code this GPU or driver can run. Thread-safe (loading happens once per context).
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (NULL or dead
+ * handle); `KVR_STATUS_NOT_COMPILED`; `KVR_STATUS_CUDA_ERROR` (the fatbin has no code this
+ * GPU or driver can run).
+ * Ownership: the module belongs to the context and is unloaded with it.
+ * Thread safety: thread-safe; the module is loaded once per context.
+ * On failure: nothing is loaded; a later call or launch tries again.
  */
 KVR_NODISCARD kvr_status kvr_context_load_kernels(const struct kvr_context *ctx);
 
 /**
- * Waits until the work queued on `stream` (NULL: the context's stream) is done; returns
- * at once for a CPU context. This is the only kvreplay call besides setup and teardown
- * that blocks on the device.
+ * Waits until the work queued on `stream` (NULL: the context's stream) is done; returns at
+ * once for a CPU context. This is the only kvreplay call besides setup and teardown that
+ * blocks on the device.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` for a NULL or
- * dead handle; `KVR_STATUS_CUDA_ERROR` if queued work failed (for example an illegal
- * address in a kernel). Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (NULL or dead
+ * handle); `KVR_STATUS_CUDA_ERROR` (queued work failed, for example an illegal address in
+ * a kernel).
+ * Ownership: `stream` stays the caller's.
+ * Thread safety: thread-safe.
+ * On failure: nothing changes; after `KVR_STATUS_CUDA_ERROR` the queued work that failed
+ * left its objects in an unspecified state (free them; the CUDA context is usually
+ * unusable).
  */
 KVR_NODISCARD kvr_status kvr_context_synchronize(const struct kvr_context *ctx, void *stream);
 
 /**
  * Stores the number of CUDA devices in `*out`.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` if `out` is NULL;
- * `KVR_STATUS_CUDA_UNAVAILABLE` when there is no driver library or it cannot initialize.
- * `*out` is written only on success. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`out` is NULL);
+ * `KVR_STATUS_CUDA_UNAVAILABLE` (no driver library, or it cannot initialize).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
  */
-KVR_NODISCARD kvr_status kvr_cuda_device_count(int32_t *out);
+KVR_NODISCARD kvr_status kvr_cuda_get_device_count(int32_t *out);
 
 /**
- * Fills `*params` with the defaults (ring of 16, default KV-only threshold, f32 state and
- * ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
+ * Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
+ * and ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
  * `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
  *
- * Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
  */
 KVR_NODISCARD kvr_status kvr_gdn_pool_params_default(struct kvr_gdn_pool_params *params);
 
@@ -1065,10 +1238,18 @@ KVR_NODISCARD kvr_status kvr_gdn_pool_params_default(struct kvr_gdn_pool_params 
  * Creates a GDN pool on `ctx` and stores it in `*out`. Owned memory is allocated zeroed in
  * the context's memory (synchronously: setup time only).
  *
- * Errors: NULL_ARG; INVALID_ARG (zero or negative sizes, Hv not a multiple of Hk,
- * ring_len < max_drafts, unknown layout); OUT_OF_RANGE (max_drafts > 8, threshold above
- * capacity, huge sizes); DTYPE_MISMATCH (state not f32/bf16); UNSUPPORTED (CUDA: head dims
- * outside {32, 64, 128, 256}); OUT_OF_MEMORY; CUDA errors. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`);
+ * `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
+ * max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+ * `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
+ * `KVR_STATUS_UNSUPPORTED` (CUDA: head dims outside {32, 64, 128, 256});
+ * `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the caller owns the new pool and frees it with `kvr_gdn_pool_free`; the pool
+ * keeps `ctx` alive. `params` and its `states` array are copied; the memory `states`
+ * points at stays the caller's and must outlive the pool.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written and nothing is left allocated.
  */
 KVR_NODISCARD
 kvr_status kvr_gdn_pool_new(const struct kvr_context *ctx,
@@ -1076,203 +1257,354 @@ kvr_status kvr_gdn_pool_new(const struct kvr_context *ctx,
                             struct kvr_gdn_pool **out);
 
 /**
- * Frees a pool (NULL is a no-op). Work queued on CUDA streams that uses the pool must be
- * finished or ordered before the caller reuses the memory. Thread-safe.
+ * Frees a pool, every sequence in it and (if the pool allocated them) its states, rings
+ * and conv windows. NULL is a no-op. On CUDA, work queued that uses the pool must be
+ * complete (CUDA Graphs that contain its launches must not run again): owned memory is
+ * released at once.
+ *
+ * Returns: nothing.
+ * Ownership: ends the caller's ownership of `pool` and releases its reference to the
+ * context; memory given in `kvr_gdn_pool_params.states` stays the caller's.
+ * Thread safety: thread-safe; a call already running on another thread keeps the pool
+ * alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+ * On failure: a handle that is not a live pool (freed already, or of another kind) is
+ * ignored and recorded in `kvr_error_last_message`; nothing changes.
  */
 void kvr_gdn_pool_free(struct kvr_gdn_pool *pool);
 
 /**
  * Per-sequence memory of the pool `params` describes, without creating it (for sizing:
  * e.g. "T drafts with snapshots" (`ring_len` 0, `max_drafts` T) against a ring). The
- * configuration is validated as `kvr_gdn_pool_new` would (except backend limits).
- * `out->struct_size` must be set by the caller. Thread-safe.
+ * configuration is validated as `kvr_gdn_pool_new` would (except backend limits). Set
+ * `out->struct_size` first.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `params` or `out`);
+ * `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
+ * max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+ * `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
+ * `KVR_STATUS_INVALID_ARG` also for `out->struct_size` too small.
+ * Ownership: `params` is read during the call; `*out` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_memory_for(const struct kvr_gdn_pool_params *params,
-                              struct kvr_gdn_memory *out);
+kvr_status kvr_gdn_pool_params_memory(const struct kvr_gdn_pool_params *params,
+                                      struct kvr_gdn_pool_memory *out);
 
 /**
- * Per-sequence memory of an existing pool. `out->struct_size` must be set by the caller.
+ * Per-sequence memory of an existing pool, and the KV-only threshold it uses. Set
+ * `out->struct_size` first.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `struct_size` too small).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_pool_memory(const struct kvr_gdn_pool *pool,
-                               struct kvr_gdn_memory *out);
+kvr_status kvr_gdn_pool_get_memory(const struct kvr_gdn_pool *pool,
+                                   struct kvr_gdn_pool_memory *out);
 
 /**
  * Adds a sequence (zero state, empty ring, zero conv window; KV-only when the pool has a
- * threshold) and writes its id to `*out_seq`. Errors: POOL_EXHAUSTED when every slot is in
- * use. On CUDA the reset is queued on `stream` (NULL: the context's stream).
- */
-KVR_NODISCARD kvr_status kvr_gdn_seq_add(struct kvr_gdn_pool *pool, void *stream, int32_t *out_seq);
-
-/**
- * Frees a sequence's slot. Errors: UNKNOWN_ID.
- */
-KVR_NODISCARD kvr_status kvr_gdn_seq_free(struct kvr_gdn_pool *pool, int32_t seq, void *stream);
-
-/**
- * Resets a sequence to the empty state (as just added), discarding pending drafts.
- */
-KVR_NODISCARD kvr_status kvr_gdn_seq_reset(struct kvr_gdn_pool *pool, int32_t seq, void *stream);
-
-/**
- * Reads a sequence's cursor for `layer`. On CUDA this waits for the context's own stream
- * (work queued on another stream must be finished or ordered before it by the caller) and
- * copies from the device: for diagnostics and tests, not the decode loop.
+ * threshold) and stores its id in `*out_seq`. On CUDA the reset is queued on `stream`
+ * (NULL: the context's stream).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_POOL_EXHAUSTED` (every slot in use); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the pool owns the sequence until `kvr_gdn_pool_seq_free` or
+ * `kvr_gdn_pool_free`.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `*out_seq` is not written and the pool is unchanged, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_seq_cursor(const struct kvr_gdn_pool *pool,
-                              int32_t layer,
-                              int32_t seq,
-                              struct kvr_gdn_cursor *out);
+kvr_status kvr_gdn_pool_seq_add(struct kvr_gdn_pool *pool,
+                                void *stream,
+                                kvr_seq_id *out_seq);
+
+/**
+ * Frees a sequence's slot (in every layer, pending drafts included); the slot is reset
+ * when `kvr_gdn_pool_seq_add` reuses it. No device work: `stream` is unused.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID` (not a live sequence).
+ * Ownership: the slot returns to the pool.
+ * Thread safety: thread-safe; device work already queued for the sequence may still run.
+ * On failure: the pool is unchanged.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_pool_seq_free(struct kvr_gdn_pool *pool,
+                                 kvr_seq_id seq,
+                                 void *stream);
+
+/**
+ * Resets a sequence to the empty state (as just added) in every layer, discarding pending
+ * drafts. On CUDA the reset is queued on `stream`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: nothing changes hands.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+ * queued device work half done (free the objects the call used).
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_pool_seq_reset(struct kvr_gdn_pool *pool,
+                                  kvr_seq_id seq,
+                                  void *stream);
+
+/**
+ * Reads a sequence's cursor for `layer` into `*out`. On CUDA this waits for the context's
+ * own stream (work queued on another stream must be finished or ordered before it by the
+ * caller) and copies from the device: for diagnostics and tests, not the decode loop.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_pool_get_cursor(const struct kvr_gdn_pool *pool,
+                                   int32_t layer,
+                                   kvr_seq_id seq,
+                                   struct kvr_gdn_cursor *out);
 
 /**
  * Replaces a sequence's state in `layer` by `state` (the host's prefill result: shape
  * `[Hv, dk, dv]` for K-major pools or `[Hv, dv, dk]` for V-major, any float dtype, any
- * strides) and, if `conv` is not NULL, its conv window (`[conv_kernel - 1, conv_dim]`,
- * oldest first). The ring empties and the sequence leaves KV-only mode. Errors:
- * UNKNOWN_ID, OUT_OF_RANGE (layer), INVALID_ARG (shape, memory kind, pending drafts),
- * DTYPE_MISMATCH.
+ * strides, in the context's memory) and, if `conv` is not NULL, its conv window
+ * (`[conv_kernel - 1, conv_dim]`, oldest first). The ring empties and the sequence leaves
+ * KV-only mode. On CUDA the copy is queued on `stream`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle or `state`);
+ * `KVR_STATUS_INVALID_ARG` (handle, shape, memory kind, negative layer, pending drafts);
+ * `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `state`, `conv` and `stream` stay the caller's; device memory must stay valid
+ * until the queued copy has run.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: the sequence is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can
+ * leave queued device work half done (free the objects the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_import_state(struct kvr_gdn_pool *pool,
-                                int32_t layer,
-                                int32_t seq,
-                                const struct kvr_tensor *state,
-                                const struct kvr_tensor *conv,
-                                void *stream);
+kvr_status kvr_gdn_pool_import_state(struct kvr_gdn_pool *pool,
+                                     int32_t layer,
+                                     kvr_seq_id seq,
+                                     const struct kvr_tensor *state,
+                                     const struct kvr_tensor *conv,
+                                     void *stream);
 
 /**
  * Writes a sequence's current state in `layer` (materialized from the checkpoint and the
- * ring, or from the KV-only entries) into `out` (shape as for import, any float dtype)
- * and, if `conv_out` is not NULL, its conv window. The pool does not change.
+ * ring, or from the KV-only entries) into `out` (shape as for import, any float dtype, in
+ * the context's memory) and, if `conv_out` is not NULL, its conv window. The pool does not
+ * change. On CUDA the work is queued on `stream`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shape, memory kind, negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `out`, `conv_out` and `stream` stay the caller's.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `out` and `conv_out` are not written (after `KVR_STATUS_CUDA_ERROR`:
+ * unspecified).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_export_state(const struct kvr_gdn_pool *pool,
-                                int32_t layer,
-                                int32_t seq,
-                                const struct kvr_tensor *out,
-                                const struct kvr_tensor *conv_out,
-                                void *stream);
+kvr_status kvr_gdn_pool_export_state(const struct kvr_gdn_pool *pool,
+                                     int32_t layer,
+                                     kvr_seq_id seq,
+                                     const struct kvr_tensor *out,
+                                     const struct kvr_tensor *conv_out,
+                                     void *stream);
 
 /**
  * Fills `*params` with the defaults (scale 1/sqrt(dk), no L2 norm).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
  */
 KVR_NODISCARD kvr_status kvr_gdn_step_params_default(struct kvr_gdn_step_params *params);
 
 /**
  * One token for each sequence of a batch, in one launch, committed at once.
  *
- * `seq_ids`: i32 `[B]`, host or device memory (-1: an unused row, output zeros; device ids
- * must be distinct and live, and discard any uncommitted drafts). q, k: `[B, Hk, dk]` (or
- * `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta (post-sigmoid): `[B, Hv]`;
- * conv_in (required when the pool keeps conv windows, else NULL): `[B, conv_dim]`. Float
- * dtypes f32/f16/bf16 (each tensor its own); on CUDA the last dimension of q, k, v, out
- * must be contiguous. The output comes from the checkpoint and the ring; the state is
- * written only for sequences whose ring is full (decided on the device) or that leave
- * KV-only mode. Asynchronous on CUDA and capturable in a CUDA Graph (host ids travel in
- * the launch parameters).
+ * `seq_ids`: i32 `[B]`, host or device memory (`KVR_SEQ_NONE`: an unused row, output
+ * zeros; device ids must be distinct and live, and discard any uncommitted drafts). q, k:
+ * `[B, Hk, dk]` (or `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta
+ * (post-sigmoid): `[B, Hv]`; conv_in (required when the pool keeps conv windows, else
+ * NULL): `[B, conv_dim]`. Float dtypes f32/f16/bf16 (each tensor its own); on CUDA the
+ * last dimension of q, k, v, out must be contiguous. `params` may be NULL for the
+ * defaults. The output comes from the checkpoint and the ring; the state is written only
+ * for sequences whose ring is full (decided on the device) or that leave KV-only mode.
+ * CUDA: queued on `stream`; never synchronizes or allocates, and capturable in a CUDA
+ * Graph (host ids travel in the launch parameters, 512 rows per launch).
  *
- * Errors: UNKNOWN_ID, OUT_OF_RANGE (layer, batch), INVALID_ARG (shapes, memory kinds,
- * pending drafts), DTYPE_MISMATCH; nothing changes on error.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
+ * the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
+ * strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
+ * windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
+ * valid until the queued launch has run.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `out` is not written and the pool never changes, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_decode(struct kvr_gdn_pool *pool,
-                          int32_t layer,
-                          const struct kvr_tensor *seq_ids,
-                          const struct kvr_tensor *q,
-                          const struct kvr_tensor *k,
-                          const struct kvr_tensor *v,
-                          const struct kvr_tensor *g,
-                          const struct kvr_tensor *beta,
-                          const struct kvr_tensor *conv_in,
-                          const struct kvr_tensor *out,
-                          const struct kvr_gdn_step_params *params,
-                          void *stream);
+kvr_status kvr_gdn_pool_decode(struct kvr_gdn_pool *pool,
+                               int32_t layer,
+                               const struct kvr_tensor *seq_ids,
+                               const struct kvr_tensor *q,
+                               const struct kvr_tensor *k,
+                               const struct kvr_tensor *v,
+                               const struct kvr_tensor *g,
+                               const struct kvr_tensor *beta,
+                               const struct kvr_tensor *conv_in,
+                               const struct kvr_tensor *out,
+                               const struct kvr_gdn_step_params *params,
+                               void *stream);
 
 /**
  * T draft tokens per sequence (1..=max_drafts, <= ring_len) in one launch: outputs for
  * every draft without any per-draft state (recurrent pools: one snapshot per draft). The
- * drafts stay pending until `kvr_gdn_commit`; a sequence whose ring cannot take 2T more
- * entries flushes first.
+ * drafts stay pending until `kvr_gdn_pool_commit`; a sequence whose ring cannot take 2T
+ * more entries flushes first.
  *
- * Tensors as for `kvr_gdn_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
+ * Tensors as for `kvr_gdn_pool_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
  * `[B, T, Hv, dv]`; g, beta `[B, T, Hv]`; conv_in `[B, T, conv_dim]`. `seq_ids` must be in
- * host memory. Errors as for decode, plus OUT_OF_RANGE for T.
+ * host memory. CUDA: queued on `stream`, never synchronizes or allocates.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
+ * the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
+ * strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
+ * windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch, T); `KVR_STATUS_UNSUPPORTED`
+ * (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: as for `kvr_gdn_pool_decode`.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `out` is not written and no draft becomes pending, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_verify(struct kvr_gdn_pool *pool,
-                          int32_t layer,
-                          const struct kvr_tensor *seq_ids,
-                          const struct kvr_tensor *q,
-                          const struct kvr_tensor *k,
-                          const struct kvr_tensor *v,
-                          const struct kvr_tensor *g,
-                          const struct kvr_tensor *beta,
-                          const struct kvr_tensor *conv_in,
-                          const struct kvr_tensor *out,
-                          const struct kvr_gdn_step_params *params,
-                          void *stream);
+kvr_status kvr_gdn_pool_verify(struct kvr_gdn_pool *pool,
+                               int32_t layer,
+                               const struct kvr_tensor *seq_ids,
+                               const struct kvr_tensor *q,
+                               const struct kvr_tensor *k,
+                               const struct kvr_tensor *v,
+                               const struct kvr_tensor *g,
+                               const struct kvr_tensor *beta,
+                               const struct kvr_tensor *conv_in,
+                               const struct kvr_tensor *out,
+                               const struct kvr_gdn_step_params *params,
+                               void *stream);
 
 /**
  * Commits `accepted[i]` of the verified drafts of `seq_ids[i]` in `layer`
- * (`KVR_ALL_LAYERS`: every layer, one launch). Accepted drafts stay in the ring where
+ * (`KVR_LAYER_ALL`: every layer, one launch). Accepted drafts stay in the ring where
  * verify put them; the rest vanish; recurrent pools adopt the last accepted draft's
  * snapshot. `accepted` is i32 `[B]` in host memory (checked: 0..=T) or device memory
  * (clamped to 0..=T on the device; the host never waits). `seq_ids` is host i32 `[B]`.
  * With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, one layer only), the conv window of
- * each accepted prefix is written there: the conv state the host's next step needs.
+ * each accepted prefix is written there: the conv state the host's next step needs. CUDA:
+ * queued on `stream`, never synchronizes or allocates.
  *
- * Errors: INVALID_ARG (no verified drafts, shapes), OUT_OF_RANGE (host counts),
- * UNKNOWN_ID, DTYPE_MISMATCH; nothing changes on error.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, no
+ * verified drafts, shapes, `conv_state` with `KVR_LAYER_ALL`); `KVR_STATUS_OUT_OF_RANGE`
+ * (layer, host counts above T); `KVR_STATUS_UNSUPPORTED` (`seq_ids` in device memory);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors and `stream` stay the caller's; device memory must stay valid
+ * until the queued launch has run.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: the drafts stay pending and nothing is written, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_commit(struct kvr_gdn_pool *pool,
-                          int32_t layer,
-                          const struct kvr_tensor *seq_ids,
-                          const struct kvr_tensor *accepted,
-                          const struct kvr_tensor *conv_state,
-                          void *stream);
+kvr_status kvr_gdn_pool_commit(struct kvr_gdn_pool *pool,
+                               kvr_layer_select layer,
+                               const struct kvr_tensor *seq_ids,
+                               const struct kvr_tensor *accepted,
+                               const struct kvr_tensor *conv_state,
+                               void *stream);
 
 /**
  * Writes each listed sequence's current state into its checkpoint and empties its ring
  * (before saving a checkpoint or preempting); KV-only sequences get their state
- * materialized. `layer` may be `KVR_ALL_LAYERS`; `seq_ids` is host i32 `[B]`.
+ * materialized. `layer` may be `KVR_LAYER_ALL`; `seq_ids` is host i32 `[B]`. CUDA: queued
+ * on `stream`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shape, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNSUPPORTED`
+ * (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `seq_ids` and `stream` stay the caller's.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+ * queued device work half done (free the objects the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_gdn_flush(struct kvr_gdn_pool *pool,
-                         int32_t layer,
-                         const struct kvr_tensor *seq_ids,
-                         void *stream);
+kvr_status kvr_gdn_pool_flush(struct kvr_gdn_pool *pool,
+                              kvr_layer_select layer,
+                              const struct kvr_tensor *seq_ids,
+                              void *stream);
 
 /**
- * Returns a NUL-terminated message describing the last failure on the calling thread, or
- * "" if no call on this thread has failed. Successful calls do not clear it. The pointer
- * stays valid until the next failing kvreplay call on the same thread; do not free it.
- * Thread-safe (each thread has its own message).
+ * Returns the message of the last failure on the calling thread.
+ *
+ * Returns: a NUL-terminated message naming the function and the reason, or "" if no call
+ * on this thread has failed. Never NULL. Successful calls do not clear it.
+ * Ownership: the library's; valid until the next failing kvreplay call on the same thread.
+ * Do not free it.
+ * Thread safety: thread-safe; each thread has its own message.
+ * On failure: cannot fail.
  */
-const char *kvr_last_error_message(void);
+const char *kvr_error_last_message(void);
 
 /**
  * Fills `*params` with the defaults (page size 16, f16, 256 sequences, 131072 tokens,
- * owned memory); the caller still sets `n_layers`, `n_kv_heads`, `head_dim` and a capacity.
+ * owned memory); the caller still sets `n_layers`, `n_kv_heads`, `head_dim` and a
+ * capacity.
  *
- * Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
  */
 KVR_NODISCARD kvr_status kvr_kv_pool_params_default(struct kvr_kv_pool_params *params);
 
 /**
- * Creates a pool on `ctx` and stores it in `*out`.
+ * Creates a pool on `ctx` and stores it in `*out`. Owned memory is allocated zeroed in the
+ * context's memory (synchronously: setup time only).
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, params or out, or a NULL
- * pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`, or a
+ * NULL pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
  * neither capacity set, `struct_size` too small, overlapping or misaligned external
  * strides, not a live context); `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
  * `KVR_STATUS_OUT_OF_RANGE` (sizes past the 32-bit device indices, a budget smaller than a
  * page); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_UNSUPPORTED` (CUDA shared memory too
- * small); `KVR_STATUS_CUDA_ERROR`. `*out` is written only on success; the caller owns the
- * pool and frees it with `kvr_kv_pool_free`. The pool keeps the context alive.
- * Thread-safe.
+ * small); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the caller owns the new pool and frees it with `kvr_kv_pool_free`; the pool
+ * keeps `ctx` alive. `params` and its `layers` array are copied; the memory `layers`
+ * points at stays the caller's and must outlive the pool.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written and nothing is left allocated.
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_new(const struct kvr_context *ctx,
@@ -1280,104 +1612,148 @@ kvr_status kvr_kv_pool_new(const struct kvr_context *ctx,
                            struct kvr_kv_pool **out);
 
 /**
- * Frees a pool and (if it owns it) its memory. NULL is a no-op; a dead handle is ignored
- * and recorded in `kvr_last_error_message`. On CUDA the caller must make sure no queued
- * work still uses the pool (CUDA Graphs that contain its decodes must be destroyed first).
- * Do not free a pool while another thread is inside a call on it.
+ * Frees a pool, every sequence in it and (if the pool allocated it) its memory. NULL is a
+ * no-op. On CUDA, work queued that uses the pool must be complete (CUDA Graphs that
+ * contain its launches must not run again): owned memory is released at once.
+ *
+ * Returns: nothing.
+ * Ownership: ends the caller's ownership of `pool` and releases its reference to the
+ * context; memory given in `kvr_kv_pool_params.layers` stays the caller's.
+ * Thread safety: thread-safe; a call already running on another thread keeps the pool
+ * alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+ * On failure: a handle that is not a live pool (freed already, or of another kind) is
+ * ignored and recorded in `kvr_error_last_message`; nothing changes.
  */
 void kvr_kv_pool_free(struct kvr_kv_pool *pool);
 
 /**
- * Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`.
+ * Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`. Device
+ * tables are patched on `stream` (NULL: the context's stream).
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (dead handle);
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (dead handle);
  * `KVR_STATUS_POOL_EXHAUSTED` (all `max_seqs` ids in use); `KVR_STATUS_CUDA_ERROR`.
- * Device tables are patched on `stream` (NULL: the context's). Thread-safe.
+ * Ownership: the pool owns the sequence until `kvr_kv_pool_seq_free` or
+ * `kvr_kv_pool_free`.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `*out_seq` is not written and the pool is unchanged, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_seq_add(struct kvr_kv_pool *pool,
                                void *stream,
-                               int32_t *out_seq);
+                               kvr_seq_id *out_seq);
 
 /**
  * Frees sequence `seq`, releasing its pages (shared pages stay with their other owners).
+ * Its id becomes free for `kvr_kv_pool_seq_add`.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
- * `KVR_STATUS_UNKNOWN_ID` (not a live sequence); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID` (not a live sequence); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the sequence's pages return to the pool.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+ * queued device work half done (free the objects the call used).
  */
-KVR_NODISCARD kvr_status kvr_kv_pool_seq_free(struct kvr_kv_pool *pool, int32_t seq, void *stream);
+KVR_NODISCARD
+kvr_status kvr_kv_pool_seq_free(struct kvr_kv_pool *pool,
+                                kvr_seq_id seq,
+                                void *stream);
 
 /**
  * Creates a sequence sharing all of `src`'s pages (no copy; reference counts) and stores
  * its id in `*out_seq`. A later append into a shared, partly filled last page copies that
  * page first (copy-on-write), on either side.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
  * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_POOL_EXHAUSTED` (no free id);
- * `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the pool owns the new sequence; free it with `kvr_kv_pool_seq_free`.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `*out_seq` is not written and the pool is unchanged, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_seq_fork(struct kvr_kv_pool *pool,
-                                int32_t src,
+                                kvr_seq_id src,
                                 void *stream,
-                                int32_t *out_seq);
+                                kvr_seq_id *out_seq);
 
 /**
  * Shortens `seq` to `len` tokens (rejecting speculative tokens), releasing whole pages
  * past the new end.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
  * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`len` negative or past the current
- * length); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ * length); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: released pages return to the pool.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+ * queued device work half done (free the objects the call used).
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_seq_truncate(struct kvr_kv_pool *pool,
-                                    int32_t seq,
+                                    kvr_seq_id seq,
                                     int64_t len,
                                     void *stream);
 
 /**
  * Stores the length of `seq` in `*out_len`.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
- * `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`.
+ * Ownership: `*out_len` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out_len` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_kv_pool_seq_len(const struct kvr_kv_pool *pool,
-                               int32_t seq,
-                               int64_t *out_len);
+kvr_status kvr_kv_pool_get_seq_len(const struct kvr_kv_pool *pool,
+                                   kvr_seq_id seq,
+                                   int64_t *out_len);
 
 /**
  * Copies `seq`'s block table (page ids in token order) into `pages` (room for `capacity`
  * entries; may be NULL when `capacity` is 0) and stores the number of pages in
- * `*out_count`, also when it exceeds `capacity` (then nothing is copied and the status
- * is `KVR_STATUS_OUT_OF_RANGE`).
+ * `*out_count`.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
- * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (more pages than `capacity`).
+ * Ownership: `pages` and `*out_count` are the caller's.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written, except that `KVR_STATUS_OUT_OF_RANGE` stores the page
+ * count in `*out_count` (the room to make) and copies nothing.
  */
 KVR_NODISCARD
-kvr_status kvr_kv_pool_seq_pages(const struct kvr_kv_pool *pool,
-                                 int32_t seq,
-                                 int32_t *pages,
-                                 int64_t capacity,
-                                 int64_t *out_count);
+kvr_status kvr_kv_pool_get_seq_pages(const struct kvr_kv_pool *pool,
+                                     kvr_seq_id seq,
+                                     int32_t *pages,
+                                     int64_t capacity,
+                                     int64_t *out_count);
 
 /**
  * Reserves `counts[i]` more positions in sequence `seqs[i]` for each of the `n` entries,
  * allocating pages (and copying a shared, partly filled last page first). The lengths grow
  * at once; fill the new positions with `kvr_kv_pool_write` (per layer or all layers)
- * before decoding over them. All or nothing.
+ * before decoding over them. Device work is queued on `stream`.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL arrays with n > 0);
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL arrays with n > 0);
  * `KVR_STATUS_INVALID_ARG` (handle, negative count, a sequence listed twice);
  * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (past `max_seq_len`);
- * `KVR_STATUS_POOL_EXHAUSTED` (not enough free pages: nothing changed);
- * `KVR_STATUS_CUDA_ERROR`. Thread-safe; device work on `stream`.
+ * `KVR_STATUS_POOL_EXHAUSTED` (not enough free pages); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `seqs` and `counts` are read during the call only.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: all or nothing: no sequence grows, except after `KVR_STATUS_CUDA_ERROR`,
+ * which can leave queued device work half done (free the objects the call used).
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_extend(struct kvr_kv_pool *pool,
-                              const int32_t *seqs,
+                              const kvr_seq_id *seqs,
                               const int32_t *counts,
                               int32_t n,
                               void *stream);
@@ -1385,21 +1761,30 @@ kvr_status kvr_kv_pool_extend(struct kvr_kv_pool *pool,
 /**
  * Writes K and V into the last `counts[i]` positions of each sequence `seqs[i]`: for one
  * layer (`layer` >= 0, `k`/`v` shaped `[tokens, n_kv_heads, head_dim]`) or all layers
- * (`layer = KVR_ALL_LAYERS`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
+ * (`layer = KVR_LAYER_ALL`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
  * the sequences' new tokens in list order (`tokens = sum(counts)`). `k` and `v` may be in
  * host memory or (CUDA) device memory, any float dtype (converted to the pool's) and any
  * strides. The positions must not be in a page shared with another sequence (extend
- * first). On CUDA the copy is queued on `stream`; host sources are read before return.
+ * first). CUDA: the copy is queued on `stream`; K/V in host memory are first copied into
+ * stream-ordered device memory (`cuMemAllocAsync`, freed on `stream` after the copy) and
+ * read before the call returns, so that form allocates and cannot be captured in a CUDA
+ * Graph (pass device memory there).
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, shapes,
- * shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
  * `KVR_STATUS_OUT_OF_RANGE` (layer, count past a length); `KVR_STATUS_DTYPE_MISMATCH`;
- * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `k`, `v`, `seqs`, `counts` and `stream` stay the caller's; device-memory
+ * `k`/`v` must stay valid until the queued copy has run.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: nothing is written, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+ * queued device work half done (free the objects the call used).
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_write(struct kvr_kv_pool *pool,
-                             int32_t layer,
-                             const int32_t *seqs,
+                             kvr_layer_select layer,
+                             const kvr_seq_id *seqs,
                              const int32_t *counts,
                              int32_t n,
                              const struct kvr_tensor *k,
@@ -1407,198 +1792,310 @@ kvr_status kvr_kv_pool_write(struct kvr_kv_pool *pool,
                              void *stream);
 
 /**
- * Appends tokens to `seq` for all layers: `k`/`v` shaped `[n_layers, n, n_kv_heads,
- * head_dim]` (n new tokens; host or device memory, any float dtype and strides). Equal to
- * `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all layers, all or nothing.
+ * Appends tokens to `seq` for all layers: `k`/`v` shaped
+ * `[n_layers, n, n_kv_heads, head_dim]` (n new tokens; host or device memory, any float
+ * dtype and strides). Equal to `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all
+ * layers (host K/V allocate as there).
  *
- * Returns like `kvr_kv_pool_extend` and `kvr_kv_pool_write`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`
+ * (past `max_seq_len`); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_POOL_EXHAUSTED`;
+ * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: as for `kvr_kv_pool_write`.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: all or nothing: the sequence does not grow, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_append(struct kvr_kv_pool *pool,
-                              int32_t seq,
+                              kvr_seq_id seq,
                               const struct kvr_tensor *k,
                               const struct kvr_tensor *v,
                               void *stream);
 
 /**
- * Says whether a new sequence of `n_tokens` (`seq = -1`) or growing `seq` by `n_tokens`
- * fits: `KVR_ADMIT_OK`, `KVR_ADMIT_LATER` (not enough free pages or ids now) or
- * `KVR_ADMIT_NEVER`. Changes nothing.
+ * Says whether a new sequence of `n_tokens` (`seq = KVR_SEQ_NONE`) or growing `seq` by
+ * `n_tokens` fits: `KVR_ADMIT_OK`, `KVR_ADMIT_LATER` (not enough free pages or ids now) or
+ * `KVR_ADMIT_NEVER`, stored in `*out`. Changes nothing.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * negative `n_tokens`); `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative `n_tokens`); `KVR_STATUS_UNKNOWN_ID`.
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe; the verdict can change as soon as another thread changes the
+ * pool.
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
 kvr_status kvr_kv_pool_admit(const struct kvr_kv_pool *pool,
-                             int32_t seq,
+                             kvr_seq_id seq,
                              int64_t n_tokens,
                              kvr_admission *out);
 
 /**
  * Fills `*out` with the pool's occupancy. Set `out->struct_size` first.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * `struct_size` too small). Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `struct_size` too small).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe (a consistent snapshot under the pool's lock).
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_kv_pool_stats(const struct kvr_kv_pool *pool,
-                             struct kvr_kv_stats *out);
+kvr_status kvr_kv_pool_get_stats(const struct kvr_kv_pool *pool,
+                                 struct kvr_kv_pool_stats *out);
 
 /**
- * Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window).
+ * Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window, CTAs for one
+ * full wave).
  *
- * Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
  */
-KVR_NODISCARD kvr_status kvr_decode_params_default(struct kvr_decode_params *params);
+KVR_NODISCARD kvr_status kvr_kv_decode_params_default(struct kvr_kv_decode_params *params);
 
 /**
  * Attention for a batch of sequences in one launch: `q` `[B, Hq, head_dim]` (one query
  * token per sequence) or `[B, T, Hq, head_dim]` (T = 1..8 query tokens: the last T tokens
  * of each sequence, causal among themselves, for speculative verification) against the K/V
  * of `layer`, written to `out` (same shape as `q`) and, if `lse` is not NULL, the
- * log-sum-exp of the scaled scores (natural log, f32 `[B, Hq]` / `[B, T, Hq]`).
- * `seq_ids` is an i32 `[B]` tensor of sequence ids (-1: an unused row, which gets zeros).
- * Hq must be a multiple of the pool's KV heads, at most 16 per KV head (GQA, MQA, MHA).
- * q/out: f32, f16 or bf16 (converted); the pool's K/V: f16 or bf16 on CUDA (f32 too on
- * the CPU). `params` may be NULL for the defaults.
+ * log-sum-exp of the scaled scores (natural log, f32 `[B, Hq]` / `[B, T, Hq]`). `seq_ids`
+ * is an i32 `[B]` tensor of sequence ids (`KVR_SEQ_NONE`: an unused row, which gets
+ * zeros). Hq must be a multiple of the pool's KV heads, at most 16 per KV head (GQA, MQA,
+ * MHA). q/out: f32, f16 or bf16 (converted); the pool's K/V: f16 or bf16 on CUDA (f32 too
+ * on the CPU). `params` may be NULL for the defaults.
  *
  * CUDA: queued on `stream`; never synchronizes or allocates. The split across the GPU is
  * computed on the device from the lengths in device memory, so a decode captured in a CUDA
- * Graph stays correct while sequences grow. With `seq_ids` in host memory (B <= 512) the
- * ids travel in the launch parameters (a captured graph keeps that batch); with `seq_ids`
- * in device memory the kernel reads them (the batch may change between replays). Decodes
- * and pool updates of one pool must be ordered on one stream.
+ * Graph stays correct while sequences grow. With `seq_ids` in host memory and B <= 512 the
+ * ids travel in the launch parameters (a captured graph keeps that batch); more host ids
+ * are copied into a buffer of the pool (`cuMemcpyHtoDAsync` from pageable memory: not
+ * capturable); with `seq_ids` in device memory the kernel reads them (the batch may change
+ * between replays).
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * shapes, memory kinds, strides); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID`
- * (an id in host `seq_ids` that is not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8,
- * group > 16, a sequence shorter than T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or
- * a head dim without a kernel on CUDA); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, memory kinds, strides, negative `window` or `max_ctas`);
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID` (an id in host `seq_ids` that is
+ * not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8, group > 16, a sequence shorter than
+ * T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or a head dim without a kernel on
+ * CUDA); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
+ * valid until the queued launch has run.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events). Decodes and
+ * pool updates of one pool must be ordered on one stream.
+ * On failure: `out` and `lse` are not written and the pool never changes, except after
+ * `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+ * the call used).
  */
 KVR_NODISCARD
-kvr_status kvr_kv_decode(struct kvr_kv_pool *pool,
-                         int32_t layer,
-                         const struct kvr_tensor *seq_ids,
-                         const struct kvr_tensor *q,
-                         const struct kvr_tensor *out,
-                         const struct kvr_tensor *lse,
-                         const struct kvr_decode_params *params,
-                         void *stream);
+kvr_status kvr_kv_pool_decode(struct kvr_kv_pool *pool,
+                              int32_t layer,
+                              const struct kvr_tensor *seq_ids,
+                              const struct kvr_tensor *q,
+                              const struct kvr_tensor *out,
+                              const struct kvr_tensor *lse,
+                              const struct kvr_kv_decode_params *params,
+                              void *stream);
 
 /**
  * Opens a GGUF file (memory-mapped, not read into memory), validates it and plans its
  * layers. Architectures: llama, qwen2, qwen3, qwen3next, qwen35, mamba2, nemotron_h,
  * granitehybrid.
  *
- * Errors: NULL_ARG; IO_ERROR (cannot open or map); MALFORMED_FILE (truncated, corrupted
- * or inconsistent: counts or lengths past the end, tensors past the end, misaligned or
- * overlapping, missing or out-of-range keys); UNSUPPORTED (another architecture,
- * big-endian, GGUF v1). Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (`path` is not
+ * UTF-8); `KVR_STATUS_IO_ERROR` (cannot open or map); `KVR_STATUS_MALFORMED_FILE`
+ * (truncated, corrupted or inconsistent: counts or lengths past the end, tensors past the
+ * end, misaligned or overlapping, missing or out-of-range keys); `KVR_STATUS_UNSUPPORTED`
+ * (another architecture, big-endian, GGUF v1).
+ * Ownership: the caller owns the new model and frees it with `kvr_model_free`; `path` is
+ * read during the call only.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written and nothing stays mapped.
  */
 KVR_NODISCARD kvr_status kvr_model_open(const char *path, struct kvr_model **out);
 
 /**
- * Frees a model (NULL is a no-op). Views taken from it become invalid.
+ * Frees a model and unmaps its file. NULL is a no-op. Views from `kvr_model_get_tensor`
+ * and the string from `kvr_model_get_arch` become invalid; pools sized from the model are
+ * independent of it.
+ *
+ * Returns: nothing.
+ * Ownership: ends the caller's ownership of `model`.
+ * Thread safety: thread-safe; a call already running on another thread keeps the model
+ * alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+ * On failure: a handle that is not a live model (freed already, or of another kind) is
+ * ignored and recorded in `kvr_error_last_message`; nothing changes.
  */
 void kvr_model_free(struct kvr_model *model);
 
 /**
- * The architecture name (`general.architecture`), valid until `kvr_model_free`; NULL for
- * an invalid handle.
+ * The architecture name (`general.architecture`).
+ *
+ * Returns: a NUL-terminated string; NULL for a NULL or dead handle.
+ * Ownership: the model's; valid until `kvr_model_free`. Do not free it.
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: NULL, with the reason in `kvr_error_last_message`.
  */
-const char *kvr_model_arch(const struct kvr_model *model);
+const char *kvr_model_get_arch(const struct kvr_model *model);
 
 /**
- * Writes the plan's counts. `out->struct_size` must be set.
+ * Writes the plan's counts into `*out`. Set `out->struct_size` first.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `struct_size` too small).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_model_info_get(const struct kvr_model *model,
+kvr_status kvr_model_get_info(const struct kvr_model *model,
                               struct kvr_model_info *out);
 
 /**
- * Writes the plan of layer `layer` (0-based). Errors: OUT_OF_RANGE, NULL_ARG.
+ * Writes the plan of layer `layer` (0-based) into `*out`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_OUT_OF_RANGE` (layer).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_model_layer(const struct kvr_model *model,
-                           int32_t layer,
-                           struct kvr_layer_plan *out);
+kvr_status kvr_model_get_layer(const struct kvr_model *model,
+                               int32_t layer,
+                               struct kvr_layer_plan *out);
 
 /**
- * Describes tensor `name`. Errors: UNKNOWN_ID (no such tensor), NULL_ARG.
+ * Describes tensor `name` (any ggml type) in `*out`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `name` not UTF-8); `KVR_STATUS_UNKNOWN_ID` (no such tensor).
+ * Ownership: `name` is read during the call; `*out` is the caller's.
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_model_tensor_info_get(const struct kvr_model *model,
+kvr_status kvr_model_get_tensor_info(const struct kvr_model *model,
                                      const char *name,
                                      struct kvr_model_tensor_info *out);
 
 /**
- * A zero-copy view of tensor `name` (host memory: the mapped file, read-only), valid
- * until `kvr_model_free`: f32, f16 or bf16, shape outermost first, contiguous. To use it
- * on the GPU, copy it to device memory yourself (e.g. `cudaMemcpy`: `kvr_tensor_copy`
- * copies within one context's memory only). With
- * `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
+ * A zero-copy view of tensor `name` (host memory: the mapped file, read-only): f32, f16 or
+ * bf16, shape outermost first, contiguous. To use it on the GPU, copy it to device memory
+ * yourself (e.g. `cudaMemcpy`: `kvr_tensor_copy` copies within one context's memory only).
+ * With `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
  *
- * Errors: UNKNOWN_ID (no such tensor); UNSUPPORTED (a quantized or integer ggml type:
- * reported, never misread); INVALID_ARG (shape mismatch); NULL_ARG.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, shape
+ * mismatch, `expect_ndim` negative or above `KVR_MAX_DIMS`); `KVR_STATUS_UNKNOWN_ID` (no
+ * such tensor); `KVR_STATUS_UNSUPPORTED` (a quantized or integer ggml type: reported,
+ * never misread).
+ * Ownership: the data belongs to the model and stays valid until `kvr_model_free`; never
+ * write through the view.
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
  */
 KVR_NODISCARD
-kvr_status kvr_model_tensor(const struct kvr_model *model,
-                            const char *name,
-                            int32_t expect_ndim,
-                            const int64_t *expect_shape,
-                            struct kvr_tensor *out);
+kvr_status kvr_model_get_tensor(const struct kvr_model *model,
+                                const char *name,
+                                int32_t expect_ndim,
+                                const int64_t *expect_shape,
+                                struct kvr_tensor *out);
 
 /**
  * Fills `*params` with the defaults (page 16, ring 16, no speculation, f16 KV, f32 state,
  * ring and conv window); the caller sets `budget_bytes` (and usually `seq_len`).
- */
-KVR_NODISCARD kvr_status kvr_sizing_params_default(struct kvr_sizing_params *params);
-
-/**
- * Sizes pools for the model under `params`. `out->struct_size` must be set.
- * Errors: INVALID_ARG, OUT_OF_RANGE (spec_window > 8), DTYPE_MISMATCH, NULL_ARG.
- */
-KVR_NODISCARD
-kvr_status kvr_model_sizing(const struct kvr_model *model,
-                            const struct kvr_sizing_params *params,
-                            struct kvr_sizing *out);
-
-/**
- * Fills `*out` (after `kvr_kv_pool_params_default`) with the KV pool for the sizing's
- * paged + ring layout: attention layers, KV heads, head dim, page size, dtype, capacity
- * and sequence slots. Errors: UNSUPPORTED (no attention layers, layers of different
- * shapes, or K and V head dims that differ), OUT_OF_RANGE (nothing fits the budget).
- */
-KVR_NODISCARD
-kvr_status kvr_model_kv_pool_params(const struct kvr_model *model,
-                                    const struct kvr_sizing_params *params,
-                                    struct kvr_kv_pool_params *out);
-
-/**
- * Fills `*out` with the GDN pool for the sizing's paged + ring layout (layers, heads,
- * dims, ring, drafts, dtypes, conv window, sequence slots; K-major state). Errors:
- * UNSUPPORTED (no GDN layers), OUT_OF_RANGE (nothing fits the budget).
- */
-KVR_NODISCARD
-kvr_status kvr_model_gdn_pool_params(const struct kvr_model *model,
-                                     const struct kvr_sizing_params *params,
-                                     struct kvr_gdn_pool_params *out);
-
-/**
- * Returns a static, NUL-terminated description of `status`; "unknown status" for a value
- * that is not a kvreplay status. Never NULL. Thread-safe; the string must not be freed.
- */
-const char *kvr_status_str(kvr_status status);
-
-/**
- * Fills `*tensor` with a row-major contiguous description of `ndim` dimensions of
- * `shape` at `data`.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` if `tensor` is NULL, or `shape` is NULL
- * with `ndim > 0`, or `data` is NULL for a non-empty shape; `KVR_STATUS_INVALID_ARG` for
- * an unknown dtype or device, `ndim` outside 0..=KVR_MAX_DIMS, a negative extent or a
- * misaligned `data`. `*tensor` is written only on success. Nothing is allocated and the
- * memory is not touched. Thread-safe.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
+ */
+KVR_NODISCARD kvr_status kvr_model_sizing_params_default(struct kvr_model_sizing_params *params);
+
+/**
+ * Sizes pools for the model under `params` into `*out`: per-sequence costs and sequences
+ * that fit, for each `kvr_model_layout`. Set `out->struct_size` first.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+ * do not store).
+ * Ownership: `params` is read during the call; `*out` is the caller's.
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_compute_sizing(const struct kvr_model *model,
+                                    const struct kvr_model_sizing_params *params,
+                                    struct kvr_model_sizing *out);
+
+/**
+ * Fills `*out` (as `kvr_kv_pool_params_default` would, then) with the KV pool for the
+ * `KVR_MODEL_LAYOUT_PAGED_RING` layout: attention layers, KV heads, head dim, page size,
+ * dtype, capacity and sequence slots.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+ * do not store); `KVR_STATUS_UNSUPPORTED` (no attention layers, layers of different
+ * shapes, or K and V head dims that differ); `KVR_STATUS_OUT_OF_RANGE` also when not one
+ * sequence fits the budget.
+ * Ownership: `params` is read during the call; `*out` is the caller's (its `layers` is
+ * NULL).
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_get_kv_pool_params(const struct kvr_model *model,
+                                        const struct kvr_model_sizing_params *params,
+                                        struct kvr_kv_pool_params *out);
+
+/**
+ * Fills `*out` (as `kvr_gdn_pool_params_default` would, then) with the GDN pool for the
+ * `KVR_MODEL_LAYOUT_PAGED_RING` layout: layers, heads, dims, ring, drafts, dtypes, conv
+ * window, sequence slots; K-major state.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+ * do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers); `KVR_STATUS_OUT_OF_RANGE` also
+ * when not one sequence fits the budget.
+ * Ownership: `params` is read during the call; `*out` is the caller's (its `states` is
+ * NULL).
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_get_gdn_pool_params(const struct kvr_model *model,
+                                         const struct kvr_model_sizing_params *params,
+                                         struct kvr_gdn_pool_params *out);
+
+/**
+ * Describes a status code.
+ *
+ * Returns: a static, NUL-terminated description of `status`; "unknown status" for a value
+ * that is not a kvreplay status. Never NULL.
+ * Ownership: static; do not free it.
+ * Thread safety: thread-safe.
+ * On failure: cannot fail.
+ */
+const char *kvr_status_string(kvr_status status);
+
+/**
+ * Fills `*tensor` with a row-major contiguous description of `ndim` dimensions of `shape`
+ * at `data`. Nothing is allocated and the memory is not touched.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`tensor` is NULL, or `shape` is NULL
+ * with `ndim > 0`, or `data` is NULL for a non-empty shape); `KVR_STATUS_INVALID_ARG` (an
+ * unknown dtype or device, `ndim` outside 0..=KVR_MAX_DIMS, a negative extent, a
+ * misaligned `data`).
+ * Ownership: `data` stays the caller's; the descriptor only points at it.
+ * Thread safety: thread-safe.
+ * On failure: `*tensor` is not written.
  */
 KVR_NODISCARD
 kvr_status kvr_tensor_init(struct kvr_tensor *tensor,
@@ -1609,24 +2106,29 @@ kvr_status kvr_tensor_init(struct kvr_tensor *tensor,
                            const int64_t *shape);
 
 /**
- * Copies `src` into `dst`, converting between f32, f16 and bf16 (round to nearest even;
- * a same-dtype copy moves the bits unchanged; i32 copies only to i32). Shapes must be equal; strides are free
- * (any non-contiguous layout) except that `dst` must not hold two elements at one
- * address. Both tensors must be in the context's memory (`KVR_DEVICE_HOST` for a CPU
- * context, `KVR_DEVICE_CUDA` for a CUDA one). If `src` and `dst` share elements the result
- * is unspecified (but memory-safe), except that copying a tensor onto itself is a no-op.
+ * Copies `src` into `dst`, converting between f32, f16 and bf16 (round to nearest even; a
+ * same-dtype copy moves the bits unchanged; i32 copies only to i32). Shapes must be equal;
+ * strides are free (any non-contiguous layout) except that `dst` must not hold two
+ * elements at one address. Both tensors must be in the context's memory (`KVR_DEVICE_HOST`
+ * for a CPU context, `KVR_DEVICE_CUDA` for a CUDA one). If `src` and `dst` share elements
+ * the result is unspecified (but memory-safe), except that copying a tensor onto itself is
+ * a no-op.
  *
  * CUDA: the kernel is queued on `stream` (a `CUstream`/`cudaStream_t` of the context's
  * device; NULL = the context's stream) and the call returns without waiting; it never
  * synchronizes or allocates, so it can be captured in a CUDA Graph (after
  * `kvr_context_load_kernels`). CPU: runs on the context's threads and returns when done.
  *
- * Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, src, dst, or data of a
- * non-empty tensor); `KVR_STATUS_INVALID_ARG` (not a live context, malformed tensor,
- * shape mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_DTYPE_MISMATCH` (i32
- * with a float type); `KVR_STATUS_NOT_COMPILED` or `KVR_STATUS_CUDA_ERROR` (kernels
- * missing or the launch failed). The caller keeps
- * ownership of both buffers. Thread-safe: calls on one context may run concurrently.
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `src`, `dst`, or data of a
+ * non-empty tensor); `KVR_STATUS_INVALID_ARG` (not a live context, malformed tensor, shape
+ * mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_DTYPE_MISMATCH` (i32 with a
+ * float type); `KVR_STATUS_NOT_COMPILED` / `KVR_STATUS_CUDA_ERROR` (kernels missing, or
+ * the launch failed).
+ * Ownership: both buffers and `stream` stay the caller's; nothing is kept after the call
+ * (CUDA: after the queued copy).
+ * Thread safety: thread-safe; calls on one context may run concurrently.
+ * On failure: `dst` is not written, except after `KVR_STATUS_CUDA_ERROR` (contents
+ * unspecified).
  */
 KVR_NODISCARD
 kvr_status kvr_tensor_copy(const struct kvr_context *ctx,
@@ -1635,23 +2137,36 @@ kvr_status kvr_tensor_copy(const struct kvr_context *ctx,
                            void *stream);
 
 /**
- * Returns the library version, "MAJOR.MINOR.PATCH", equal to the header's
- * `KVR_VERSION_MAJOR/MINOR/PATCH` when header and library match. Static, never NULL,
- * thread-safe; must not be freed.
+ * The library version, "MAJOR.MINOR.PATCH".
+ *
+ * Returns: a static, NUL-terminated string equal to the header's
+ * `KVR_VERSION_MAJOR/MINOR/PATCH` when header and library match. Never NULL.
+ * Ownership: static; do not free it.
+ * Thread safety: thread-safe.
+ * On failure: cannot fail.
  */
-const char *kvr_version(void);
+const char *kvr_library_version(void);
 
 /**
- * Returns a static description of how the CUDA kernels were built (nvcc release and
- * targets) or why the library has none. Never NULL, thread-safe; must not be freed.
+ * How the CUDA kernels were built (nvcc release and targets), or why the library has none.
+ *
+ * Returns: a static, NUL-terminated description. Never NULL.
+ * Ownership: static; do not free it.
+ * Thread safety: thread-safe.
+ * On failure: cannot fail.
  */
-const char *kvr_build_info(void);
+const char *kvr_library_build_info(void);
 
 /**
- * Returns true when the library carries CUDA kernels (it was built with nvcc). Without
- * them, CUDA contexts fail with `KVR_STATUS_NOT_COMPILED`. Thread-safe.
+ * Says whether the library carries CUDA kernels (it was built with nvcc). Without them,
+ * CUDA contexts fail with `KVR_STATUS_NOT_COMPILED`.
+ *
+ * Returns: true when the kernels are compiled in.
+ * Ownership: nothing changes hands.
+ * Thread safety: thread-safe.
+ * On failure: cannot fail.
  */
-bool kvr_kernels_compiled(void);
+bool kvr_library_kernels_compiled(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README): everything that runs without a GPU.
+#   0. the header's naming and documentation rules (scripts/check-header-docs.py; CI's
+#      staleness check, scripts/gen-header.sh --check, makes sure the header is current)
 #   1. cargo test (unit + integration tests; GPU tests skip themselves with a message)
 #   2. the release static and shared libraries, and a check that the system libraries
 #      documented for static linking still match what rustc prints
@@ -13,6 +15,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 step() { printf '\n== %s\n' "$*"; }
+
+step "header rules (scripts/check-header-docs.py)"
+python3 scripts/check-header-docs.py
 
 step "cargo test"
 cargo test --all-targets

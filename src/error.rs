@@ -54,21 +54,3 @@ pub enum Error {
 
 /// Shorthand for results carrying [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Returns early with `Error::InvalidArgument(format!(...))`.
-#[macro_export]
-macro_rules! invalid_arg {
-    ($($arg:tt)*) => {
-        return Err($crate::error::Error::InvalidArgument(format!($($arg)*)))
-    };
-}
-
-/// Returns early with `Error::InvalidArgument(format!(...))` when `cond` is false.
-#[macro_export]
-macro_rules! ensure_arg {
-    ($cond:expr, $($arg:tt)*) => {
-        if !$cond {
-            $crate::invalid_arg!($($arg)*);
-        }
-    };
-}

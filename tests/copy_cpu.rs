@@ -28,7 +28,7 @@ fn copy_every_dtype_pair_and_layout() {
         p.n_threads = threads;
         let mut ctx = std::ptr::null_mut();
         ok(kvr_context_new(&p, &mut ctx));
-        assert_eq!(kvr_context_backend(ctx), KVR_BACKEND_CPU);
+        assert_eq!(kvr_context_get_backend(ctx), KVR_BACKEND_CPU);
         let mut cases = 0;
         for (sd, _, _) in DTYPES {
             for (dd, _, _) in DTYPES {

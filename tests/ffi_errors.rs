@@ -96,7 +96,7 @@ fn params_default_and_struct_size() {
     big.p.backend = KVR_BACKEND_CPU;
     let mut out = null_mut();
     ok(kvr_context_new(&big.p, &mut out));
-    assert_eq!(kvr_context_backend(out), KVR_BACKEND_CPU);
+    assert_eq!(kvr_context_get_backend(out), KVR_BACKEND_CPU);
     kvr_context_free(out);
 }
 
@@ -148,11 +148,11 @@ fn context_lifecycle_and_dead_handles() {
     // NULL params means the defaults (AUTO: CPU on a machine without CUDA).
     let mut ctx = null_mut();
     ok(kvr_context_new(null(), &mut ctx));
-    let b = kvr_context_backend(ctx);
+    let b = kvr_context_get_backend(ctx);
     assert!(b == KVR_BACKEND_CPU || b == KVR_BACKEND_CUDA);
     kvr_context_free(ctx);
     // Freed: every call reports it instead of touching freed memory.
-    assert_eq!(kvr_context_backend(ctx), KVR_BACKEND_INVALID);
+    assert_eq!(kvr_context_get_backend(ctx), KVR_BACKEND_INVALID);
     assert!(
         last_error().contains("not a live kvr_context"),
         "{}",
@@ -167,7 +167,7 @@ fn context_lifecycle_and_dead_handles() {
     assert!(last_error().contains("freed twice"), "{}", last_error());
     kvr_context_free(null_mut()); // no-op
     kvr_context_free(0xdead_beef_usize as *mut kvr_context); // a made-up handle: ignored
-    assert_eq!(kvr_context_backend(null()), KVR_BACKEND_INVALID);
+    assert_eq!(kvr_context_get_backend(null()), KVR_BACKEND_INVALID);
     assert_eq!(kvr_context_load_kernels(null()), KVR_STATUS_NULL_ARG);
     assert_eq!(
         kvr_context_synchronize(null(), null_mut()),
@@ -180,12 +180,12 @@ fn device_info_on_cpu() {
     let ctx = cpu_context();
     let mut info: kvr_device_info = unsafe { std::mem::zeroed() };
     assert_eq!(
-        kvr_context_device_info(ctx, &mut info),
+        kvr_context_get_device_info(ctx, &mut info),
         KVR_STATUS_INVALID_ARG,
         "struct_size 0"
     );
     info.struct_size = size_of::<kvr_device_info>() as u32;
-    ok(kvr_context_device_info(ctx, &mut info));
+    ok(kvr_context_get_device_info(ctx, &mut info));
     assert_eq!(info.backend, KVR_BACKEND_CPU);
     assert_eq!(info.device, -1);
     assert_eq!(info.multiprocessor_count, 2);
@@ -196,7 +196,7 @@ fn device_info_on_cpu() {
     let mut short: kvr_device_info = unsafe { std::mem::zeroed() };
     short.struct_size = size_of::<kvr_device_info>() as u32 - 1;
     assert_eq!(
-        kvr_context_device_info(ctx, &mut short),
+        kvr_context_get_device_info(ctx, &mut short),
         KVR_STATUS_INVALID_ARG
     );
     assert_eq!(short.backend, 0);
@@ -205,7 +205,7 @@ fn device_info_on_cpu() {
     let mut big = [0xabu8; size_of::<kvr_device_info>() + 32];
     let big_len = big.len() as u32;
     big[..4].copy_from_slice(&big_len.to_le_bytes());
-    ok(kvr_context_device_info(ctx, big.as_mut_ptr().cast()));
+    ok(kvr_context_get_device_info(ctx, big.as_mut_ptr().cast()));
     let written = u32::from_le_bytes(big[..4].try_into().unwrap()) as usize;
     assert_eq!(written, size_of::<kvr_device_info>());
     assert!(
@@ -213,11 +213,11 @@ fn device_info_on_cpu() {
         "wrote past our layout"
     );
     assert_eq!(
-        kvr_context_device_info(ctx, null_mut()),
+        kvr_context_get_device_info(ctx, null_mut()),
         KVR_STATUS_NULL_ARG
     );
     assert_eq!(
-        kvr_context_device_info(null(), &mut info),
+        kvr_context_get_device_info(null(), &mut info),
         KVR_STATUS_NULL_ARG
     );
     kvr_context_free(ctx);
@@ -226,13 +226,13 @@ fn device_info_on_cpu() {
 #[test]
 fn cuda_requests_without_cuda() {
     let mut count = -7;
-    let s = kvr_cuda_device_count(&mut count);
-    assert_eq!(kvr_cuda_device_count(null_mut()), KVR_STATUS_NULL_ARG);
+    let s = kvr_cuda_get_device_count(&mut count);
+    assert_eq!(kvr_cuda_get_device_count(null_mut()), KVR_STATUS_NULL_ARG);
     let mut p = defaults();
     p.backend = KVR_BACKEND_CUDA;
     let mut out = null_mut();
     let r = kvr_context_new(&p, &mut out);
-    if !kvr_kernels_compiled() {
+    if !kvr_library_kernels_compiled() {
         assert_eq!(r, KVR_STATUS_NOT_COMPILED, "{}", last_error());
         assert!(
             last_error().contains("without CUDA kernels"),
@@ -250,7 +250,7 @@ fn cuda_requests_without_cuda() {
         println!("no CUDA here, as expected: {}", last_error());
     } else {
         ok(r);
-        assert_eq!(kvr_context_backend(out), KVR_BACKEND_CUDA);
+        assert_eq!(kvr_context_get_backend(out), KVR_BACKEND_CUDA);
         kvr_context_free(out);
         // An ordinal past the last device.
         p.device = count;
@@ -263,7 +263,7 @@ fn cuda_requests_without_cuda() {
     p.backend = KVR_BACKEND_AUTO;
     let mut auto = null_mut();
     ok(kvr_context_new(&p, &mut auto));
-    assert_eq!(kvr_context_backend(auto), KVR_BACKEND_CPU);
+    assert_eq!(kvr_context_get_backend(auto), KVR_BACKEND_CPU);
     kvr_context_free(auto);
 }
 

@@ -55,14 +55,14 @@ fn cursor(pool: *const kvr_gdn_pool, layer: i32, seq: i32) -> kvr_gdn_cursor {
         buffered: -1,
         pending: -1,
     };
-    ok(kvr_gdn_seq_cursor(pool, layer, seq, &mut c));
+    ok(kvr_gdn_pool_get_cursor(pool, layer, seq, &mut c));
     c
 }
 
-fn memory(p: &kvr_gdn_pool_params) -> kvr_gdn_memory {
-    let mut m: kvr_gdn_memory = unsafe { std::mem::zeroed() };
-    m.struct_size = size_of::<kvr_gdn_memory>() as u32;
-    ok(kvr_gdn_memory_for(p, &mut m));
+fn memory(p: &kvr_gdn_pool_params) -> kvr_gdn_pool_memory {
+    let mut m: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    m.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+    ok(kvr_gdn_pool_params_memory(p, &mut m));
     m
 }
 
@@ -111,7 +111,7 @@ impl Step {
 
 fn verify(pool: *mut kvr_gdn_pool, layer: i32, id: &kvr_tensor, s: &mut Step) -> kvr_status {
     let [q, k, v, g, beta, conv, out] = s.tensors();
-    kvr_gdn_verify(
+    kvr_gdn_pool_verify(
         pool,
         layer,
         id,
@@ -134,7 +134,7 @@ fn params_sizing_and_a_round_trip() {
     let d: kvr_gdn_pool_params = unsafe { d.assume_init() };
     assert_eq!(
         (d.ring_len, d.kv_only_threshold, d.max_seqs, d.conv_kernel),
-        (16, KVR_GDN_DEFAULT_THRESHOLD, 256, 4)
+        (16, KVR_GDN_THRESHOLD_DEFAULT, 256, 4)
     );
     assert_eq!(
         (d.state_dtype, d.entry_dtype, d.layout),
@@ -160,7 +160,7 @@ fn params_sizing_and_a_round_trip() {
     let mut pool = null_mut();
     ok(kvr_gdn_pool_new(ctx, &p, &mut pool));
     let mut seq = -1;
-    ok(kvr_gdn_seq_add(pool, null_mut(), &mut seq));
+    ok(kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq));
     assert_eq!(cursor(pool, 1, seq).mode, KVR_GDN_MODE_KV_ONLY);
     let mut rng = Rng::new(1);
     let mut idv = [seq];
@@ -173,7 +173,7 @@ fn params_sizing_and_a_round_trip() {
     let accv = ids(&mut acc);
     let mut window = vec![f32::NAN; 3 * 8];
     let wv = host(&mut window, &[1, 3, 8]);
-    ok(kvr_gdn_commit(pool, 1, &id, &accv, &wv, null_mut()));
+    ok(kvr_gdn_pool_commit(pool, 1, &id, &accv, &wv, null_mut()));
     let c = cursor(pool, 1, seq);
     assert_eq!((c.buffered, c.pending), (2, 0));
     assert_eq!(
@@ -188,7 +188,7 @@ fn params_sizing_and_a_round_trip() {
     ok(kvr_gdn_step_params_default(sp.as_mut_ptr()));
     let mut sp: kvr_gdn_step_params = unsafe { sp.assume_init() };
     sp.l2norm_qk = 1;
-    ok(kvr_gdn_decode(
+    ok(kvr_gdn_pool_decode(
         pool,
         1,
         &id,
@@ -206,18 +206,32 @@ fn params_sizing_and_a_round_trip() {
     // Export, flush, import, reset.
     let mut st = vec![0f32; 2 * 32 * 32];
     let stv = host(&mut st, &[2, 32, 32]);
-    ok(kvr_gdn_export_state(pool, 1, seq, &stv, null(), null_mut()));
+    ok(kvr_gdn_pool_export_state(
+        pool,
+        1,
+        seq,
+        &stv,
+        null(),
+        null_mut(),
+    ));
     assert!(st.iter().any(|&x| x != 0.0));
-    ok(kvr_gdn_flush(pool, KVR_ALL_LAYERS, &id, null_mut()));
+    ok(kvr_gdn_pool_flush(pool, KVR_LAYER_ALL, &id, null_mut()));
     assert_eq!(cursor(pool, 1, seq).mode, KVR_GDN_MODE_REPLAY);
-    ok(kvr_gdn_import_state(pool, 0, seq, &stv, null(), null_mut()));
-    ok(kvr_gdn_seq_reset(pool, seq, null_mut()));
+    ok(kvr_gdn_pool_import_state(
+        pool,
+        0,
+        seq,
+        &stv,
+        null(),
+        null_mut(),
+    ));
+    ok(kvr_gdn_pool_seq_reset(pool, seq, null_mut()));
     assert_eq!(cursor(pool, 1, seq).buffered, 0);
-    let mut m: kvr_gdn_memory = unsafe { std::mem::zeroed() };
-    m.struct_size = size_of::<kvr_gdn_memory>() as u32;
-    ok(kvr_gdn_pool_memory(pool, &mut m));
+    let mut m: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    m.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+    ok(kvr_gdn_pool_get_memory(pool, &mut m));
     assert_eq!(m.total_bytes, replay.total_bytes);
-    ok(kvr_gdn_seq_free(pool, seq, null_mut()));
+    ok(kvr_gdn_pool_seq_free(pool, seq, null_mut()));
     kvr_gdn_pool_free(pool);
     kvr_gdn_pool_free(null_mut());
     kvr_context_free(ctx);
@@ -293,14 +307,14 @@ fn bad_input_is_a_status_and_changes_nothing() {
     let mut pool = null_mut();
     ok(kvr_gdn_pool_new(ctx, &p, &mut pool));
     let mut seq = -1;
-    ok(kvr_gdn_seq_add(pool, null_mut(), &mut seq));
+    ok(kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq));
     let mut rng = Rng::new(2);
     let mut idv = [seq];
     let id = ids(&mut idv);
     let mut s = Step::new(&mut rng, 1, 2);
     ok(verify(pool, 0, &id, &mut s));
     let mut acc = [1i32];
-    ok(kvr_gdn_commit(
+    ok(kvr_gdn_pool_commit(
         pool,
         0,
         &id,
@@ -311,13 +325,27 @@ fn bad_input_is_a_status_and_changes_nothing() {
     let before = (cursor(pool, 0, seq), cursor(pool, 1, seq));
     let mut st = vec![0f32; 2 * 32 * 32];
     let stv = host(&mut st, &[2, 32, 32]);
-    ok(kvr_gdn_export_state(pool, 0, seq, &stv, null(), null_mut()));
+    ok(kvr_gdn_pool_export_state(
+        pool,
+        0,
+        seq,
+        &stv,
+        null(),
+        null_mut(),
+    ));
     let state0 = st.clone();
     let unchanged = |pool: *mut kvr_gdn_pool, st: &mut Vec<f32>| {
         let now = (cursor(pool, 0, seq), cursor(pool, 1, seq));
         assert_eq!(format!("{now:?}"), format!("{before:?}"));
         let stv = host(st, &[2, 32, 32]);
-        ok(kvr_gdn_export_state(pool, 0, seq, &stv, null(), null_mut()));
+        ok(kvr_gdn_pool_export_state(
+            pool,
+            0,
+            seq,
+            &stv,
+            null(),
+            null_mut(),
+        ));
         assert_eq!(*st, state0);
     };
     // Unknown sequence, bad layer, T above max_drafts, NULL tensors, missing conv input.
@@ -342,7 +370,7 @@ fn bad_input_is_a_status_and_changes_nothing() {
     let mut s2 = Step::new(&mut rng, 1, 2);
     let [q, k, v, g, beta, _conv, o] = s2.tensors();
     assert_eq!(
-        kvr_gdn_verify(
+        kvr_gdn_pool_verify(
             pool,
             0,
             &id,
@@ -360,7 +388,7 @@ fn bad_input_is_a_status_and_changes_nothing() {
     );
     assert!(last_error().contains("conv_in"), "{}", last_error());
     assert_eq!(
-        kvr_gdn_decode(
+        kvr_gdn_pool_decode(
             pool,
             0,
             &id,
@@ -385,16 +413,16 @@ fn bad_input_is_a_status_and_changes_nothing() {
     );
     // Commit without verify; commit more than was verified.
     assert_eq!(
-        kvr_gdn_commit(pool, 0, &id, &ids(&mut [1]), null(), null_mut()),
+        kvr_gdn_pool_commit(pool, 0, &id, &ids(&mut [1]), null(), null_mut()),
         KVR_STATUS_INVALID_ARG
     );
     ok(verify(pool, 1, &id, &mut Step::new(&mut rng, 1, 2)));
     assert_eq!(
-        kvr_gdn_commit(pool, 1, &id, &ids(&mut [3]), null(), null_mut()),
+        kvr_gdn_pool_commit(pool, 1, &id, &ids(&mut [3]), null(), null_mut()),
         KVR_STATUS_OUT_OF_RANGE
     );
     assert_eq!(
-        kvr_gdn_commit(pool, 1, &id, &ids(&mut [-1]), null(), null_mut()),
+        kvr_gdn_pool_commit(pool, 1, &id, &ids(&mut [-1]), null(), null_mut()),
         KVR_STATUS_OUT_OF_RANGE
     );
     // Decoding or exporting while drafts are pending.
@@ -402,7 +430,7 @@ fn bad_input_is_a_status_and_changes_nothing() {
         verify(pool, 1, &id, &mut Step::new(&mut rng, 1, 1)),
         KVR_STATUS_INVALID_ARG
     );
-    ok(kvr_gdn_commit(
+    ok(kvr_gdn_pool_commit(
         pool,
         1,
         &id,
@@ -419,35 +447,38 @@ fn bad_input_is_a_status_and_changes_nothing() {
         pending: 0,
     };
     assert_eq!(
-        kvr_gdn_seq_cursor(pool, 0, 3, &mut info),
+        kvr_gdn_pool_get_cursor(pool, 0, 3, &mut info),
         KVR_STATUS_UNKNOWN_ID
     );
     assert_eq!(
-        kvr_gdn_seq_cursor(pool, 0, seq, null_mut()),
+        kvr_gdn_pool_get_cursor(pool, 0, seq, null_mut()),
         KVR_STATUS_NULL_ARG
     );
-    assert_eq!(kvr_gdn_seq_free(pool, 3, null_mut()), KVR_STATUS_UNKNOWN_ID);
+    assert_eq!(
+        kvr_gdn_pool_seq_free(pool, 3, null_mut()),
+        KVR_STATUS_UNKNOWN_ID
+    );
     let stale = 0x1234usize as *mut kvr_gdn_pool;
     let mut other = -1;
     assert_eq!(
-        kvr_gdn_seq_add(stale, null_mut(), &mut other),
+        kvr_gdn_pool_seq_add(stale, null_mut(), &mut other),
         KVR_STATUS_INVALID_ARG
     );
     unchanged(pool, &mut st);
     // The pool is full after max_seqs sequences.
     let mut n = 1;
     let mut x = 0;
-    while kvr_gdn_seq_add(pool, null_mut(), &mut x) == KVR_STATUS_OK {
+    while kvr_gdn_pool_seq_add(pool, null_mut(), &mut x) == KVR_STATUS_OK {
         n += 1;
     }
     assert_eq!(n, 4);
     assert_eq!(
-        kvr_gdn_seq_add(pool, null_mut(), &mut x),
+        kvr_gdn_pool_seq_add(pool, null_mut(), &mut x),
         KVR_STATUS_POOL_EXHAUSTED
     );
     kvr_gdn_pool_free(pool);
     assert_eq!(
-        kvr_gdn_seq_add(pool, null_mut(), &mut x),
+        kvr_gdn_pool_seq_add(pool, null_mut(), &mut x),
         KVR_STATUS_INVALID_ARG
     );
     kvr_context_free(ctx);

@@ -18,10 +18,10 @@ fn gpu_context_on_device_and_info() {
         return;
     };
     let ctx = context(KVR_BACKEND_CUDA, null_mut()).expect("CUDA context");
-    assert_eq!(kvr_context_backend(ctx), KVR_BACKEND_CUDA);
+    assert_eq!(kvr_context_get_backend(ctx), KVR_BACKEND_CUDA);
     let mut info: kvr_device_info = unsafe { std::mem::zeroed() };
     info.struct_size = size_of::<kvr_device_info>() as u32;
-    ok(kvr_context_device_info(ctx, &mut info));
+    ok(kvr_context_get_device_info(ctx, &mut info));
     let name = unsafe { CStr::from_ptr(info.name.as_ptr()) }.to_string_lossy();
     println!(
         "device {}: {name}, {} SMs, sm_{}{}, {:.1} GiB ({:.1} free), L2 {} MiB, driver {}",
@@ -45,11 +45,11 @@ fn gpu_context_on_device_and_info() {
     // AUTO picks CUDA here.
     let mut auto = null_mut();
     ok(kvr_context_new(std::ptr::null(), &mut auto));
-    assert_eq!(kvr_context_backend(auto), KVR_BACKEND_CUDA);
+    assert_eq!(kvr_context_get_backend(auto), KVR_BACKEND_CUDA);
     kvr_context_free(auto);
     // A device ordinal past the last one.
     let mut n = 0;
-    ok(kvr_cuda_device_count(&mut n));
+    ok(kvr_cuda_get_device_count(&mut n));
     let mut p = std::mem::MaybeUninit::uninit();
     ok(kvr_context_params_default(p.as_mut_ptr()));
     let mut p: kvr_context_params = unsafe { p.assume_init() };

@@ -25,14 +25,14 @@ fn params(layers: i32, heads: i32, dim: i32, page: i32, pages: i64) -> kvr_kv_po
     p
 }
 
-fn stats(pool: *const kvr_kv_pool) -> kvr_kv_stats {
-    let mut s: kvr_kv_stats = unsafe { std::mem::zeroed() };
-    s.struct_size = size_of::<kvr_kv_stats>() as u32;
-    ok(kvr_kv_pool_stats(pool, &mut s));
+fn stats(pool: *const kvr_kv_pool) -> kvr_kv_pool_stats {
+    let mut s: kvr_kv_pool_stats = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_kv_pool_stats>() as u32;
+    ok(kvr_kv_pool_get_stats(pool, &mut s));
     s
 }
 
-fn same(a: &kvr_kv_stats, b: &kvr_kv_stats) -> bool {
+fn same(a: &kvr_kv_pool_stats, b: &kvr_kv_pool_stats) -> bool {
     format!("{a:?}") == format!("{b:?}")
 }
 
@@ -217,7 +217,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
     );
     let mut len = -1;
     s(
-        kvr_kv_pool_seq_len(pool, 9, &mut len),
+        kvr_kv_pool_get_seq_len(pool, 9, &mut len),
         KVR_STATUS_UNKNOWN_ID,
         "len unknown",
     );
@@ -356,7 +356,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[1, 2, 4],
         &[8, 4, 1],
     );
-    ok(kvr_kv_decode(
+    ok(kvr_kv_pool_decode(
         pool,
         1,
         &idt,
@@ -367,7 +367,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         null_mut(),
     ));
     s(
-        kvr_kv_decode(pool, 2, &idt, &qt, &ot, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 2, &idt, &qt, &ot, null(), null(), null_mut()),
         KVR_STATUS_OUT_OF_RANGE,
         "decode layer 2",
     );
@@ -380,7 +380,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[1],
     );
     s(
-        kvr_kv_decode(pool, 0, &bidt, &qt, &ot, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &bidt, &qt, &ot, null(), null(), null_mut()),
         KVR_STATUS_UNKNOWN_ID,
         "decode unknown seq",
     );
@@ -392,7 +392,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[1],
     );
     s(
-        kvr_kv_decode(pool, 0, &fidt, &qt, &ot, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &fidt, &qt, &ot, null(), null(), null_mut()),
         KVR_STATUS_DTYPE_MISMATCH,
         "f32 ids",
     );
@@ -404,7 +404,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[36, 4, 4, 1],
     );
     s(
-        kvr_kv_decode(pool, 0, &idt, &q9, &q9, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &q9, &q9, null(), null(), null_mut()),
         KVR_STATUS_OUT_OF_RANGE,
         "T = 9",
     );
@@ -423,7 +423,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[68, 4, 1],
     );
     s(
-        kvr_kv_decode(pool, 0, &idt, &q17, &o17, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &q17, &o17, null(), null(), null_mut()),
         KVR_STATUS_OUT_OF_RANGE,
         "group 17",
     );
@@ -442,7 +442,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[32, 4, 4, 1],
     );
     s(
-        kvr_kv_decode(pool, 0, &idt, &q8, &o8, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &q8, &o8, null(), null(), null_mut()),
         KVR_STATUS_OUT_OF_RANGE,
         "T past the length",
     );
@@ -454,7 +454,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[4, 4, 1],
     );
     s(
-        kvr_kv_decode(pool, 0, &idt, &qt, &o_short, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &qt, &o_short, null(), null(), null_mut()),
         KVR_STATUS_INVALID_ARG,
         "out shape",
     );
@@ -467,45 +467,45 @@ fn pool_bad_inputs_leave_it_unchanged() {
         &[2, 1],
     );
     s(
-        kvr_kv_decode(pool, 0, &idt, &qt, &ot, &lse16, null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &qt, &ot, &lse16, null(), null_mut()),
         KVR_STATUS_DTYPE_MISMATCH,
         "f16 lse",
     );
     let mut dp = std::mem::MaybeUninit::uninit();
-    ok(kvr_decode_params_default(dp.as_mut_ptr()));
-    let mut dp: kvr_decode_params = unsafe { dp.assume_init() };
+    ok(kvr_kv_decode_params_default(dp.as_mut_ptr()));
+    let mut dp: kvr_kv_decode_params = unsafe { dp.assume_init() };
     dp.window = -1;
     s(
-        kvr_kv_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
         KVR_STATUS_INVALID_ARG,
         "negative window",
     );
     dp.window = 0;
     dp.scale = -1.0;
     s(
-        kvr_kv_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
         KVR_STATUS_INVALID_ARG,
         "negative scale",
     );
     dp.scale = 0.0;
     dp.struct_size = 4;
     s(
-        kvr_kv_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
+        kvr_kv_pool_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
         KVR_STATUS_INVALID_ARG,
         "struct_size",
     );
     s(
-        kvr_kv_decode(pool, 0, null(), &qt, &ot, null(), null(), null_mut()),
+        kvr_kv_pool_decode(pool, 0, null(), &qt, &ot, null(), null(), null_mut()),
         KVR_STATUS_NULL_ARG,
         "NULL ids",
     );
     // Admission and the block table export.
     let mut verdict = -1;
-    ok(kvr_kv_pool_admit(pool, -1, 24, &mut verdict));
+    ok(kvr_kv_pool_admit(pool, KVR_SEQ_NONE, 24, &mut verdict));
     assert_eq!(verdict, KVR_ADMIT_OK);
-    ok(kvr_kv_pool_admit(pool, -1, 33, &mut verdict));
+    ok(kvr_kv_pool_admit(pool, KVR_SEQ_NONE, 33, &mut verdict));
     assert_eq!(verdict, KVR_ADMIT_NEVER);
-    ok(kvr_kv_pool_admit(pool, -1, 25, &mut verdict));
+    ok(kvr_kv_pool_admit(pool, KVR_SEQ_NONE, 25, &mut verdict));
     assert_eq!(verdict, KVR_ADMIT_LATER);
     ok(kvr_kv_pool_admit(pool, seq, 26, &mut verdict));
     assert_eq!(verdict, KVR_ADMIT_OK);
@@ -523,7 +523,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
     );
     let mut pages = [0i32; 4];
     let mut n = 0i64;
-    ok(kvr_kv_pool_seq_pages(
+    ok(kvr_kv_pool_get_seq_pages(
         pool,
         seq,
         pages.as_mut_ptr(),
@@ -532,7 +532,7 @@ fn pool_bad_inputs_leave_it_unchanged() {
     ));
     assert_eq!((n, pages[0], pages[1]), (2, 0, 1));
     assert_eq!(
-        kvr_kv_pool_seq_pages(pool, seq, pages.as_mut_ptr(), 1, &mut n),
+        kvr_kv_pool_get_seq_pages(pool, seq, pages.as_mut_ptr(), 1, &mut n),
         KVR_STATUS_OUT_OF_RANGE
     );
     assert_eq!(n, 2, "the needed size is reported");

@@ -23,10 +23,10 @@ fn open(arch: &str) -> *mut kvr_model {
     m
 }
 
-fn sizing_params(budget: i64, seq_len: i64, t: i32) -> kvr_sizing_params {
+fn sizing_params(budget: i64, seq_len: i64, t: i32) -> kvr_model_sizing_params {
     let mut p = std::mem::MaybeUninit::uninit();
-    ok(kvr_sizing_params_default(p.as_mut_ptr()));
-    let mut p: kvr_sizing_params = unsafe { p.assume_init() };
+    ok(kvr_model_sizing_params_default(p.as_mut_ptr()));
+    let mut p: kvr_model_sizing_params = unsafe { p.assume_init() };
     p.budget_bytes = budget;
     p.seq_len = seq_len;
     p.spec_window = t;
@@ -36,11 +36,11 @@ fn sizing_params(budget: i64, seq_len: i64, t: i32) -> kvr_sizing_params {
 #[test]
 fn plan_views_sizing_and_pools_from_a_model() {
     let m = open("qwen3next");
-    let arch = unsafe { CStr::from_ptr(kvr_model_arch(m)) };
+    let arch = unsafe { CStr::from_ptr(kvr_model_get_arch(m)) };
     assert_eq!(arch.to_str().unwrap(), "qwen3next");
     let mut info: kvr_model_info = unsafe { std::mem::zeroed() };
     info.struct_size = size_of::<kvr_model_info>() as u32;
-    ok(kvr_model_info_get(m, &mut info));
+    ok(kvr_model_get_info(m, &mut info));
     assert_eq!(
         (
             info.n_layers,
@@ -52,7 +52,7 @@ fn plan_views_sizing_and_pools_from_a_model() {
     );
     assert_eq!((info.context_length, info.embedding_length), (256, 64));
     let mut l = kvr_layer_plan::default();
-    ok(kvr_model_layer(m, 0, &mut l));
+    ok(kvr_model_get_layer(m, 0, &mut l));
     assert_eq!(
         (
             l.kind,
@@ -65,7 +65,7 @@ fn plan_views_sizing_and_pools_from_a_model() {
         ),
         (KVR_LAYER_GDN, 2, 4, 16, 16, 4, 128)
     );
-    ok(kvr_model_layer(m, 3, &mut l));
+    ok(kvr_model_get_layer(m, 3, &mut l));
     assert_eq!(
         (l.kind, l.heads, l.kv_heads, l.head_dim_k, l.head_dim_v),
         (KVR_LAYER_ATTENTION, 4, 2, 32, 32)
@@ -73,13 +73,13 @@ fn plan_views_sizing_and_pools_from_a_model() {
     // Views.
     let name = CString::new("blk.0.ssm_conv1d.weight").unwrap();
     let mut ti: kvr_model_tensor_info = unsafe { std::mem::zeroed() };
-    ok(kvr_model_tensor_info_get(m, name.as_ptr(), &mut ti));
+    ok(kvr_model_get_tensor_info(m, name.as_ptr(), &mut ti));
     assert_eq!(
         (ti.ggml_type, ti.ndim, ti.shape[0], ti.shape[1], ti.bytes),
         (30, 2, 128, 4, 128 * 4 * 2)
     );
     let mut t: kvr_tensor = unsafe { std::mem::zeroed() };
-    ok(kvr_model_tensor(
+    ok(kvr_model_get_tensor(
         m,
         name.as_ptr(),
         2,
@@ -111,9 +111,9 @@ fn plan_views_sizing_and_pools_from_a_model() {
     assert!(f32s.iter().all(|x| x.abs() <= 1.0) && f32s.iter().any(|&x| x != 0.0));
     // Sizing and pools built from it.
     let p = sizing_params(64 << 20, 100, 4);
-    let mut s: kvr_sizing = unsafe { std::mem::zeroed() };
-    s.struct_size = size_of::<kvr_sizing>() as u32;
-    ok(kvr_model_sizing(m, &p, &mut s));
+    let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_model_sizing>() as u32;
+    ok(kvr_model_compute_sizing(m, &p, &mut s));
     assert_eq!(
         (
             s.n_attention_layers,
@@ -128,7 +128,7 @@ fn plan_views_sizing_and_pools_from_a_model() {
         "a ring fits more sequences than snapshots"
     );
     let mut kp = std::mem::MaybeUninit::uninit();
-    ok(kvr_model_kv_pool_params(m, &p, kp.as_mut_ptr()));
+    ok(kvr_model_get_kv_pool_params(m, &p, kp.as_mut_ptr()));
     let kp: kvr_kv_pool_params = unsafe { kp.assume_init() };
     assert_eq!(
         (
@@ -143,7 +143,7 @@ fn plan_views_sizing_and_pools_from_a_model() {
     let mut kv = null_mut();
     ok(kvr_kv_pool_new(ctx, &kp, &mut kv));
     let mut gp = std::mem::MaybeUninit::uninit();
-    ok(kvr_model_gdn_pool_params(m, &p, gp.as_mut_ptr()));
+    ok(kvr_model_get_gdn_pool_params(m, &p, gp.as_mut_ptr()));
     let gp: kvr_gdn_pool_params = unsafe { gp.assume_init() };
     assert_eq!(
         (
@@ -159,9 +159,9 @@ fn plan_views_sizing_and_pools_from_a_model() {
     );
     let mut gdn = null_mut();
     ok(kvr_gdn_pool_new(ctx, &gp, &mut gdn));
-    let mut mem: kvr_gdn_memory = unsafe { std::mem::zeroed() };
-    mem.struct_size = size_of::<kvr_gdn_memory>() as u32;
-    ok(kvr_gdn_pool_memory(gdn, &mut mem));
+    let mut mem: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    mem.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+    ok(kvr_gdn_pool_get_memory(gdn, &mut mem));
     assert_eq!(
         mem.state_bytes + mem.ring_bytes + mem.conv_bytes,
         s.state_bytes_per_seq + s.ring_bytes_per_seq
@@ -205,7 +205,7 @@ fn bad_input_is_a_status() {
     // Calls on a model.
     let m = open("mamba2");
     let mut l = kvr_layer_plan::default();
-    ok(kvr_model_layer(m, 1, &mut l));
+    ok(kvr_model_get_layer(m, 1, &mut l));
     assert_eq!(
         (
             l.kind,
@@ -216,73 +216,91 @@ fn bad_input_is_a_status() {
         ),
         (KVR_LAYER_MAMBA2, 8, 16, 2, 16)
     );
-    assert_eq!(kvr_model_layer(m, 2, &mut l), KVR_STATUS_OUT_OF_RANGE);
-    assert_eq!(kvr_model_layer(m, -1, &mut l), KVR_STATUS_OUT_OF_RANGE);
-    assert_eq!(kvr_model_layer(m, 0, null_mut()), KVR_STATUS_NULL_ARG);
+    assert_eq!(kvr_model_get_layer(m, 2, &mut l), KVR_STATUS_OUT_OF_RANGE);
+    assert_eq!(kvr_model_get_layer(m, -1, &mut l), KVR_STATUS_OUT_OF_RANGE);
+    assert_eq!(kvr_model_get_layer(m, 0, null_mut()), KVR_STATUS_NULL_ARG);
     let mut t: kvr_tensor = unsafe { std::mem::zeroed() };
     let nope = CString::new("blk.9.ssm_a").unwrap();
     assert_eq!(
-        kvr_model_tensor(m, nope.as_ptr(), 0, null(), &mut t),
+        kvr_model_get_tensor(m, nope.as_ptr(), 0, null(), &mut t),
         KVR_STATUS_UNKNOWN_ID
     );
     let q8 = CString::new("output.weight").unwrap();
     assert_eq!(
-        kvr_model_tensor(m, q8.as_ptr(), 0, null(), &mut t),
+        kvr_model_get_tensor(m, q8.as_ptr(), 0, null(), &mut t),
         KVR_STATUS_UNSUPPORTED
     );
     assert!(last_error().contains("Q8_0"), "{}", last_error());
     let a = CString::new("blk.0.ssm_a").unwrap();
     assert_eq!(
-        kvr_model_tensor(m, a.as_ptr(), 1, [9i64].as_ptr(), &mut t),
+        kvr_model_get_tensor(m, a.as_ptr(), 1, [9i64].as_ptr(), &mut t),
         KVR_STATUS_INVALID_ARG
     );
     assert_eq!(
-        kvr_model_tensor(m, a.as_ptr(), 1, null(), &mut t),
+        kvr_model_get_tensor(m, a.as_ptr(), 1, null(), &mut t),
         KVR_STATUS_NULL_ARG
     );
     assert_eq!(
-        kvr_model_tensor(m, a.as_ptr(), -1, null(), &mut t),
+        kvr_model_get_tensor(m, a.as_ptr(), -1, null(), &mut t),
         KVR_STATUS_INVALID_ARG
     );
-    ok(kvr_model_tensor(m, a.as_ptr(), 1, [8i64].as_ptr(), &mut t));
+    ok(kvr_model_get_tensor(
+        m,
+        a.as_ptr(),
+        1,
+        [8i64].as_ptr(),
+        &mut t,
+    ));
     assert_eq!(
-        kvr_model_tensor(m, null(), 0, null(), &mut t),
+        kvr_model_get_tensor(m, null(), 0, null(), &mut t),
         KVR_STATUS_NULL_ARG
     );
     // Sizing: no attention layers and no GDN layers in mamba2.
     let p = sizing_params(1 << 30, 128, 2);
     let mut kp = std::mem::MaybeUninit::uninit();
     assert_eq!(
-        kvr_model_kv_pool_params(m, &p, kp.as_mut_ptr()),
+        kvr_model_get_kv_pool_params(m, &p, kp.as_mut_ptr()),
         KVR_STATUS_UNSUPPORTED
     );
     let mut gp = std::mem::MaybeUninit::uninit();
     assert_eq!(
-        kvr_model_gdn_pool_params(m, &p, gp.as_mut_ptr()),
+        kvr_model_get_gdn_pool_params(m, &p, gp.as_mut_ptr()),
         KVR_STATUS_UNSUPPORTED
     );
     let mut bad = p;
     bad.spec_window = 9;
-    let mut s: kvr_sizing = unsafe { std::mem::zeroed() };
-    s.struct_size = size_of::<kvr_sizing>() as u32;
-    assert_eq!(kvr_model_sizing(m, &bad, &mut s), KVR_STATUS_OUT_OF_RANGE);
+    let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_model_sizing>() as u32;
+    assert_eq!(
+        kvr_model_compute_sizing(m, &bad, &mut s),
+        KVR_STATUS_OUT_OF_RANGE
+    );
     bad = p;
     bad.budget_bytes = -1;
-    assert_eq!(kvr_model_sizing(m, &bad, &mut s), KVR_STATUS_INVALID_ARG);
+    assert_eq!(
+        kvr_model_compute_sizing(m, &bad, &mut s),
+        KVR_STATUS_INVALID_ARG
+    );
     bad = p;
     bad.kv_dtype = KVR_DTYPE_I32;
-    assert_eq!(kvr_model_sizing(m, &bad, &mut s), KVR_STATUS_DTYPE_MISMATCH);
-    assert_eq!(kvr_model_sizing(m, null(), &mut s), KVR_STATUS_NULL_ARG);
+    assert_eq!(
+        kvr_model_compute_sizing(m, &bad, &mut s),
+        KVR_STATUS_DTYPE_MISMATCH
+    );
+    assert_eq!(
+        kvr_model_compute_sizing(m, null(), &mut s),
+        KVR_STATUS_NULL_ARG
+    );
     let q = open("qwen3next");
     let tiny_budget = sizing_params(100, 128, 2);
     assert_eq!(
-        kvr_model_kv_pool_params(q, &tiny_budget, kp.as_mut_ptr()),
+        kvr_model_get_kv_pool_params(q, &tiny_budget, kp.as_mut_ptr()),
         KVR_STATUS_OUT_OF_RANGE
     );
     kvr_model_free(q);
     // Stale handles.
     kvr_model_free(m);
     kvr_model_free(null_mut());
-    assert_eq!(kvr_model_layer(m, 0, &mut l), KVR_STATUS_INVALID_ARG);
-    assert!(kvr_model_arch(m).is_null());
+    assert_eq!(kvr_model_get_layer(m, 0, &mut l), KVR_STATUS_INVALID_ARG);
+    assert!(kvr_model_get_arch(m).is_null());
 }

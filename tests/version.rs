@@ -1,4 +1,4 @@
-//! The header's version macros, kvr_version() and Cargo.toml agree.
+//! The header's version macros, kvr_library_version() and Cargo.toml agree.
 
 use std::ffi::CStr;
 
@@ -28,17 +28,20 @@ fn header_macros_match_cargo_and_kvr_version() {
         macro_value("KVR_VERSION_PATCH"),
         env!("CARGO_PKG_VERSION_PATCH")
     );
-    let v = unsafe { CStr::from_ptr(kvreplay::ffi::kvr_version()) }
+    let v = unsafe { CStr::from_ptr(kvreplay::ffi::kvr_library_version()) }
         .to_str()
         .unwrap();
     assert_eq!(v, env!("CARGO_PKG_VERSION"));
     assert_eq!(v, kvreplay::VERSION);
     // Stable pointer (static string).
-    assert_eq!(kvreplay::ffi::kvr_version(), kvreplay::ffi::kvr_version());
-    let info = unsafe { CStr::from_ptr(kvreplay::ffi::kvr_build_info()) }
+    assert_eq!(
+        kvreplay::ffi::kvr_library_version(),
+        kvreplay::ffi::kvr_library_version()
+    );
+    let info = unsafe { CStr::from_ptr(kvreplay::ffi::kvr_library_build_info()) }
         .to_str()
         .unwrap();
-    if kvreplay::ffi::kvr_kernels_compiled() {
+    if kvreplay::ffi::kvr_library_kernels_compiled() {
         assert!(
             info.contains("sm_90a") && info.contains("compute_80"),
             "{info}"

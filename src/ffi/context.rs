@@ -11,14 +11,14 @@ use crate::error::{Error, Result};
 
 /// Which backend a context uses.
 pub type kvr_backend = i32;
-/// Only returned by `kvr_context_backend` for a NULL or dead handle.
-pub const KVR_BACKEND_INVALID: kvr_backend = -1;
+/// Only returned by `kvr_context_get_backend` for a NULL or dead handle.
+pub const KVR_BACKEND_INVALID: kvr_backend = -1 as kvr_backend;
 /// CUDA if it can be used here (driver, device and kernels present), else CPU.
-pub const KVR_BACKEND_AUTO: kvr_backend = 0;
+pub const KVR_BACKEND_AUTO: kvr_backend = 0 as kvr_backend;
 /// Host memory and host threads.
-pub const KVR_BACKEND_CPU: kvr_backend = 1;
+pub const KVR_BACKEND_CPU: kvr_backend = 1 as kvr_backend;
 /// CUDA device memory and kernels on a stream.
-pub const KVR_BACKEND_CUDA: kvr_backend = 2;
+pub const KVR_BACKEND_CUDA: kvr_backend = 2 as kvr_backend;
 
 /// An execution context (opaque). Created by `kvr_context_new`, freed by `kvr_context_free`.
 pub struct kvr_context {
@@ -69,7 +69,10 @@ fn default_params() -> kvr_context_params {
 /// Fills `*params` with the defaults (AUTO backend, device 0, own stream, all cores) and
 /// sets `struct_size`.
 ///
-/// Returns `KVR_STATUS_OK`, or `KVR_STATUS_NULL_ARG` if `params` is NULL. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_context_params_default(params: *mut kvr_context_params) -> kvr_status {
@@ -119,15 +122,18 @@ fn options_from_c(p: &kvr_context_params) -> Result<ContextOptions> {
 /// uses), so `cudaMalloc` pointers and streams of the host can be passed as they are.
 /// Kernels are loaded on first use (or by `kvr_context_load_kernels`).
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` if `out` is NULL;
-/// `KVR_STATUS_INVALID_ARG` for an unknown backend, a negative device or thread count, a
-/// `struct_size` smaller than the first published layout, or a stream that is not of the
-/// device's primary context; `KVR_STATUS_CUDA_UNAVAILABLE` when CUDA was requested and
-/// there is no driver library, no such device or too old a driver;
-/// `KVR_STATUS_NOT_COMPILED` when CUDA was requested from a library built without kernels;
-/// `KVR_STATUS_CUDA_ERROR` / `KVR_STATUS_OUT_OF_MEMORY` when setup fails.
-/// `*out` is written only on success. The caller owns the context and frees it with
-/// `kvr_context_free`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`out` is NULL);
+/// `KVR_STATUS_INVALID_ARG` (an unknown backend, a negative device or thread count, a
+/// `struct_size` smaller than the first published layout, a stream that is not of the
+/// device's primary context); `KVR_STATUS_CUDA_UNAVAILABLE` (CUDA requested and no driver
+/// library, no such device or too old a driver); `KVR_STATUS_NOT_COMPILED` (CUDA requested
+/// from a library built without kernels); `KVR_STATUS_CUDA_ERROR` /
+/// `KVR_STATUS_OUT_OF_MEMORY` (setup failed).
+/// Ownership: the caller owns the new context and frees it with `kvr_context_free`.
+/// `params` is copied; a stream given in it stays the caller's and must outlive the
+/// context.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written and nothing is left allocated.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_context_new(
@@ -158,12 +164,19 @@ pub extern "C" fn kvr_context_new(
     })
 }
 
-/// Frees a context. NULL is a no-op; a handle that is not a live context (freed already)
-/// is ignored and recorded in `kvr_last_error_message`. On CUDA this waits for the work
-/// queued through the context's device, destroys the stream it created and unloads its
-/// kernels: CUDA Graphs captured with its kernels must be destroyed first. Objects made
-/// from the context keep it alive until they are freed. Do not free a context while
-/// another thread is inside a call on it.
+/// Releases the caller's handle to a context. NULL is a no-op. The handle is invalid at
+/// once; the context itself lives on while pools made from it exist and is destroyed when
+/// the last of them is freed. Destroying it on CUDA waits for the work queued through its
+/// device, destroys the stream it created and unloads its kernels: destroy CUDA Graphs that
+/// hold its kernels first.
+///
+/// Returns: nothing.
+/// Ownership: ends the caller's ownership of `ctx`; a stream given in `kvr_context_params`
+/// stays the caller's.
+/// Thread safety: thread-safe; a call already running on another thread keeps the context
+/// alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+/// On failure: a handle that is not a live context (freed already, or of another kind) is
+/// ignored and recorded in `kvr_error_last_message`; nothing changes.
 #[no_mangle]
 pub extern "C" fn kvr_context_free(ctx: *mut kvr_context) {
     if ctx.is_null() {
@@ -174,12 +187,17 @@ pub extern "C" fn kvr_context_free(ctx: *mut kvr_context) {
     });
 }
 
-/// Returns the backend in use: `KVR_BACKEND_CPU` or `KVR_BACKEND_CUDA` (never AUTO), or
-/// `KVR_BACKEND_INVALID` for a NULL or dead handle. Thread-safe.
+/// Returns the backend a context uses.
+///
+/// Returns: `KVR_BACKEND_CPU` or `KVR_BACKEND_CUDA` (never AUTO); `KVR_BACKEND_INVALID` for
+/// a NULL or dead handle.
+/// Ownership: nothing changes hands.
+/// Thread safety: thread-safe.
+/// On failure: `KVR_BACKEND_INVALID`, with the reason in `kvr_error_last_message`.
 #[no_mangle]
-pub extern "C" fn kvr_context_backend(ctx: *const kvr_context) -> kvr_backend {
+pub extern "C" fn kvr_context_get_backend(ctx: *const kvr_context) -> kvr_backend {
     guard_value(
-        "kvr_context_backend",
+        "kvr_context_get_backend",
         KVR_BACKEND_INVALID,
         || match context_from(ctx) {
             Ok(c) => match c.backend() {
@@ -187,14 +205,14 @@ pub extern "C" fn kvr_context_backend(ctx: *const kvr_context) -> kvr_backend {
                 BackendKind::Cuda => KVR_BACKEND_CUDA,
             },
             Err(e) => {
-                super::guard::set_last_error(&format!("kvr_context_backend: {e}"));
+                super::guard::set_last_error(&format!("kvr_context_get_backend: {e}"));
                 KVR_BACKEND_INVALID
             }
         },
     )
 }
 
-/// What a context runs on, filled by `kvr_context_device_info`.
+/// What a context runs on, filled by `kvr_context_get_device_info`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvr_device_info {
@@ -228,17 +246,19 @@ pub struct kvr_device_info {
 /// Describes the device behind `ctx`: name, SM count, compute capability, memory, driver.
 /// Set `out->struct_size = sizeof(kvr_device_info)` first.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx or out);
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx` or `out`);
 /// `KVR_STATUS_INVALID_ARG` (not a live context, `struct_size` too small);
-/// `KVR_STATUS_CUDA_ERROR` if the driver query fails. `*out` is written only on success.
-/// Thread-safe.
+/// `KVR_STATUS_CUDA_ERROR` (the driver query failed).
+/// Ownership: `*out` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_context_device_info(
+pub extern "C" fn kvr_context_get_device_info(
     ctx: *const kvr_context,
     out: *mut kvr_device_info,
 ) -> kvr_status {
-    guard("kvr_context_device_info", || {
+    guard("kvr_context_get_device_info", || {
         let ctx = context_from(ctx)?;
         non_null(out, "out")?;
         let info = ctx.device_info()?;
@@ -270,9 +290,12 @@ pub extern "C" fn kvr_context_device_info(
 /// Loads the context's CUDA kernels now instead of at the first launch, so that a CUDA
 /// Graph capture that follows sees no module load. A no-op for a CPU context.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` for a NULL or
-/// dead handle; `KVR_STATUS_NOT_COMPILED`; `KVR_STATUS_CUDA_ERROR` when the fatbin has no
-/// code this GPU or driver can run. Thread-safe (loading happens once per context).
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (NULL or dead
+/// handle); `KVR_STATUS_NOT_COMPILED`; `KVR_STATUS_CUDA_ERROR` (the fatbin has no code this
+/// GPU or driver can run).
+/// Ownership: the module belongs to the context and is unloaded with it.
+/// Thread safety: thread-safe; the module is loaded once per context.
+/// On failure: nothing is loaded; a later call or launch tries again.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_context_load_kernels(ctx: *const kvr_context) -> kvr_status {
@@ -281,13 +304,18 @@ pub extern "C" fn kvr_context_load_kernels(ctx: *const kvr_context) -> kvr_statu
     })
 }
 
-/// Waits until the work queued on `stream` (NULL: the context's stream) is done; returns
-/// at once for a CPU context. This is the only kvreplay call besides setup and teardown
-/// that blocks on the device.
+/// Waits until the work queued on `stream` (NULL: the context's stream) is done; returns at
+/// once for a CPU context. This is the only kvreplay call besides setup and teardown that
+/// blocks on the device.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` for a NULL or
-/// dead handle; `KVR_STATUS_CUDA_ERROR` if queued work failed (for example an illegal
-/// address in a kernel). Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (NULL or dead
+/// handle); `KVR_STATUS_CUDA_ERROR` (queued work failed, for example an illegal address in
+/// a kernel).
+/// Ownership: `stream` stays the caller's.
+/// Thread safety: thread-safe.
+/// On failure: nothing changes; after `KVR_STATUS_CUDA_ERROR` the queued work that failed
+/// left its objects in an unspecified state (free them; the CUDA context is usually
+/// unusable).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_context_synchronize(
@@ -301,13 +329,15 @@ pub extern "C" fn kvr_context_synchronize(
 
 /// Stores the number of CUDA devices in `*out`.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` if `out` is NULL;
-/// `KVR_STATUS_CUDA_UNAVAILABLE` when there is no driver library or it cannot initialize.
-/// `*out` is written only on success. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`out` is NULL);
+/// `KVR_STATUS_CUDA_UNAVAILABLE` (no driver library, or it cannot initialize).
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_cuda_device_count(out: *mut i32) -> kvr_status {
-    guard("kvr_cuda_device_count", || {
+pub extern "C" fn kvr_cuda_get_device_count(out: *mut i32) -> kvr_status {
+    guard("kvr_cuda_get_device_count", || {
         non_null(out, "out")?;
         let n = crate::backend::cuda::device_count()?;
         // SAFETY: checked non-NULL.

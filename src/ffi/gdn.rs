@@ -7,11 +7,14 @@ use std::sync::Arc;
 use super::context::{context_from, kvr_context};
 use super::guard::{guard, non_null, read_versioned, write_versioned};
 use super::handles::Registry;
-use super::kv_pool::KVR_ALL_LAYERS;
+use super::kv_pool::{kvr_layer_select, kvr_seq_id, KVR_LAYER_ALL};
 use super::status::kvr_status;
 use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_F32};
 use crate::backend::Stream;
 use crate::error::{Error, Result};
+use crate::linear::gdn::{
+    META_H, META_MODE, META_PENDING, META_START, MODE_KV_ONLY, MODE_RECURRENT, MODE_REPLAY,
+};
 use crate::linear::{GdnConfig, GdnIo, GdnMemory, GdnOptions, GdnPool, StateLayout, StateStorage};
 use crate::tensor::TensorView;
 
@@ -26,20 +29,27 @@ pub(crate) static GDN_POOLS: Registry<GdnPool> = Registry::new("kvr_gdn_pool");
 /// How a state matrix is stored.
 pub type kvr_state_layout = i32;
 /// `[dk][dv]` per value head, dv contiguous (flash-linear-attention's default).
-pub const KVR_STATE_K_MAJOR: kvr_state_layout = 0;
+pub const KVR_STATE_K_MAJOR: kvr_state_layout = 0 as kvr_state_layout;
 /// `[dv][dk]` per value head, dk contiguous (llama.cpp, vLLM, FlashInfer).
-pub const KVR_STATE_V_MAJOR: kvr_state_layout = 1;
+pub const KVR_STATE_V_MAJOR: kvr_state_layout = 1 as kvr_state_layout;
 
-/// `kv_only_threshold` value that picks the default: min(dk, what one head's state memory
-/// holds).
-pub const KVR_GDN_DEFAULT_THRESHOLD: i32 = -1;
+/// A KV-only threshold in tokens (`kvr_gdn_pool_params.kv_only_threshold`): a count >= 0
+/// or `KVR_GDN_THRESHOLD_DEFAULT`.
+pub type kvr_gdn_threshold = i32;
+/// Picks the default threshold: min(dk, what one head's state memory holds) for a replay
+/// pool, off for a recurrent pool (`ring_len` 0).
+pub const KVR_GDN_THRESHOLD_DEFAULT: kvr_gdn_threshold = -1 as kvr_gdn_threshold;
+/// No KV-only mode: every sequence keeps a state from its first token.
+pub const KVR_GDN_THRESHOLD_OFF: kvr_gdn_threshold = 0 as kvr_gdn_threshold;
 
-/// Per-sequence modes reported by `kvr_gdn_seq_cursor`.
-pub const KVR_GDN_MODE_KV_ONLY: i32 = 0;
+/// How a sequence of a GDN pool is decoded in one layer (`kvr_gdn_cursor.mode`).
+pub type kvr_gdn_mode = i32;
+/// No state yet: the output is computed from the buffered entries (short sequences).
+pub const KVR_GDN_MODE_KV_ONLY: kvr_gdn_mode = 0 as kvr_gdn_mode;
 /// Checkpoint state plus ring.
-pub const KVR_GDN_MODE_REPLAY: i32 = 1;
+pub const KVR_GDN_MODE_REPLAY: kvr_gdn_mode = 1 as kvr_gdn_mode;
 /// State read and written every step (pools with `ring_len` 0).
-pub const KVR_GDN_MODE_RECURRENT: i32 = 2;
+pub const KVR_GDN_MODE_RECURRENT: kvr_gdn_mode = 2 as kvr_gdn_mode;
 
 /// One layer's state memory in a pool over caller-owned states: sequence slot `s`, value
 /// head `h` starts at `state + (s * seq_stride + h * dk * dv) * sizeof(state_dtype)`.
@@ -73,8 +83,8 @@ pub struct kvr_gdn_pool_params {
     /// mode (state read and written every step, one state snapshot per draft).
     pub ring_len: i32,
     /// Sequences of at most this many tokens keep no state (KV-only);
-    /// `KVR_GDN_DEFAULT_THRESHOLD` (default) = min(dk, capacity), 0 = off.
-    pub kv_only_threshold: i32,
+    /// `KVR_GDN_THRESHOLD_DEFAULT` (default) = min(dk, capacity), `KVR_GDN_THRESHOLD_OFF` = off.
+    pub kv_only_threshold: kvr_gdn_threshold,
     /// Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
     pub max_drafts: i32,
     /// State element type: `KVR_DTYPE_F32` (default) or `_BF16`.
@@ -108,7 +118,7 @@ pub(crate) fn default_pool_params() -> kvr_gdn_pool_params {
         dk: 0,
         dv: 0,
         ring_len: 16,
-        kv_only_threshold: KVR_GDN_DEFAULT_THRESHOLD,
+        kv_only_threshold: KVR_GDN_THRESHOLD_DEFAULT,
         max_drafts: 0,
         state_dtype: KVR_DTYPE_F32,
         entry_dtype: KVR_DTYPE_F32,
@@ -159,8 +169,8 @@ fn config_from(p: &kvr_gdn_pool_params) -> Result<(GdnConfig, Option<Vec<StateSt
         conv_dtype: dtype_from_c(p.conv_dtype)?,
     };
     cfg.kv_only_threshold = match p.kv_only_threshold {
-        KVR_GDN_DEFAULT_THRESHOLD if ring_len == 0 => 0,
-        KVR_GDN_DEFAULT_THRESHOLD => cfg.dk.min(cfg.kv_only_capacity()),
+        KVR_GDN_THRESHOLD_DEFAULT if ring_len == 0 => 0,
+        KVR_GDN_THRESHOLD_DEFAULT => cfg.dk.min(cfg.kv_only_capacity()),
         n => non_negative("kv_only_threshold", n)?,
     };
     let states = if p.states.is_null() {
@@ -189,11 +199,14 @@ fn pool_from(p: *const kvr_gdn_pool) -> Result<Arc<GdnPool>> {
     GDN_POOLS.get(p as usize)
 }
 
-/// Fills `*params` with the defaults (ring of 16, default KV-only threshold, f32 state and
-/// ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
+/// Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
+/// and ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
 /// `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
 ///
-/// Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_gdn_pool_params_default(params: *mut kvr_gdn_pool_params) -> kvr_status {
@@ -208,10 +221,18 @@ pub extern "C" fn kvr_gdn_pool_params_default(params: *mut kvr_gdn_pool_params) 
 /// Creates a GDN pool on `ctx` and stores it in `*out`. Owned memory is allocated zeroed in
 /// the context's memory (synchronously: setup time only).
 ///
-/// Errors: NULL_ARG; INVALID_ARG (zero or negative sizes, Hv not a multiple of Hk,
-/// ring_len < max_drafts, unknown layout); OUT_OF_RANGE (max_drafts > 8, threshold above
-/// capacity, huge sizes); DTYPE_MISMATCH (state not f32/bf16); UNSUPPORTED (CUDA: head dims
-/// outside {32, 64, 128, 256}); OUT_OF_MEMORY; CUDA errors. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`);
+/// `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
+/// max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+/// `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
+/// `KVR_STATUS_UNSUPPORTED` (CUDA: head dims outside {32, 64, 128, 256});
+/// `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: the caller owns the new pool and frees it with `kvr_gdn_pool_free`; the pool
+/// keeps `ctx` alive. `params` and its `states` array are copied; the memory `states`
+/// points at stays the caller's and must outlive the pool.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written and nothing is left allocated.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_gdn_pool_new(
@@ -241,8 +262,18 @@ pub extern "C" fn kvr_gdn_pool_new(
     })
 }
 
-/// Frees a pool (NULL is a no-op). Work queued on CUDA streams that uses the pool must be
-/// finished or ordered before the caller reuses the memory. Thread-safe.
+/// Frees a pool, every sequence in it and (if the pool allocated them) its states, rings
+/// and conv windows. NULL is a no-op. On CUDA, work queued that uses the pool must be
+/// complete (CUDA Graphs that contain its launches must not run again): owned memory is
+/// released at once.
+///
+/// Returns: nothing.
+/// Ownership: ends the caller's ownership of `pool` and releases its reference to the
+/// context; memory given in `kvr_gdn_pool_params.states` stays the caller's.
+/// Thread safety: thread-safe; a call already running on another thread keeps the pool
+/// alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+/// On failure: a handle that is not a live pool (freed already, or of another kind) is
+/// ignored and recorded in `kvr_error_last_message`; nothing changes.
 #[no_mangle]
 pub extern "C" fn kvr_gdn_pool_free(pool: *mut kvr_gdn_pool) {
     if pool.is_null() {
@@ -257,8 +288,8 @@ pub extern "C" fn kvr_gdn_pool_free(pool: *mut kvr_gdn_pool) {
 /// recurrent pool spends on per-draft states; a replay pool spends `ring_bytes` instead.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct kvr_gdn_memory {
-    /// `sizeof(kvr_gdn_memory)` as the library wrote it.
+pub struct kvr_gdn_pool_memory {
+    /// `sizeof(kvr_gdn_pool_memory)` as the library wrote it.
     pub struct_size: u32,
     /// Reserved, 0.
     pub reserved: u32,
@@ -276,9 +307,9 @@ pub struct kvr_gdn_memory {
     pub kv_only_threshold: i64,
 }
 
-fn memory_to_c(m: GdnMemory, threshold: usize) -> kvr_gdn_memory {
-    kvr_gdn_memory {
-        struct_size: size_of::<kvr_gdn_memory>() as u32,
+fn memory_to_c(m: GdnMemory, threshold: usize) -> kvr_gdn_pool_memory {
+    kvr_gdn_pool_memory {
+        struct_size: size_of::<kvr_gdn_pool_memory>() as u32,
         reserved: 0,
         state_bytes: m.state_bytes as i64,
         ring_bytes: m.ring_bytes as i64,
@@ -291,15 +322,25 @@ fn memory_to_c(m: GdnMemory, threshold: usize) -> kvr_gdn_memory {
 
 /// Per-sequence memory of the pool `params` describes, without creating it (for sizing:
 /// e.g. "T drafts with snapshots" (`ring_len` 0, `max_drafts` T) against a ring). The
-/// configuration is validated as `kvr_gdn_pool_new` would (except backend limits).
-/// `out->struct_size` must be set by the caller. Thread-safe.
+/// configuration is validated as `kvr_gdn_pool_new` would (except backend limits). Set
+/// `out->struct_size` first.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `params` or `out`);
+/// `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
+/// max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+/// `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
+/// `KVR_STATUS_INVALID_ARG` also for `out->struct_size` too small.
+/// Ownership: `params` is read during the call; `*out` is the caller's.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_memory_for(
+pub extern "C" fn kvr_gdn_pool_params_memory(
     params: *const kvr_gdn_pool_params,
-    out: *mut kvr_gdn_memory,
+    out: *mut kvr_gdn_pool_memory,
 ) -> kvr_status {
-    guard("kvr_gdn_memory_for", || {
+    guard("kvr_gdn_pool_params_memory", || {
         non_null(params, "params")?;
         non_null(out, "out")?;
         // SAFETY: non-NULL; `struct_size` readable bytes.
@@ -318,21 +359,28 @@ pub extern "C" fn kvr_gdn_memory_for(
             write_versioned(
                 out,
                 memory_to_c(cfg.memory(), cfg.kv_only_threshold),
-                size_of::<kvr_gdn_memory>(),
-                "kvr_gdn_memory",
+                size_of::<kvr_gdn_pool_memory>(),
+                "kvr_gdn_pool_memory",
             )
         }
     })
 }
 
-/// Per-sequence memory of an existing pool. `out->struct_size` must be set by the caller.
+/// Per-sequence memory of an existing pool, and the KV-only threshold it uses. Set
+/// `out->struct_size` first.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// `struct_size` too small).
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_pool_memory(
+pub extern "C" fn kvr_gdn_pool_get_memory(
     pool: *const kvr_gdn_pool,
-    out: *mut kvr_gdn_memory,
+    out: *mut kvr_gdn_pool_memory,
 ) -> kvr_status {
-    guard("kvr_gdn_pool_memory", || {
+    guard("kvr_gdn_pool_get_memory", || {
         let pool = pool_from(pool)?;
         non_null(out, "out")?;
         let c = pool.memory();
@@ -341,24 +389,34 @@ pub extern "C" fn kvr_gdn_pool_memory(
             write_versioned(
                 out,
                 memory_to_c(c, pool.config().kv_only_threshold),
-                size_of::<kvr_gdn_memory>(),
-                "kvr_gdn_memory",
+                size_of::<kvr_gdn_pool_memory>(),
+                "kvr_gdn_pool_memory",
             )
         }
     })
 }
 
 /// Adds a sequence (zero state, empty ring, zero conv window; KV-only when the pool has a
-/// threshold) and writes its id to `*out_seq`. Errors: POOL_EXHAUSTED when every slot is in
-/// use. On CUDA the reset is queued on `stream` (NULL: the context's stream).
+/// threshold) and stores its id in `*out_seq`. On CUDA the reset is queued on `stream`
+/// (NULL: the context's stream).
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_POOL_EXHAUSTED` (every slot in use); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: the pool owns the sequence until `kvr_gdn_pool_seq_free` or
+/// `kvr_gdn_pool_free`.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `*out_seq` is not written and the pool is unchanged, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_seq_add(
+pub extern "C" fn kvr_gdn_pool_seq_add(
     pool: *mut kvr_gdn_pool,
     stream: *mut c_void,
-    out_seq: *mut i32,
+    out_seq: *mut kvr_seq_id,
 ) -> kvr_status {
-    guard("kvr_gdn_seq_add", || {
+    guard("kvr_gdn_pool_seq_add", || {
         let pool = pool_from(pool)?;
         non_null(out_seq, "out_seq")?;
         let id = pool.seq_add(Stream(stream as usize))?;
@@ -368,38 +426,54 @@ pub extern "C" fn kvr_gdn_seq_add(
     })
 }
 
-/// Frees a sequence's slot. Errors: UNKNOWN_ID.
+/// Frees a sequence's slot (in every layer, pending drafts included); the slot is reset
+/// when `kvr_gdn_pool_seq_add` reuses it. No device work: `stream` is unused.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID` (not a live sequence).
+/// Ownership: the slot returns to the pool.
+/// Thread safety: thread-safe; device work already queued for the sequence may still run.
+/// On failure: the pool is unchanged.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_seq_free(
+pub extern "C" fn kvr_gdn_pool_seq_free(
     pool: *mut kvr_gdn_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_gdn_seq_free", || {
+    guard("kvr_gdn_pool_seq_free", || {
         pool_from(pool)?.seq_free(seq, Stream(stream as usize))
     })
 }
 
-/// Resets a sequence to the empty state (as just added), discarding pending drafts.
+/// Resets a sequence to the empty state (as just added) in every layer, discarding pending
+/// drafts. On CUDA the reset is queued on `stream`.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: nothing changes hands.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+/// queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_seq_reset(
+pub extern "C" fn kvr_gdn_pool_seq_reset(
     pool: *mut kvr_gdn_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_gdn_seq_reset", || {
+    guard("kvr_gdn_pool_seq_reset", || {
         pool_from(pool)?.seq_reset(seq, Stream(stream as usize))
     })
 }
 
-/// What `kvr_gdn_seq_cursor` reports about one (layer, sequence).
+/// What `kvr_gdn_pool_get_cursor` reports about one (layer, sequence).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvr_gdn_cursor {
-    /// `KVR_GDN_MODE_*`.
-    pub mode: i32,
+    /// `KVR_GDN_MODE_KV_ONLY`, `_REPLAY` or `_RECURRENT`.
+    pub mode: kvr_gdn_mode,
     /// Ring position of the oldest buffered entry.
     pub ring_start: i32,
     /// Buffered committed entries (tokens since the checkpoint, or the KV-only length).
@@ -408,31 +482,47 @@ pub struct kvr_gdn_cursor {
     pub pending: i32,
 }
 
-/// Reads a sequence's cursor for `layer`. On CUDA this waits for the context's own stream
-/// (work queued on another stream must be finished or ordered before it by the caller) and
-/// copies from the device: for diagnostics and tests, not the decode loop.
+/// Reads a sequence's cursor for `layer` into `*out`. On CUDA this waits for the context's
+/// own stream (work queued on another stream must be finished or ordered before it by the
+/// caller) and copies from the device: for diagnostics and tests, not the decode loop.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_seq_cursor(
+pub extern "C" fn kvr_gdn_pool_get_cursor(
     pool: *const kvr_gdn_pool,
     layer: i32,
-    seq: i32,
+    seq: kvr_seq_id,
     out: *mut kvr_gdn_cursor,
 ) -> kvr_status {
-    guard("kvr_gdn_seq_cursor", || {
+    guard("kvr_gdn_pool_get_cursor", || {
         let pool = pool_from(pool)?;
         non_null(out, "out")?;
         let layer = non_negative("layer", layer)?;
         let m = pool.debug_meta(layer, seq)?;
-        // SAFETY: non-NULL.
-        unsafe {
-            out.write(kvr_gdn_cursor {
-                mode: m[0],
-                ring_start: m[1],
-                buffered: m[2],
-                pending: m[3],
-            })
+        let mode = match m[META_MODE] {
+            MODE_KV_ONLY => KVR_GDN_MODE_KV_ONLY,
+            MODE_REPLAY => KVR_GDN_MODE_REPLAY,
+            MODE_RECURRENT => KVR_GDN_MODE_RECURRENT,
+            other => {
+                return Err(Error::Panic(format!(
+                    "sequence {seq}, layer {layer}: metadata holds unknown mode {other}"
+                )))
+            }
         };
+        let cursor = kvr_gdn_cursor {
+            mode,
+            ring_start: m[META_START],
+            buffered: m[META_H],
+            pending: m[META_PENDING],
+        };
+        // SAFETY: non-NULL.
+        unsafe { out.write(cursor) };
         Ok(())
     })
 }
@@ -448,21 +538,31 @@ fn optional_view(t: *const kvr_tensor, name: &str) -> Result<Option<TensorView>>
 
 /// Replaces a sequence's state in `layer` by `state` (the host's prefill result: shape
 /// `[Hv, dk, dv]` for K-major pools or `[Hv, dv, dk]` for V-major, any float dtype, any
-/// strides) and, if `conv` is not NULL, its conv window (`[conv_kernel - 1, conv_dim]`,
-/// oldest first). The ring empties and the sequence leaves KV-only mode. Errors:
-/// UNKNOWN_ID, OUT_OF_RANGE (layer), INVALID_ARG (shape, memory kind, pending drafts),
-/// DTYPE_MISMATCH.
+/// strides, in the context's memory) and, if `conv` is not NULL, its conv window
+/// (`[conv_kernel - 1, conv_dim]`, oldest first). The ring empties and the sequence leaves
+/// KV-only mode. On CUDA the copy is queued on `stream`.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle or `state`);
+/// `KVR_STATUS_INVALID_ARG` (handle, shape, memory kind, negative layer, pending drafts);
+/// `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+/// `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `state`, `conv` and `stream` stay the caller's; device memory must stay valid
+/// until the queued copy has run.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: the sequence is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can
+/// leave queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_import_state(
+pub extern "C" fn kvr_gdn_pool_import_state(
     pool: *mut kvr_gdn_pool,
     layer: i32,
-    seq: i32,
+    seq: kvr_seq_id,
     state: *const kvr_tensor,
     conv: *const kvr_tensor,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_gdn_import_state", || {
+    guard("kvr_gdn_pool_import_state", || {
         let pool = pool_from(pool)?;
         let layer = non_negative("layer", layer)?;
         // SAFETY: NULL-checked descriptor.
@@ -473,19 +573,29 @@ pub extern "C" fn kvr_gdn_import_state(
 }
 
 /// Writes a sequence's current state in `layer` (materialized from the checkpoint and the
-/// ring, or from the KV-only entries) into `out` (shape as for import, any float dtype)
-/// and, if `conv_out` is not NULL, its conv window. The pool does not change.
+/// ring, or from the KV-only entries) into `out` (shape as for import, any float dtype, in
+/// the context's memory) and, if `conv_out` is not NULL, its conv window. The pool does not
+/// change. On CUDA the work is queued on `stream`.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shape, memory kind, negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `out`, `conv_out` and `stream` stay the caller's.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `out` and `conv_out` are not written (after `KVR_STATUS_CUDA_ERROR`:
+/// unspecified).
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_export_state(
+pub extern "C" fn kvr_gdn_pool_export_state(
     pool: *const kvr_gdn_pool,
     layer: i32,
-    seq: i32,
+    seq: kvr_seq_id,
     out: *const kvr_tensor,
     conv_out: *const kvr_tensor,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_gdn_export_state", || {
+    guard("kvr_gdn_pool_export_state", || {
         let pool = pool_from(pool)?;
         let layer = non_negative("layer", layer)?;
         // SAFETY: NULL-checked descriptor.
@@ -495,7 +605,8 @@ pub extern "C" fn kvr_gdn_export_state(
     })
 }
 
-/// Options of `kvr_gdn_decode` / `kvr_gdn_verify`; fill with `kvr_gdn_step_params_default`.
+/// Options of `kvr_gdn_pool_decode` / `kvr_gdn_pool_verify`; fill with
+/// `kvr_gdn_step_params_default`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvr_gdn_step_params {
@@ -519,6 +630,11 @@ fn default_step_params() -> kvr_gdn_step_params {
 }
 
 /// Fills `*params` with the defaults (scale 1/sqrt(dk), no L2 norm).
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_gdn_step_params_default(params: *mut kvr_gdn_step_params) -> kvr_status {
@@ -600,22 +716,33 @@ fn step(
 
 /// One token for each sequence of a batch, in one launch, committed at once.
 ///
-/// `seq_ids`: i32 `[B]`, host or device memory (-1: an unused row, output zeros; device ids
-/// must be distinct and live, and discard any uncommitted drafts). q, k: `[B, Hk, dk]` (or
-/// `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta (post-sigmoid): `[B, Hv]`;
-/// conv_in (required when the pool keeps conv windows, else NULL): `[B, conv_dim]`. Float
-/// dtypes f32/f16/bf16 (each tensor its own); on CUDA the last dimension of q, k, v, out
-/// must be contiguous. The output comes from the checkpoint and the ring; the state is
-/// written only for sequences whose ring is full (decided on the device) or that leave
-/// KV-only mode. Asynchronous on CUDA and capturable in a CUDA Graph (host ids travel in
-/// the launch parameters).
+/// `seq_ids`: i32 `[B]`, host or device memory (`KVR_SEQ_NONE`: an unused row, output
+/// zeros; device ids must be distinct and live, and discard any uncommitted drafts). q, k:
+/// `[B, Hk, dk]` (or `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta
+/// (post-sigmoid): `[B, Hv]`; conv_in (required when the pool keeps conv windows, else
+/// NULL): `[B, conv_dim]`. Float dtypes f32/f16/bf16 (each tensor its own); on CUDA the
+/// last dimension of q, k, v, out must be contiguous. `params` may be NULL for the
+/// defaults. The output comes from the checkpoint and the ring; the state is written only
+/// for sequences whose ring is full (decided on the device) or that leave KV-only mode.
+/// CUDA: queued on `stream`; never synchronizes or allocates, and capturable in a CUDA
+/// Graph (host ids travel in the launch parameters, 512 rows per launch).
 ///
-/// Errors: UNKNOWN_ID, OUT_OF_RANGE (layer, batch), INVALID_ARG (shapes, memory kinds,
-/// pending drafts), DTYPE_MISMATCH; nothing changes on error.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
+/// the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
+/// strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
+/// windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
+/// valid until the queued launch has run.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `out` is not written and the pool never changes, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn kvr_gdn_decode(
+pub extern "C" fn kvr_gdn_pool_decode(
     pool: *mut kvr_gdn_pool,
     layer: i32,
     seq_ids: *const kvr_tensor,
@@ -630,7 +757,7 @@ pub extern "C" fn kvr_gdn_decode(
     stream: *mut c_void,
 ) -> kvr_status {
     step(
-        "kvr_gdn_decode",
+        "kvr_gdn_pool_decode",
         pool,
         layer,
         seq_ids,
@@ -649,16 +776,29 @@ pub extern "C" fn kvr_gdn_decode(
 
 /// T draft tokens per sequence (1..=max_drafts, <= ring_len) in one launch: outputs for
 /// every draft without any per-draft state (recurrent pools: one snapshot per draft). The
-/// drafts stay pending until `kvr_gdn_commit`; a sequence whose ring cannot take 2T more
-/// entries flushes first.
+/// drafts stay pending until `kvr_gdn_pool_commit`; a sequence whose ring cannot take 2T
+/// more entries flushes first.
 ///
-/// Tensors as for `kvr_gdn_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
+/// Tensors as for `kvr_gdn_pool_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
 /// `[B, T, Hv, dv]`; g, beta `[B, T, Hv]`; conv_in `[B, T, conv_dim]`. `seq_ids` must be in
-/// host memory. Errors as for decode, plus OUT_OF_RANGE for T.
+/// host memory. CUDA: queued on `stream`, never synchronizes or allocates.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
+/// the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
+/// strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
+/// windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch, T); `KVR_STATUS_UNSUPPORTED`
+/// (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+/// `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: as for `kvr_gdn_pool_decode`.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `out` is not written and no draft becomes pending, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn kvr_gdn_verify(
+pub extern "C" fn kvr_gdn_pool_verify(
     pool: *mut kvr_gdn_pool,
     layer: i32,
     seq_ids: *const kvr_tensor,
@@ -673,7 +813,7 @@ pub extern "C" fn kvr_gdn_verify(
     stream: *mut c_void,
 ) -> kvr_status {
     step(
-        "kvr_gdn_verify",
+        "kvr_gdn_pool_verify",
         pool,
         layer,
         seq_ids,
@@ -691,26 +831,36 @@ pub extern "C" fn kvr_gdn_verify(
 }
 
 /// Commits `accepted[i]` of the verified drafts of `seq_ids[i]` in `layer`
-/// (`KVR_ALL_LAYERS`: every layer, one launch). Accepted drafts stay in the ring where
+/// (`KVR_LAYER_ALL`: every layer, one launch). Accepted drafts stay in the ring where
 /// verify put them; the rest vanish; recurrent pools adopt the last accepted draft's
 /// snapshot. `accepted` is i32 `[B]` in host memory (checked: 0..=T) or device memory
 /// (clamped to 0..=T on the device; the host never waits). `seq_ids` is host i32 `[B]`.
 /// With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, one layer only), the conv window of
-/// each accepted prefix is written there: the conv state the host's next step needs.
+/// each accepted prefix is written there: the conv state the host's next step needs. CUDA:
+/// queued on `stream`, never synchronizes or allocates.
 ///
-/// Errors: INVALID_ARG (no verified drafts, shapes), OUT_OF_RANGE (host counts),
-/// UNKNOWN_ID, DTYPE_MISMATCH; nothing changes on error.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, no
+/// verified drafts, shapes, `conv_state` with `KVR_LAYER_ALL`); `KVR_STATUS_OUT_OF_RANGE`
+/// (layer, host counts above T); `KVR_STATUS_UNSUPPORTED` (`seq_ids` in device memory);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: all tensors and `stream` stay the caller's; device memory must stay valid
+/// until the queued launch has run.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: the drafts stay pending and nothing is written, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_commit(
+pub extern "C" fn kvr_gdn_pool_commit(
     pool: *mut kvr_gdn_pool,
-    layer: i32,
+    layer: kvr_layer_select,
     seq_ids: *const kvr_tensor,
     accepted: *const kvr_tensor,
     conv_state: *const kvr_tensor,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_gdn_commit", || {
+    guard("kvr_gdn_pool_commit", || {
         let pool = pool_from(pool)?;
         let layer = layer_arg(layer)?;
         // SAFETY: NULL-checked descriptors.
@@ -725,9 +875,9 @@ pub extern "C" fn kvr_gdn_commit(
     })
 }
 
-fn layer_arg(layer: i32) -> Result<Option<usize>> {
+fn layer_arg(layer: kvr_layer_select) -> Result<Option<usize>> {
     match layer {
-        KVR_ALL_LAYERS => Ok(None),
+        KVR_LAYER_ALL => Ok(None),
         l if l >= 0 => Ok(Some(l as usize)),
         l => Err(Error::OutOfRange(format!("layer {l} is negative"))),
     }
@@ -735,16 +885,27 @@ fn layer_arg(layer: i32) -> Result<Option<usize>> {
 
 /// Writes each listed sequence's current state into its checkpoint and empties its ring
 /// (before saving a checkpoint or preempting); KV-only sequences get their state
-/// materialized. `layer` may be `KVR_ALL_LAYERS`; `seq_ids` is host i32 `[B]`.
+/// materialized. `layer` may be `KVR_LAYER_ALL`; `seq_ids` is host i32 `[B]`. CUDA: queued
+/// on `stream`.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shape, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNSUPPORTED`
+/// (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+/// `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `seq_ids` and `stream` stay the caller's.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+/// queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_gdn_flush(
+pub extern "C" fn kvr_gdn_pool_flush(
     pool: *mut kvr_gdn_pool,
-    layer: i32,
+    layer: kvr_layer_select,
     seq_ids: *const kvr_tensor,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_gdn_flush", || {
+    guard("kvr_gdn_pool_flush", || {
         let pool = pool_from(pool)?;
         let layer = layer_arg(layer)?;
         // SAFETY: NULL-checked descriptor.

@@ -63,12 +63,16 @@ where
     }
 }
 
-/// Returns a NUL-terminated message describing the last failure on the calling thread, or
-/// "" if no call on this thread has failed. Successful calls do not clear it. The pointer
-/// stays valid until the next failing kvreplay call on the same thread; do not free it.
-/// Thread-safe (each thread has its own message).
+/// Returns the message of the last failure on the calling thread.
+///
+/// Returns: a NUL-terminated message naming the function and the reason, or "" if no call
+/// on this thread has failed. Never NULL. Successful calls do not clear it.
+/// Ownership: the library's; valid until the next failing kvreplay call on the same thread.
+/// Do not free it.
+/// Thread safety: thread-safe; each thread has its own message.
+/// On failure: cannot fail.
 #[no_mangle]
-pub extern "C" fn kvr_last_error_message() -> *const c_char {
+pub extern "C" fn kvr_error_last_message() -> *const c_char {
     LAST_ERROR.with(|e| match e.borrow().as_ref() {
         Some(c) => c.as_ptr(),
         None => c"".as_ptr(),
@@ -142,7 +146,7 @@ mod tests {
     fn panics_become_a_status_and_a_message() {
         let s = guard("kvr_test_fn", || panic!("kaboom {}", 7));
         assert_eq!(s, KVR_STATUS_PANIC);
-        let msg = unsafe { std::ffi::CStr::from_ptr(kvr_last_error_message()) };
+        let msg = unsafe { std::ffi::CStr::from_ptr(kvr_error_last_message()) };
         let msg = msg.to_str().unwrap();
         assert!(
             msg.contains("kvr_test_fn") && msg.contains("kaboom 7"),

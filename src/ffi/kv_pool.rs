@@ -13,6 +13,12 @@ use crate::kv::{
     Admission, DecodeIo, DecodeOptions, KvPool, KvPoolConfig, KvStorage, LayerLayout, SeqId,
 };
 
+/// A sequence id of a pool (`kvr_kv_pool`, `kvr_gdn_pool`): >= 0 for a live sequence, or
+/// `KVR_SEQ_NONE`.
+pub type kvr_seq_id = i32;
+/// No sequence: a new one in `kvr_kv_pool_admit`, an unused row in a batch's `seq_ids`.
+pub const KVR_SEQ_NONE: kvr_seq_id = -1 as kvr_seq_id;
+
 /// A paged KV pool (opaque). Created by `kvr_kv_pool_new`, freed by `kvr_kv_pool_free`.
 pub struct kvr_kv_pool {
     _private: [u8; 0],
@@ -20,8 +26,11 @@ pub struct kvr_kv_pool {
 
 pub(crate) static POOLS: Registry<KvPool> = Registry::new("kvr_kv_pool");
 
-/// `layer` value of `kvr_kv_pool_write` that writes every layer.
-pub const KVR_ALL_LAYERS: i32 = -1;
+/// The `layer` argument of calls that can cover every layer at once (`kvr_kv_pool_write`,
+/// `kvr_gdn_pool_commit`, `kvr_gdn_pool_flush`): a layer index >= 0, or `KVR_LAYER_ALL`.
+pub type kvr_layer_select = i32;
+/// Every layer of the pool, in one call.
+pub const KVR_LAYER_ALL: kvr_layer_select = -1 as kvr_layer_select;
 
 /// One layer's K and V memory for a pool over caller-owned tensors. Element `d` of head `h`
 /// at slot `s` of page `p` is at `k + (p * k_stride_page + h * k_stride_head +
@@ -114,9 +123,13 @@ fn pool_from(p: *const kvr_kv_pool) -> Result<std::sync::Arc<KvPool>> {
 }
 
 /// Fills `*params` with the defaults (page size 16, f16, 256 sequences, 131072 tokens,
-/// owned memory); the caller still sets `n_layers`, `n_kv_heads`, `head_dim` and a capacity.
+/// owned memory); the caller still sets `n_layers`, `n_kv_heads`, `head_dim` and a
+/// capacity.
 ///
-/// Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_params_default(params: *mut kvr_kv_pool_params) -> kvr_status {
@@ -196,17 +209,21 @@ fn config_from(p: &kvr_kv_pool_params) -> Result<(KvPoolConfig, KvStorage)> {
     Ok((cfg, storage))
 }
 
-/// Creates a pool on `ctx` and stores it in `*out`.
+/// Creates a pool on `ctx` and stores it in `*out`. Owned memory is allocated zeroed in the
+/// context's memory (synchronously: setup time only).
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, params or out, or a NULL
-/// pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`, or a
+/// NULL pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
 /// neither capacity set, `struct_size` too small, overlapping or misaligned external
 /// strides, not a live context); `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
 /// `KVR_STATUS_OUT_OF_RANGE` (sizes past the 32-bit device indices, a budget smaller than a
 /// page); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_UNSUPPORTED` (CUDA shared memory too
-/// small); `KVR_STATUS_CUDA_ERROR`. `*out` is written only on success; the caller owns the
-/// pool and frees it with `kvr_kv_pool_free`. The pool keeps the context alive.
-/// Thread-safe.
+/// small); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: the caller owns the new pool and frees it with `kvr_kv_pool_free`; the pool
+/// keeps `ctx` alive. `params` and its `layers` array are copied; the memory `layers`
+/// points at stays the caller's and must outlive the pool.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written and nothing is left allocated.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_new(
@@ -236,10 +253,17 @@ pub extern "C" fn kvr_kv_pool_new(
     })
 }
 
-/// Frees a pool and (if it owns it) its memory. NULL is a no-op; a dead handle is ignored
-/// and recorded in `kvr_last_error_message`. On CUDA the caller must make sure no queued
-/// work still uses the pool (CUDA Graphs that contain its decodes must be destroyed first).
-/// Do not free a pool while another thread is inside a call on it.
+/// Frees a pool, every sequence in it and (if the pool allocated it) its memory. NULL is a
+/// no-op. On CUDA, work queued that uses the pool must be complete (CUDA Graphs that
+/// contain its launches must not run again): owned memory is released at once.
+///
+/// Returns: nothing.
+/// Ownership: ends the caller's ownership of `pool` and releases its reference to the
+/// context; memory given in `kvr_kv_pool_params.layers` stays the caller's.
+/// Thread safety: thread-safe; a call already running on another thread keeps the pool
+/// alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+/// On failure: a handle that is not a live pool (freed already, or of another kind) is
+/// ignored and recorded in `kvr_error_last_message`; nothing changes.
 #[no_mangle]
 pub extern "C" fn kvr_kv_pool_free(pool: *mut kvr_kv_pool) {
     if pool.is_null() {
@@ -248,17 +272,24 @@ pub extern "C" fn kvr_kv_pool_free(pool: *mut kvr_kv_pool) {
     let _ = guard("kvr_kv_pool_free", || POOLS.remove(pool as usize).map(drop));
 }
 
-/// Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`.
+/// Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`. Device
+/// tables are patched on `stream` (NULL: the context's stream).
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (dead handle);
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (dead handle);
 /// `KVR_STATUS_POOL_EXHAUSTED` (all `max_seqs` ids in use); `KVR_STATUS_CUDA_ERROR`.
-/// Device tables are patched on `stream` (NULL: the context's). Thread-safe.
+/// Ownership: the pool owns the sequence until `kvr_kv_pool_seq_free` or
+/// `kvr_kv_pool_free`.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `*out_seq` is not written and the pool is unchanged, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_seq_add(
     pool: *mut kvr_kv_pool,
     stream: *mut c_void,
-    out_seq: *mut i32,
+    out_seq: *mut kvr_seq_id,
 ) -> kvr_status {
     guard("kvr_kv_pool_seq_add", || {
         let pool = pool_from(pool)?;
@@ -271,14 +302,20 @@ pub extern "C" fn kvr_kv_pool_seq_add(
 }
 
 /// Frees sequence `seq`, releasing its pages (shared pages stay with their other owners).
+/// Its id becomes free for `kvr_kv_pool_seq_add`.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
-/// `KVR_STATUS_UNKNOWN_ID` (not a live sequence); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID` (not a live sequence); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: the sequence's pages return to the pool.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+/// queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_seq_free(
     pool: *mut kvr_kv_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     stream: *mut c_void,
 ) -> kvr_status {
     guard("kvr_kv_pool_seq_free", || {
@@ -290,16 +327,22 @@ pub extern "C" fn kvr_kv_pool_seq_free(
 /// its id in `*out_seq`. A later append into a shared, partly filled last page copies that
 /// page first (copy-on-write), on either side.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
 /// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_POOL_EXHAUSTED` (no free id);
-/// `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+/// `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: the pool owns the new sequence; free it with `kvr_kv_pool_seq_free`.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `*out_seq` is not written and the pool is unchanged, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_seq_fork(
     pool: *mut kvr_kv_pool,
-    src: i32,
+    src: kvr_seq_id,
     stream: *mut c_void,
-    out_seq: *mut i32,
+    out_seq: *mut kvr_seq_id,
 ) -> kvr_status {
     guard("kvr_kv_pool_seq_fork", || {
         let pool = pool_from(pool)?;
@@ -314,14 +357,19 @@ pub extern "C" fn kvr_kv_pool_seq_fork(
 /// Shortens `seq` to `len` tokens (rejecting speculative tokens), releasing whole pages
 /// past the new end.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
 /// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`len` negative or past the current
-/// length); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+/// length); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: released pages return to the pool.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: the pool is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+/// queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_seq_truncate(
     pool: *mut kvr_kv_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     len: i64,
     stream: *mut c_void,
 ) -> kvr_status {
@@ -335,16 +383,19 @@ pub extern "C" fn kvr_kv_pool_seq_truncate(
 
 /// Stores the length of `seq` in `*out_len`.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
-/// `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID`.
+/// Ownership: `*out_len` is the caller's.
+/// Thread safety: thread-safe.
+/// On failure: `*out_len` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_kv_pool_seq_len(
+pub extern "C" fn kvr_kv_pool_get_seq_len(
     pool: *const kvr_kv_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     out_len: *mut i64,
 ) -> kvr_status {
-    guard("kvr_kv_pool_seq_len", || {
+    guard("kvr_kv_pool_get_seq_len", || {
         let pool = pool_from(pool)?;
         non_null(out_len, "out_len")?;
         let n = pool.seq_len(seq)? as i64;
@@ -356,21 +407,24 @@ pub extern "C" fn kvr_kv_pool_seq_len(
 
 /// Copies `seq`'s block table (page ids in token order) into `pages` (room for `capacity`
 /// entries; may be NULL when `capacity` is 0) and stores the number of pages in
-/// `*out_count`, also when it exceeds `capacity` (then nothing is copied and the status
-/// is `KVR_STATUS_OUT_OF_RANGE`).
+/// `*out_count`.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG`;
-/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (more pages than `capacity`).
+/// Ownership: `pages` and `*out_count` are the caller's.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written, except that `KVR_STATUS_OUT_OF_RANGE` stores the page
+/// count in `*out_count` (the room to make) and copies nothing.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_kv_pool_seq_pages(
+pub extern "C" fn kvr_kv_pool_get_seq_pages(
     pool: *const kvr_kv_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     pages: *mut i32,
     capacity: i64,
     out_count: *mut i64,
 ) -> kvr_status {
-    guard("kvr_kv_pool_seq_pages", || {
+    guard("kvr_kv_pool_get_seq_pages", || {
         let pool = pool_from(pool)?;
         non_null(out_count, "out_count")?;
         let table = pool.seq_pages(seq)?;
@@ -397,7 +451,7 @@ pub extern "C" fn kvr_kv_pool_seq_pages(
 }
 
 /// Reads `n` (sequence, count) pairs from two C arrays.
-fn groups_from(seqs: *const i32, counts: *const i32, n: i32) -> Result<Vec<(SeqId, usize)>> {
+fn groups_from(seqs: *const kvr_seq_id, counts: *const i32, n: i32) -> Result<Vec<(SeqId, usize)>> {
     if n < 0 {
         return Err(Error::InvalidArgument(format!("n = {n} is negative")));
     }
@@ -423,18 +477,22 @@ fn groups_from(seqs: *const i32, counts: *const i32, n: i32) -> Result<Vec<(SeqI
 /// Reserves `counts[i]` more positions in sequence `seqs[i]` for each of the `n` entries,
 /// allocating pages (and copying a shared, partly filled last page first). The lengths grow
 /// at once; fill the new positions with `kvr_kv_pool_write` (per layer or all layers)
-/// before decoding over them. All or nothing.
+/// before decoding over them. Device work is queued on `stream`.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL arrays with n > 0);
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL arrays with n > 0);
 /// `KVR_STATUS_INVALID_ARG` (handle, negative count, a sequence listed twice);
 /// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (past `max_seq_len`);
-/// `KVR_STATUS_POOL_EXHAUSTED` (not enough free pages: nothing changed);
-/// `KVR_STATUS_CUDA_ERROR`. Thread-safe; device work on `stream`.
+/// `KVR_STATUS_POOL_EXHAUSTED` (not enough free pages); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `seqs` and `counts` are read during the call only.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: all or nothing: no sequence grows, except after `KVR_STATUS_CUDA_ERROR`,
+/// which can leave queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_extend(
     pool: *mut kvr_kv_pool,
-    seqs: *const i32,
+    seqs: *const kvr_seq_id,
     counts: *const i32,
     n: i32,
     stream: *mut c_void,
@@ -448,23 +506,32 @@ pub extern "C" fn kvr_kv_pool_extend(
 
 /// Writes K and V into the last `counts[i]` positions of each sequence `seqs[i]`: for one
 /// layer (`layer` >= 0, `k`/`v` shaped `[tokens, n_kv_heads, head_dim]`) or all layers
-/// (`layer = KVR_ALL_LAYERS`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
+/// (`layer = KVR_LAYER_ALL`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
 /// the sequences' new tokens in list order (`tokens = sum(counts)`). `k` and `v` may be in
 /// host memory or (CUDA) device memory, any float dtype (converted to the pool's) and any
 /// strides. The positions must not be in a page shared with another sequence (extend
-/// first). On CUDA the copy is queued on `stream`; host sources are read before return.
+/// first). CUDA: the copy is queued on `stream`; K/V in host memory are first copied into
+/// stream-ordered device memory (`cuMemAllocAsync`, freed on `stream` after the copy) and
+/// read before the call returns, so that form allocates and cannot be captured in a CUDA
+/// Graph (pass device memory there).
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, shapes,
-/// shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shapes, shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
 /// `KVR_STATUS_OUT_OF_RANGE` (layer, count past a length); `KVR_STATUS_DTYPE_MISMATCH`;
-/// `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+/// `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `k`, `v`, `seqs`, `counts` and `stream` stay the caller's; device-memory
+/// `k`/`v` must stay valid until the queued copy has run.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: nothing is written, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+/// queued device work half done (free the objects the call used).
 #[no_mangle]
 #[must_use]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn kvr_kv_pool_write(
     pool: *mut kvr_kv_pool,
-    layer: i32,
-    seqs: *const i32,
+    layer: kvr_layer_select,
+    seqs: *const kvr_seq_id,
     counts: *const i32,
     n: i32,
     k: *const kvr_tensor,
@@ -481,24 +548,34 @@ pub extern "C" fn kvr_kv_pool_write(
     })
 }
 
-fn layer_arg(layer: i32, all_allowed: bool) -> Result<Option<usize>> {
+fn layer_arg(layer: kvr_layer_select, all_allowed: bool) -> Result<Option<usize>> {
     match layer {
-        KVR_ALL_LAYERS if all_allowed => Ok(None),
+        KVR_LAYER_ALL if all_allowed => Ok(None),
         l if l >= 0 => Ok(Some(l as usize)),
         l => Err(Error::OutOfRange(format!("layer {l} is negative"))),
     }
 }
 
-/// Appends tokens to `seq` for all layers: `k`/`v` shaped `[n_layers, n, n_kv_heads,
-/// head_dim]` (n new tokens; host or device memory, any float dtype and strides). Equal to
-/// `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all layers, all or nothing.
+/// Appends tokens to `seq` for all layers: `k`/`v` shaped
+/// `[n_layers, n, n_kv_heads, head_dim]` (n new tokens; host or device memory, any float
+/// dtype and strides). Equal to `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all
+/// layers (host K/V allocate as there).
 ///
-/// Returns like `kvr_kv_pool_extend` and `kvr_kv_pool_write`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shapes, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`
+/// (past `max_seq_len`); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_POOL_EXHAUSTED`;
+/// `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: as for `kvr_kv_pool_write`.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: all or nothing: the sequence does not grow, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_append(
     pool: *mut kvr_kv_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     k: *const kvr_tensor,
     v: *const kvr_tensor,
     stream: *mut c_void,
@@ -514,23 +591,27 @@ pub extern "C" fn kvr_kv_pool_append(
 /// Admission verdict of `kvr_kv_pool_admit`.
 pub type kvr_admission = i32;
 /// Fits now.
-pub const KVR_ADMIT_OK: kvr_admission = 0;
+pub const KVR_ADMIT_OK: kvr_admission = 0 as kvr_admission;
 /// Does not fit now, would in a pool with enough pages / ids free.
-pub const KVR_ADMIT_LATER: kvr_admission = 1;
+pub const KVR_ADMIT_LATER: kvr_admission = 1 as kvr_admission;
 /// Can never fit: longer than `max_seq_len` or more pages than the pool has.
-pub const KVR_ADMIT_NEVER: kvr_admission = 2;
+pub const KVR_ADMIT_NEVER: kvr_admission = 2 as kvr_admission;
 
-/// Says whether a new sequence of `n_tokens` (`seq = -1`) or growing `seq` by `n_tokens`
-/// fits: `KVR_ADMIT_OK`, `KVR_ADMIT_LATER` (not enough free pages or ids now) or
-/// `KVR_ADMIT_NEVER`. Changes nothing.
+/// Says whether a new sequence of `n_tokens` (`seq = KVR_SEQ_NONE`) or growing `seq` by
+/// `n_tokens` fits: `KVR_ADMIT_OK`, `KVR_ADMIT_LATER` (not enough free pages or ids now) or
+/// `KVR_ADMIT_NEVER`, stored in `*out`. Changes nothing.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// negative `n_tokens`); `KVR_STATUS_UNKNOWN_ID`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative `n_tokens`); `KVR_STATUS_UNKNOWN_ID`.
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe; the verdict can change as soon as another thread changes the
+/// pool.
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_kv_pool_admit(
     pool: *const kvr_kv_pool,
-    seq: i32,
+    seq: kvr_seq_id,
     n_tokens: i64,
     out: *mut kvr_admission,
 ) -> kvr_status {
@@ -539,7 +620,7 @@ pub extern "C" fn kvr_kv_pool_admit(
         non_null(out, "out")?;
         let n = usize::try_from(n_tokens)
             .map_err(|_| Error::InvalidArgument(format!("n_tokens {n_tokens} is negative")))?;
-        let a = pool.admit(if seq == -1 { None } else { Some(seq) }, n)?;
+        let a = pool.admit(if seq == KVR_SEQ_NONE { None } else { Some(seq) }, n)?;
         let v = match a {
             Admission::Ok => KVR_ADMIT_OK,
             Admission::Later => KVR_ADMIT_LATER,
@@ -551,11 +632,11 @@ pub extern "C" fn kvr_kv_pool_admit(
     })
 }
 
-/// Pool occupancy, filled by `kvr_kv_pool_stats`.
+/// Pool occupancy, filled by `kvr_kv_pool_get_stats`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct kvr_kv_stats {
-    /// Set to `sizeof(kvr_kv_stats)` before the call.
+pub struct kvr_kv_pool_stats {
+    /// Set to `sizeof(kvr_kv_pool_stats)` before the call.
     pub struct_size: u32,
     /// Reserved, 0.
     pub reserved: u32,
@@ -579,20 +660,23 @@ pub struct kvr_kv_stats {
 
 /// Fills `*out` with the pool's occupancy. Set `out->struct_size` first.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// `struct_size` too small). Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// `struct_size` too small).
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe (a consistent snapshot under the pool's lock).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_kv_pool_stats(
+pub extern "C" fn kvr_kv_pool_get_stats(
     pool: *const kvr_kv_pool,
-    out: *mut kvr_kv_stats,
+    out: *mut kvr_kv_pool_stats,
 ) -> kvr_status {
-    guard("kvr_kv_pool_stats", || {
+    guard("kvr_kv_pool_get_stats", || {
         let pool = pool_from(pool)?;
         non_null(out, "out")?;
         let s = pool.stats();
-        let c = kvr_kv_stats {
-            struct_size: size_of::<kvr_kv_stats>() as u32,
+        let c = kvr_kv_pool_stats {
+            struct_size: size_of::<kvr_kv_pool_stats>() as u32,
             reserved: 0,
             pages_total: s.pages_total as i64,
             pages_used: s.pages_used as i64,
@@ -604,15 +688,15 @@ pub extern "C" fn kvr_kv_pool_stats(
             page_bytes: s.page_bytes as i64,
         };
         // SAFETY: non-NULL, `struct_size` writable bytes.
-        unsafe { write_versioned(out, c, size_of::<kvr_kv_stats>(), "kvr_kv_stats") }
+        unsafe { write_versioned(out, c, size_of::<kvr_kv_pool_stats>(), "kvr_kv_pool_stats") }
     })
 }
 
-/// Options for `kvr_kv_decode`; fill with `kvr_decode_params_default`.
+/// Options for `kvr_kv_pool_decode`; fill with `kvr_kv_decode_params_default`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct kvr_decode_params {
-    /// `sizeof(kvr_decode_params)` as the caller compiled it.
+pub struct kvr_kv_decode_params {
+    /// `sizeof(kvr_kv_decode_params)` as the caller compiled it.
     pub struct_size: u32,
     /// Softmax scale; 0 (default) = 1 / sqrt(head_dim).
     pub scale: f32,
@@ -626,11 +710,11 @@ pub struct kvr_decode_params {
     pub max_ctas: i32,
 }
 
-const DECODE_PARAMS_V1: usize = size_of::<kvr_decode_params>();
+const DECODE_PARAMS_V1: usize = size_of::<kvr_kv_decode_params>();
 
-fn default_decode_params() -> kvr_decode_params {
-    kvr_decode_params {
-        struct_size: size_of::<kvr_decode_params>() as u32,
+fn default_decode_params() -> kvr_kv_decode_params {
+    kvr_kv_decode_params {
+        struct_size: size_of::<kvr_kv_decode_params>() as u32,
         scale: 0.0,
         softcap: 0.0,
         window: 0,
@@ -638,13 +722,17 @@ fn default_decode_params() -> kvr_decode_params {
     }
 }
 
-/// Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window).
+/// Fills `*params` with the defaults (scale 1/sqrt(d), no softcap, no window, CTAs for one
+/// full wave).
 ///
-/// Returns `KVR_STATUS_OK` or `KVR_STATUS_NULL_ARG`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_decode_params_default(params: *mut kvr_decode_params) -> kvr_status {
-    guard("kvr_decode_params_default", || {
+pub extern "C" fn kvr_kv_decode_params_default(params: *mut kvr_kv_decode_params) -> kvr_status {
+    guard("kvr_kv_decode_params_default", || {
         non_null(params, "params")?;
         // SAFETY: non-NULL.
         unsafe { params.write(default_decode_params()) };
@@ -656,38 +744,48 @@ pub extern "C" fn kvr_decode_params_default(params: *mut kvr_decode_params) -> k
 /// token per sequence) or `[B, T, Hq, head_dim]` (T = 1..8 query tokens: the last T tokens
 /// of each sequence, causal among themselves, for speculative verification) against the K/V
 /// of `layer`, written to `out` (same shape as `q`) and, if `lse` is not NULL, the
-/// log-sum-exp of the scaled scores (natural log, f32 `[B, Hq]` / `[B, T, Hq]`).
-/// `seq_ids` is an i32 `[B]` tensor of sequence ids (-1: an unused row, which gets zeros).
-/// Hq must be a multiple of the pool's KV heads, at most 16 per KV head (GQA, MQA, MHA).
-/// q/out: f32, f16 or bf16 (converted); the pool's K/V: f16 or bf16 on CUDA (f32 too on
-/// the CPU). `params` may be NULL for the defaults.
+/// log-sum-exp of the scaled scores (natural log, f32 `[B, Hq]` / `[B, T, Hq]`). `seq_ids`
+/// is an i32 `[B]` tensor of sequence ids (`KVR_SEQ_NONE`: an unused row, which gets
+/// zeros). Hq must be a multiple of the pool's KV heads, at most 16 per KV head (GQA, MQA,
+/// MHA). q/out: f32, f16 or bf16 (converted); the pool's K/V: f16 or bf16 on CUDA (f32 too
+/// on the CPU). `params` may be NULL for the defaults.
 ///
 /// CUDA: queued on `stream`; never synchronizes or allocates. The split across the GPU is
 /// computed on the device from the lengths in device memory, so a decode captured in a CUDA
-/// Graph stays correct while sequences grow. With `seq_ids` in host memory (B <= 512) the
-/// ids travel in the launch parameters (a captured graph keeps that batch); with `seq_ids`
-/// in device memory the kernel reads them (the batch may change between replays). Decodes
-/// and pool updates of one pool must be ordered on one stream.
+/// Graph stays correct while sequences grow. With `seq_ids` in host memory and B <= 512 the
+/// ids travel in the launch parameters (a captured graph keeps that batch); more host ids
+/// are copied into a buffer of the pool (`cuMemcpyHtoDAsync` from pageable memory: not
+/// capturable); with `seq_ids` in device memory the kernel reads them (the batch may change
+/// between replays).
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// shapes, memory kinds, strides); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID`
-/// (an id in host `seq_ids` that is not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8,
-/// group > 16, a sequence shorter than T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or
-/// a head dim without a kernel on CUDA); `KVR_STATUS_CUDA_ERROR`. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shapes, memory kinds, strides, negative `window` or `max_ctas`);
+/// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID` (an id in host `seq_ids` that is
+/// not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8, group > 16, a sequence shorter than
+/// T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or a head dim without a kernel on
+/// CUDA); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
+/// valid until the queued launch has run.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events). Decodes and
+/// pool updates of one pool must be ordered on one stream.
+/// On failure: `out` and `lse` are not written and the pool never changes, except after
+/// `KVR_STATUS_CUDA_ERROR`, which can leave queued device work half done (free the objects
+/// the call used).
 #[no_mangle]
 #[must_use]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn kvr_kv_decode(
+pub extern "C" fn kvr_kv_pool_decode(
     pool: *mut kvr_kv_pool,
     layer: i32,
     seq_ids: *const kvr_tensor,
     q: *const kvr_tensor,
     out: *const kvr_tensor,
     lse: *const kvr_tensor,
-    params: *const kvr_decode_params,
+    params: *const kvr_kv_decode_params,
     stream: *mut c_void,
 ) -> kvr_status {
-    guard("kvr_kv_decode", || {
+    guard("kvr_kv_pool_decode", || {
         let pool = pool_from(pool)?;
         let layer = layer_arg(layer, false)?.expect("one layer");
         let p = if params.is_null() {
@@ -699,7 +797,7 @@ pub extern "C" fn kvr_kv_decode(
                     params,
                     default_decode_params(),
                     DECODE_PARAMS_V1,
-                    "kvr_decode_params",
+                    "kvr_kv_decode_params",
                 )?
             }
         };

@@ -36,22 +36,27 @@ fn model_from(p: *const kvr_model) -> Result<Arc<ModelEntry>> {
 /// Layer kinds of `kvr_layer_plan`.
 pub type kvr_layer_kind = i32;
 /// Softmax attention (a KV cache).
-pub const KVR_LAYER_ATTENTION: kvr_layer_kind = 0;
+pub const KVR_LAYER_ATTENTION: kvr_layer_kind = 0 as kvr_layer_kind;
 /// Gated DeltaNet (a linear-attention state).
-pub const KVR_LAYER_GDN: kvr_layer_kind = 1;
+pub const KVR_LAYER_GDN: kvr_layer_kind = 1 as kvr_layer_kind;
 /// Mamba-2 (an SSM state).
-pub const KVR_LAYER_MAMBA2: kvr_layer_kind = 2;
+pub const KVR_LAYER_MAMBA2: kvr_layer_kind = 2 as kvr_layer_kind;
 /// A block without a sequence mixer (no cache).
-pub const KVR_LAYER_MLP: kvr_layer_kind = 3;
+pub const KVR_LAYER_MLP: kvr_layer_kind = 3 as kvr_layer_kind;
 
 /// Opens a GGUF file (memory-mapped, not read into memory), validates it and plans its
 /// layers. Architectures: llama, qwen2, qwen3, qwen3next, qwen35, mamba2, nemotron_h,
 /// granitehybrid.
 ///
-/// Errors: NULL_ARG; IO_ERROR (cannot open or map); MALFORMED_FILE (truncated, corrupted
-/// or inconsistent: counts or lengths past the end, tensors past the end, misaligned or
-/// overlapping, missing or out-of-range keys); UNSUPPORTED (another architecture,
-/// big-endian, GGUF v1). Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (`path` is not
+/// UTF-8); `KVR_STATUS_IO_ERROR` (cannot open or map); `KVR_STATUS_MALFORMED_FILE`
+/// (truncated, corrupted or inconsistent: counts or lengths past the end, tensors past the
+/// end, misaligned or overlapping, missing or out-of-range keys); `KVR_STATUS_UNSUPPORTED`
+/// (another architecture, big-endian, GGUF v1).
+/// Ownership: the caller owns the new model and frees it with `kvr_model_free`; `path` is
+/// read during the call only.
+/// Thread safety: thread-safe.
+/// On failure: `*out` is not written and nothing stays mapped.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_model_open(path: *const c_char, out: *mut *mut kvr_model) -> kvr_status {
@@ -73,7 +78,16 @@ pub extern "C" fn kvr_model_open(path: *const c_char, out: *mut *mut kvr_model) 
     })
 }
 
-/// Frees a model (NULL is a no-op). Views taken from it become invalid.
+/// Frees a model and unmaps its file. NULL is a no-op. Views from `kvr_model_get_tensor`
+/// and the string from `kvr_model_get_arch` become invalid; pools sized from the model are
+/// independent of it.
+///
+/// Returns: nothing.
+/// Ownership: ends the caller's ownership of `model`.
+/// Thread safety: thread-safe; a call already running on another thread keeps the model
+/// alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+/// On failure: a handle that is not a live model (freed already, or of another kind) is
+/// ignored and recorded in `kvr_error_last_message`; nothing changes.
 #[no_mangle]
 pub extern "C" fn kvr_model_free(model: *mut kvr_model) {
     if model.is_null() {
@@ -82,23 +96,27 @@ pub extern "C" fn kvr_model_free(model: *mut kvr_model) {
     let _ = guard("kvr_model_free", || MODELS.remove(model as usize).map(drop));
 }
 
-/// The architecture name (`general.architecture`), valid until `kvr_model_free`; NULL for
-/// an invalid handle.
+/// The architecture name (`general.architecture`).
+///
+/// Returns: a NUL-terminated string; NULL for a NULL or dead handle.
+/// Ownership: the model's; valid until `kvr_model_free`. Do not free it.
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: NULL, with the reason in `kvr_error_last_message`.
 #[no_mangle]
-pub extern "C" fn kvr_model_arch(model: *const kvr_model) -> *const c_char {
-    guard_value("kvr_model_arch", std::ptr::null(), || {
+pub extern "C" fn kvr_model_get_arch(model: *const kvr_model) -> *const c_char {
+    guard_value("kvr_model_get_arch", std::ptr::null(), || {
         match model_from(model) {
             // The entry (and its CString) lives in the registry until kvr_model_free.
             Ok(m) => m.arch.as_ptr(),
             Err(e) => {
-                super::guard::set_last_error(&format!("kvr_model_arch: {e}"));
+                super::guard::set_last_error(&format!("kvr_model_get_arch: {e}"));
                 std::ptr::null()
             }
         }
     })
 }
 
-/// Counts from a model's plan.
+/// Counts from a model's plan, filled by `kvr_model_get_info`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvr_model_info {
@@ -106,9 +124,13 @@ pub struct kvr_model_info {
     pub struct_size: u32,
     /// Layers (`{arch}.block_count`).
     pub n_layers: i32,
+    /// Softmax-attention layers (`KVR_LAYER_ATTENTION`).
     pub n_attention_layers: i32,
+    /// Gated DeltaNet layers (`KVR_LAYER_GDN`).
     pub n_gdn_layers: i32,
+    /// Mamba-2 layers (`KVR_LAYER_MAMBA2`).
     pub n_mamba2_layers: i32,
+    /// Blocks without a sequence mixer (`KVR_LAYER_MLP`).
     pub n_mlp_layers: i32,
     /// `{arch}.context_length` (0 if absent).
     pub context_length: i64,
@@ -120,14 +142,20 @@ pub struct kvr_model_info {
     pub file_bytes: i64,
 }
 
-/// Writes the plan's counts. `out->struct_size` must be set.
+/// Writes the plan's counts into `*out`. Set `out->struct_size` first.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// `struct_size` too small).
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_info_get(
+pub extern "C" fn kvr_model_get_info(
     model: *const kvr_model,
     out: *mut kvr_model_info,
 ) -> kvr_status {
-    guard("kvr_model_info_get", || {
+    guard("kvr_model_get_info", || {
         let m = model_from(model)?;
         non_null(out, "out")?;
         let (a, g, mb, f) = m.model.plan.counts();
@@ -148,42 +176,60 @@ pub extern "C" fn kvr_model_info_get(
     })
 }
 
-/// One layer's plan; fields that do not apply to the kind are 0.
+/// One layer's plan, filled by `kvr_model_get_layer`; fields that do not apply to the kind
+/// are 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct kvr_layer_plan {
-    /// `KVR_LAYER_*`.
+    /// `KVR_LAYER_ATTENTION`, `_GDN`, `_MAMBA2` or `_MLP`.
     pub kind: kvr_layer_kind,
-    /// Attention: query heads, KV heads, K and V head dims, sliding window (0: none).
+    /// Attention: query heads.
     pub heads: i32,
+    /// Attention: KV heads.
     pub kv_heads: i32,
+    /// Attention: K head dim.
     pub head_dim_k: i32,
+    /// Attention: V head dim.
     pub head_dim_v: i32,
+    /// Attention: sliding window in tokens (0: none).
     pub sliding_window: i32,
-    /// GDN: key heads, value heads, key and value head dims.
+    /// GDN: key heads Hk.
     pub k_heads: i32,
+    /// GDN: value heads Hv.
     pub v_heads: i32,
+    /// GDN: key head dim.
     pub dk: i32,
+    /// GDN: value head dim.
     pub dv: i32,
-    /// Mamba-2: heads, head dim, groups, state size.
+    /// Mamba-2: heads.
     pub ssm_heads: i32,
+    /// Mamba-2: head dim.
     pub ssm_head_dim: i32,
+    /// Mamba-2: groups.
     pub ssm_groups: i32,
+    /// Mamba-2: state size.
     pub ssm_state: i32,
-    /// GDN and Mamba-2: causal-conv kernel width and channels.
+    /// GDN and Mamba-2: causal-conv kernel width.
     pub conv_kernel: i32,
+    /// GDN and Mamba-2: causal-conv channels.
     pub conv_dim: i32,
 }
 
-/// Writes the plan of layer `layer` (0-based). Errors: OUT_OF_RANGE, NULL_ARG.
+/// Writes the plan of layer `layer` (0-based) into `*out`.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_OUT_OF_RANGE` (layer).
+/// Ownership: `*out` is the caller's.
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_layer(
+pub extern "C" fn kvr_model_get_layer(
     model: *const kvr_model,
     layer: i32,
     out: *mut kvr_layer_plan,
 ) -> kvr_status {
-    guard("kvr_model_layer", || {
+    guard("kvr_model_get_layer", || {
         let m = model_from(model)?;
         non_null(out, "out")?;
         let n = m.model.plan.layers.len();
@@ -229,7 +275,7 @@ pub extern "C" fn kvr_model_layer(
     })
 }
 
-/// A tensor of the file, any ggml type.
+/// A tensor of the file, any ggml type, filled by `kvr_model_get_tensor_info`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvr_model_tensor_info {
@@ -253,15 +299,21 @@ fn name_arg<'a>(name: *const c_char) -> Result<&'a str> {
         .map_err(|_| Error::InvalidArgument("name is not valid UTF-8".into()))
 }
 
-/// Describes tensor `name`. Errors: UNKNOWN_ID (no such tensor), NULL_ARG.
+/// Describes tensor `name` (any ggml type) in `*out`.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// `name` not UTF-8); `KVR_STATUS_UNKNOWN_ID` (no such tensor).
+/// Ownership: `name` is read during the call; `*out` is the caller's.
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_tensor_info_get(
+pub extern "C" fn kvr_model_get_tensor_info(
     model: *const kvr_model,
     name: *const c_char,
     out: *mut kvr_model_tensor_info,
 ) -> kvr_status {
-    guard("kvr_model_tensor_info_get", || {
+    guard("kvr_model_get_tensor_info", || {
         let m = model_from(model)?;
         let name = name_arg(name)?;
         non_null(out, "out")?;
@@ -284,24 +336,29 @@ pub extern "C" fn kvr_model_tensor_info_get(
     })
 }
 
-/// A zero-copy view of tensor `name` (host memory: the mapped file, read-only), valid
-/// until `kvr_model_free`: f32, f16 or bf16, shape outermost first, contiguous. To use it
-/// on the GPU, copy it to device memory yourself (e.g. `cudaMemcpy`: `kvr_tensor_copy`
-/// copies within one context's memory only). With
-/// `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
+/// A zero-copy view of tensor `name` (host memory: the mapped file, read-only): f32, f16 or
+/// bf16, shape outermost first, contiguous. To use it on the GPU, copy it to device memory
+/// yourself (e.g. `cudaMemcpy`: `kvr_tensor_copy` copies within one context's memory only).
+/// With `expect_ndim > 0`, the shape must equal `expect_shape[0..expect_ndim]`.
 ///
-/// Errors: UNKNOWN_ID (no such tensor); UNSUPPORTED (a quantized or integer ggml type:
-/// reported, never misread); INVALID_ARG (shape mismatch); NULL_ARG.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, shape
+/// mismatch, `expect_ndim` negative or above `KVR_MAX_DIMS`); `KVR_STATUS_UNKNOWN_ID` (no
+/// such tensor); `KVR_STATUS_UNSUPPORTED` (a quantized or integer ggml type: reported,
+/// never misread).
+/// Ownership: the data belongs to the model and stays valid until `kvr_model_free`; never
+/// write through the view.
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_tensor(
+pub extern "C" fn kvr_model_get_tensor(
     model: *const kvr_model,
     name: *const c_char,
     expect_ndim: i32,
     expect_shape: *const i64,
     out: *mut kvr_tensor,
 ) -> kvr_status {
-    guard("kvr_model_tensor", || {
+    guard("kvr_model_get_tensor", || {
         let m = model_from(model)?;
         let name = name_arg(name)?;
         non_null(out, "out")?;
@@ -350,11 +407,12 @@ pub extern "C" fn kvr_model_tensor(
     })
 }
 
-/// What an engine plans for; fill with `kvr_sizing_params_default`.
+/// What an engine plans for (`kvr_model_compute_sizing`, `kvr_model_get_kv_pool_params`,
+/// `kvr_model_get_gdn_pool_params`); fill with `kvr_model_sizing_params_default`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct kvr_sizing_params {
-    /// `sizeof(kvr_sizing_params)` as the caller compiled it.
+pub struct kvr_model_sizing_params {
+    /// `sizeof(kvr_model_sizing_params)` as the caller compiled it.
     pub struct_size: u32,
     /// KV page size in tokens (default 16).
     pub page_size: i32,
@@ -376,11 +434,11 @@ pub struct kvr_sizing_params {
     pub conv_dtype: kvr_dtype,
 }
 
-const SIZING_PARAMS_V1: usize = size_of::<kvr_sizing_params>();
+const SIZING_PARAMS_V1: usize = size_of::<kvr_model_sizing_params>();
 
-fn default_sizing_params() -> kvr_sizing_params {
-    kvr_sizing_params {
-        struct_size: size_of::<kvr_sizing_params>() as u32,
+fn default_sizing_params() -> kvr_model_sizing_params {
+    kvr_model_sizing_params {
+        struct_size: size_of::<kvr_model_sizing_params>() as u32,
         page_size: 16,
         budget_bytes: 0,
         seq_len: 0,
@@ -395,10 +453,17 @@ fn default_sizing_params() -> kvr_sizing_params {
 
 /// Fills `*params` with the defaults (page 16, ring 16, no speculation, f16 KV, f32 state,
 /// ring and conv window); the caller sets `budget_bytes` (and usually `seq_len`).
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_sizing_params_default(params: *mut kvr_sizing_params) -> kvr_status {
-    guard("kvr_sizing_params_default", || {
+pub extern "C" fn kvr_model_sizing_params_default(
+    params: *mut kvr_model_sizing_params,
+) -> kvr_status {
+    guard("kvr_model_sizing_params_default", || {
         non_null(params, "params")?;
         // SAFETY: non-NULL.
         unsafe { params.write(default_sizing_params()) };
@@ -406,16 +471,32 @@ pub extern "C" fn kvr_sizing_params_default(params: *mut kvr_sizing_params) -> k
     })
 }
 
-/// Per-sequence costs and how many sequences fit, for four layouts: index 0 paged KV +
-/// GDN ring (kvreplay), 1 paged KV + per-draft snapshots, 2 contiguous KV (the model's
-/// context reserved per sequence) + ring, 3 contiguous KV + snapshots.
+/// A memory layout `kvr_model_compute_sizing` compares: the index into the per-layout arrays
+/// of `kvr_model_sizing` (`bytes_per_seq[KVR_MODEL_LAYOUT_PAGED_RING]`, ...).
+pub type kvr_model_layout = i32;
+/// Paged KV + GDN ring (kvreplay).
+pub const KVR_MODEL_LAYOUT_PAGED_RING: kvr_model_layout = 0 as kvr_model_layout;
+/// Paged KV + per-draft state snapshots.
+pub const KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS: kvr_model_layout = 1 as kvr_model_layout;
+/// Contiguous KV (the model's context, or `seq_len` if longer, reserved per sequence) + GDN
+/// ring.
+pub const KVR_MODEL_LAYOUT_CONTIGUOUS_RING: kvr_model_layout = 2 as kvr_model_layout;
+/// Contiguous KV + per-draft state snapshots.
+pub const KVR_MODEL_LAYOUT_CONTIGUOUS_SNAPSHOTS: kvr_model_layout = 3 as kvr_model_layout;
+/// Number of layouts: the length of the per-layout arrays of `kvr_model_sizing`.
+pub const KVR_MODEL_LAYOUT_COUNT: usize = 4;
+
+/// Per-sequence costs and how many sequences fit, for each `kvr_model_layout`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct kvr_sizing {
-    /// `sizeof(kvr_sizing)` as the library wrote it.
+pub struct kvr_model_sizing {
+    /// `sizeof(kvr_model_sizing)` as the library wrote it.
     pub struct_size: u32,
+    /// Softmax-attention layers.
     pub n_attention_layers: i32,
+    /// Gated DeltaNet layers.
     pub n_gdn_layers: i32,
+    /// Mamba-2 layers.
     pub n_mamba2_layers: i32,
     /// Tokens per sequence used (seq_len, or the context length).
     pub seq_len: i64,
@@ -423,7 +504,10 @@ pub struct kvr_sizing {
     pub kv_bytes_per_token: i64,
     /// Pages per sequence (seq_len + spec_window tokens).
     pub pages_per_seq: i64,
+    /// Paged KV bytes per sequence (`pages_per_seq` pages).
     pub paged_kv_bytes_per_seq: i64,
+    /// Contiguous KV bytes per sequence (the context length, or `seq_len` if longer, plus
+    /// the speculative window).
     pub contiguous_kv_bytes_per_seq: i64,
     /// GDN and Mamba-2 states.
     pub state_bytes_per_seq: i64,
@@ -433,13 +517,13 @@ pub struct kvr_sizing {
     pub snapshot_bytes_per_seq: i64,
     /// Mamba-2 conv windows and per-draft states (every layout: no Mamba-2 ring yet).
     pub mamba2_extra_bytes_per_seq: i64,
-    /// Bytes per sequence for the four layouts.
-    pub bytes_per_seq: [i64; 4],
-    /// Sequences that fit in the budget for the four layouts.
-    pub max_seqs: [i64; 4],
+    /// Bytes per sequence, indexed by `kvr_model_layout`.
+    pub bytes_per_seq: [i64; KVR_MODEL_LAYOUT_COUNT],
+    /// Sequences that fit in the budget, indexed by `kvr_model_layout`.
+    pub max_seqs: [i64; KVR_MODEL_LAYOUT_COUNT],
 }
 
-fn sizing_params(p: &kvr_sizing_params) -> Result<gguf::SizingParams> {
+fn sizing_params(p: &kvr_model_sizing_params) -> Result<gguf::SizingParams> {
     let nonneg = |name: &str, v: i64| -> Result<usize> {
         usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{name} = {v} is negative")))
     };
@@ -460,8 +544,8 @@ fn sizing_params(p: &kvr_sizing_params) -> Result<gguf::SizingParams> {
 
 fn compute(
     model: *const kvr_model,
-    params: *const kvr_sizing_params,
-) -> Result<(Arc<ModelEntry>, gguf::Sizing, kvr_sizing_params)> {
+    params: *const kvr_model_sizing_params,
+) -> Result<(Arc<ModelEntry>, gguf::Sizing, kvr_model_sizing_params)> {
     let m = model_from(model)?;
     non_null(params, "params")?;
     // SAFETY: non-NULL; `struct_size` readable bytes.
@@ -470,27 +554,35 @@ fn compute(
             params,
             default_sizing_params(),
             SIZING_PARAMS_V1,
-            "kvr_sizing_params",
+            "kvr_model_sizing_params",
         )?
     };
     let s = gguf::sizing(&m.model.plan, &sizing_params(&p)?)?;
     Ok((m, s, p))
 }
 
-/// Sizes pools for the model under `params`. `out->struct_size` must be set.
-/// Errors: INVALID_ARG, OUT_OF_RANGE (spec_window > 8), DTYPE_MISMATCH, NULL_ARG.
+/// Sizes pools for the model under `params` into `*out`: per-sequence costs and sequences
+/// that fit, for each `kvr_model_layout`. Set `out->struct_size` first.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+/// do not store).
+/// Ownership: `params` is read during the call; `*out` is the caller's.
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_sizing(
+pub extern "C" fn kvr_model_compute_sizing(
     model: *const kvr_model,
-    params: *const kvr_sizing_params,
-    out: *mut kvr_sizing,
+    params: *const kvr_model_sizing_params,
+    out: *mut kvr_model_sizing,
 ) -> kvr_status {
-    guard("kvr_model_sizing", || {
+    guard("kvr_model_compute_sizing", || {
         non_null(out, "out")?;
         let (_, s, _) = compute(model, params)?;
-        let c = kvr_sizing {
-            struct_size: size_of::<kvr_sizing>() as u32,
+        let c = kvr_model_sizing {
+            struct_size: size_of::<kvr_model_sizing>() as u32,
             n_attention_layers: s.attention_layers as i32,
             n_gdn_layers: s.gdn_layers as i32,
             n_mamba2_layers: s.mamba2_layers as i32,
@@ -507,25 +599,35 @@ pub extern "C" fn kvr_model_sizing(
             max_seqs: s.max_seqs.map(|x| x as i64),
         };
         // SAFETY: non-NULL; `struct_size` writable bytes.
-        unsafe { write_versioned(out, c, size_of::<kvr_sizing>(), "kvr_sizing") }
+        unsafe { write_versioned(out, c, size_of::<kvr_model_sizing>(), "kvr_model_sizing") }
     })
 }
 
-/// Fills `*out` (after `kvr_kv_pool_params_default`) with the KV pool for the sizing's
-/// paged + ring layout: attention layers, KV heads, head dim, page size, dtype, capacity
-/// and sequence slots. Errors: UNSUPPORTED (no attention layers, layers of different
-/// shapes, or K and V head dims that differ), OUT_OF_RANGE (nothing fits the budget).
+/// Fills `*out` (as `kvr_kv_pool_params_default` would, then) with the KV pool for the
+/// `KVR_MODEL_LAYOUT_PAGED_RING` layout: attention layers, KV heads, head dim, page size,
+/// dtype, capacity and sequence slots.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+/// do not store); `KVR_STATUS_UNSUPPORTED` (no attention layers, layers of different
+/// shapes, or K and V head dims that differ); `KVR_STATUS_OUT_OF_RANGE` also when not one
+/// sequence fits the budget.
+/// Ownership: `params` is read during the call; `*out` is the caller's (its `layers` is
+/// NULL).
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_kv_pool_params(
+pub extern "C" fn kvr_model_get_kv_pool_params(
     model: *const kvr_model,
-    params: *const kvr_sizing_params,
+    params: *const kvr_model_sizing_params,
     out: *mut kvr_kv_pool_params,
 ) -> kvr_status {
-    guard("kvr_model_kv_pool_params", || {
+    guard("kvr_model_get_kv_pool_params", || {
         non_null(out, "out")?;
         let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[0] == 0 {
+        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
             return Err(Error::OutOfRange(format!(
                 "not one sequence fits in {} bytes",
                 p.budget_bytes
@@ -552,20 +654,30 @@ pub extern "C" fn kvr_model_kv_pool_params(
     })
 }
 
-/// Fills `*out` with the GDN pool for the sizing's paged + ring layout (layers, heads,
-/// dims, ring, drafts, dtypes, conv window, sequence slots; K-major state). Errors:
-/// UNSUPPORTED (no GDN layers), OUT_OF_RANGE (nothing fits the budget).
+/// Fills `*out` (as `kvr_gdn_pool_params_default` would, then) with the GDN pool for the
+/// `KVR_MODEL_LAYOUT_PAGED_RING` layout: layers, heads, dims, ring, drafts, dtypes, conv
+/// window, sequence slots; K-major state.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+/// do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers); `KVR_STATUS_OUT_OF_RANGE` also
+/// when not one sequence fits the budget.
+/// Ownership: `params` is read during the call; `*out` is the caller's (its `states` is
+/// NULL).
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
 #[no_mangle]
 #[must_use]
-pub extern "C" fn kvr_model_gdn_pool_params(
+pub extern "C" fn kvr_model_get_gdn_pool_params(
     model: *const kvr_model,
-    params: *const kvr_sizing_params,
+    params: *const kvr_model_sizing_params,
     out: *mut kvr_gdn_pool_params,
 ) -> kvr_status {
-    guard("kvr_model_gdn_pool_params", || {
+    guard("kvr_model_get_gdn_pool_params", || {
         non_null(out, "out")?;
         let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[0] == 0 {
+        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
             return Err(Error::OutOfRange(format!(
                 "not one sequence fits in {} bytes",
                 p.budget_bytes
@@ -593,4 +705,28 @@ pub extern "C" fn kvr_model_gdn_pool_params(
         unsafe { out.write(g) };
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_index_the_core_variants() {
+        let name = |l: kvr_model_layout| gguf::VARIANTS[l as usize];
+        assert_eq!(gguf::VARIANTS.len(), KVR_MODEL_LAYOUT_COUNT);
+        assert_eq!(name(KVR_MODEL_LAYOUT_PAGED_RING), "paged KV + ring");
+        assert_eq!(
+            name(KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS),
+            "paged KV + snapshots"
+        );
+        assert_eq!(
+            name(KVR_MODEL_LAYOUT_CONTIGUOUS_RING),
+            "contiguous KV + ring"
+        );
+        assert_eq!(
+            name(KVR_MODEL_LAYOUT_CONTIGUOUS_SNAPSHOTS),
+            "contiguous KV + snapshots"
+        );
+    }
 }

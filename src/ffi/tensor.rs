@@ -12,20 +12,20 @@ use crate::tensor::{DType, MemoryKind, TensorView, MAX_DIMS};
 /// Element type of a tensor.
 pub type kvr_dtype = i32;
 /// 32-bit IEEE float.
-pub const KVR_DTYPE_F32: kvr_dtype = 0;
+pub const KVR_DTYPE_F32: kvr_dtype = 0 as kvr_dtype;
 /// 16-bit IEEE float.
-pub const KVR_DTYPE_F16: kvr_dtype = 1;
+pub const KVR_DTYPE_F16: kvr_dtype = 1 as kvr_dtype;
 /// bfloat16.
-pub const KVR_DTYPE_BF16: kvr_dtype = 2;
+pub const KVR_DTYPE_BF16: kvr_dtype = 2 as kvr_dtype;
 /// 32-bit signed integer (sequence ids, counts).
-pub const KVR_DTYPE_I32: kvr_dtype = 3;
+pub const KVR_DTYPE_I32: kvr_dtype = 3 as kvr_dtype;
 
 /// Where a tensor's memory lives.
 pub type kvr_device_type = i32;
 /// Host memory (CPU backend).
-pub const KVR_DEVICE_HOST: kvr_device_type = 0;
+pub const KVR_DEVICE_HOST: kvr_device_type = 0 as kvr_device_type;
 /// CUDA device memory of the context's device (CUDA backend).
-pub const KVR_DEVICE_CUDA: kvr_device_type = 1;
+pub const KVR_DEVICE_CUDA: kvr_device_type = 1 as kvr_device_type;
 
 /// Most dimensions a `kvr_tensor` can have.
 pub const KVR_MAX_DIMS: usize = 8;
@@ -130,14 +130,16 @@ fn prefix(e: Error, what: &str) -> Error {
     }
 }
 
-/// Fills `*tensor` with a row-major contiguous description of `ndim` dimensions of
-/// `shape` at `data`.
+/// Fills `*tensor` with a row-major contiguous description of `ndim` dimensions of `shape`
+/// at `data`. Nothing is allocated and the memory is not touched.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` if `tensor` is NULL, or `shape` is NULL
-/// with `ndim > 0`, or `data` is NULL for a non-empty shape; `KVR_STATUS_INVALID_ARG` for
-/// an unknown dtype or device, `ndim` outside 0..=KVR_MAX_DIMS, a negative extent or a
-/// misaligned `data`. `*tensor` is written only on success. Nothing is allocated and the
-/// memory is not touched. Thread-safe.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`tensor` is NULL, or `shape` is NULL
+/// with `ndim > 0`, or `data` is NULL for a non-empty shape); `KVR_STATUS_INVALID_ARG` (an
+/// unknown dtype or device, `ndim` outside 0..=KVR_MAX_DIMS, a negative extent, a
+/// misaligned `data`).
+/// Ownership: `data` stays the caller's; the descriptor only points at it.
+/// Thread safety: thread-safe.
+/// On failure: `*tensor` is not written.
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_tensor_init(
@@ -179,24 +181,29 @@ pub extern "C" fn kvr_tensor_init(
     })
 }
 
-/// Copies `src` into `dst`, converting between f32, f16 and bf16 (round to nearest even;
-/// a same-dtype copy moves the bits unchanged; i32 copies only to i32). Shapes must be equal; strides are free
-/// (any non-contiguous layout) except that `dst` must not hold two elements at one
-/// address. Both tensors must be in the context's memory (`KVR_DEVICE_HOST` for a CPU
-/// context, `KVR_DEVICE_CUDA` for a CUDA one). If `src` and `dst` share elements the result
-/// is unspecified (but memory-safe), except that copying a tensor onto itself is a no-op.
+/// Copies `src` into `dst`, converting between f32, f16 and bf16 (round to nearest even; a
+/// same-dtype copy moves the bits unchanged; i32 copies only to i32). Shapes must be equal;
+/// strides are free (any non-contiguous layout) except that `dst` must not hold two
+/// elements at one address. Both tensors must be in the context's memory (`KVR_DEVICE_HOST`
+/// for a CPU context, `KVR_DEVICE_CUDA` for a CUDA one). If `src` and `dst` share elements
+/// the result is unspecified (but memory-safe), except that copying a tensor onto itself is
+/// a no-op.
 ///
 /// CUDA: the kernel is queued on `stream` (a `CUstream`/`cudaStream_t` of the context's
 /// device; NULL = the context's stream) and the call returns without waiting; it never
 /// synchronizes or allocates, so it can be captured in a CUDA Graph (after
 /// `kvr_context_load_kernels`). CPU: runs on the context's threads and returns when done.
 ///
-/// Returns `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL ctx, src, dst, or data of a
-/// non-empty tensor); `KVR_STATUS_INVALID_ARG` (not a live context, malformed tensor,
-/// shape mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_DTYPE_MISMATCH` (i32
-/// with a float type); `KVR_STATUS_NOT_COMPILED` or `KVR_STATUS_CUDA_ERROR` (kernels
-/// missing or the launch failed). The caller keeps
-/// ownership of both buffers. Thread-safe: calls on one context may run concurrently.
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `src`, `dst`, or data of a
+/// non-empty tensor); `KVR_STATUS_INVALID_ARG` (not a live context, malformed tensor, shape
+/// mismatch, wrong memory kind, overlapping `dst`); `KVR_STATUS_DTYPE_MISMATCH` (i32 with a
+/// float type); `KVR_STATUS_NOT_COMPILED` / `KVR_STATUS_CUDA_ERROR` (kernels missing, or
+/// the launch failed).
+/// Ownership: both buffers and `stream` stay the caller's; nothing is kept after the call
+/// (CUDA: after the queued copy).
+/// Thread safety: thread-safe; calls on one context may run concurrently.
+/// On failure: `dst` is not written, except after `KVR_STATUS_CUDA_ERROR` (contents
+/// unspecified).
 #[no_mangle]
 #[must_use]
 pub extern "C" fn kvr_tensor_copy(

@@ -4,18 +4,26 @@ use std::ffi::c_char;
 
 static VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 
-/// Returns the library version, "MAJOR.MINOR.PATCH", equal to the header's
-/// `KVR_VERSION_MAJOR/MINOR/PATCH` when header and library match. Static, never NULL,
-/// thread-safe; must not be freed.
+/// The library version, "MAJOR.MINOR.PATCH".
+///
+/// Returns: a static, NUL-terminated string equal to the header's
+/// `KVR_VERSION_MAJOR/MINOR/PATCH` when header and library match. Never NULL.
+/// Ownership: static; do not free it.
+/// Thread safety: thread-safe.
+/// On failure: cannot fail.
 #[no_mangle]
-pub extern "C" fn kvr_version() -> *const c_char {
+pub extern "C" fn kvr_library_version() -> *const c_char {
     VERSION.as_ptr().cast()
 }
 
-/// Returns a static description of how the CUDA kernels were built (nvcc release and
-/// targets) or why the library has none. Never NULL, thread-safe; must not be freed.
+/// How the CUDA kernels were built (nvcc release and targets), or why the library has none.
+///
+/// Returns: a static, NUL-terminated description. Never NULL.
+/// Ownership: static; do not free it.
+/// Thread safety: thread-safe.
+/// On failure: cannot fail.
 #[no_mangle]
-pub extern "C" fn kvr_build_info() -> *const c_char {
+pub extern "C" fn kvr_library_build_info() -> *const c_char {
     use std::sync::OnceLock;
     static INFO: OnceLock<std::ffi::CString> = OnceLock::new();
     INFO.get_or_init(|| {
@@ -25,9 +33,14 @@ pub extern "C" fn kvr_build_info() -> *const c_char {
     .as_ptr()
 }
 
-/// Returns true when the library carries CUDA kernels (it was built with nvcc). Without
-/// them, CUDA contexts fail with `KVR_STATUS_NOT_COMPILED`. Thread-safe.
+/// Says whether the library carries CUDA kernels (it was built with nvcc). Without them,
+/// CUDA contexts fail with `KVR_STATUS_NOT_COMPILED`.
+///
+/// Returns: true when the kernels are compiled in.
+/// Ownership: nothing changes hands.
+/// Thread safety: thread-safe.
+/// On failure: cannot fail.
 #[no_mangle]
-pub extern "C" fn kvr_kernels_compiled() -> bool {
+pub extern "C" fn kvr_library_kernels_compiled() -> bool {
     crate::backend::cuda::kernels_compiled()
 }

@@ -10,11 +10,11 @@ use kvreplay::{BackendRequest, Context, ContextOptions};
 /// Returns a CUDA core context, or None after printing why GPU tests are skipped. With
 /// `KVR_REQUIRE_GPU=1` (set by gpu-bundle's run-all.sh) a missing GPU fails instead.
 pub fn gpu_or_skip(test: &str) -> Option<Context> {
-    let why = if !kvr_kernels_compiled() {
+    let why = if !kvr_library_kernels_compiled() {
         Some("the library was built without CUDA kernels".to_string())
     } else {
         let mut n = 0;
-        match kvr_cuda_device_count(&mut n) {
+        match kvr_cuda_get_device_count(&mut n) {
             KVR_STATUS_OK if n > 0 => None,
             KVR_STATUS_OK => Some("no CUDA device".to_string()),
             _ => Some(super::last_error()),

@@ -187,15 +187,15 @@ pub fn offsets(shape: &[i64], strides: &[i64]) -> Vec<usize> {
 }
 
 pub fn last_error() -> String {
-    // SAFETY: kvr_last_error_message never returns NULL.
-    unsafe { CStr::from_ptr(kvr_last_error_message()) }
+    // SAFETY: kvr_error_last_message never returns NULL.
+    unsafe { CStr::from_ptr(kvr_error_last_message()) }
         .to_string_lossy()
         .into_owned()
 }
 
 pub fn status_name(s: kvr_status) -> String {
-    // SAFETY: kvr_status_str never returns NULL.
-    unsafe { CStr::from_ptr(kvr_status_str(s)) }
+    // SAFETY: kvr_status_string never returns NULL.
+    unsafe { CStr::from_ptr(kvr_status_string(s)) }
         .to_string_lossy()
         .into_owned()
 }
