@@ -12,7 +12,7 @@ use super::status::kvr_status;
 use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_F32};
 use crate::backend::Stream;
 use crate::error::{Error, Result};
-use crate::linear::gdn::{
+use crate::linear::replay::meta::{
     META_H, META_MODE, META_PENDING, META_START, MODE_KV_ONLY, MODE_RECURRENT, MODE_REPLAY,
 };
 use crate::linear::{GdnConfig, GdnIo, GdnMemory, GdnOptions, GdnPool, StateLayout, StateStorage};
