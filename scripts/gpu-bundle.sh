@@ -13,7 +13,7 @@ export KVR_REQUIRE_KERNELS=1
 out="$root/gpu-bundle"
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/scripts" "$out/data"
-cp tests/data/tiny-qwen3next.gguf "$out/data/"
+cp tests/data/tiny-qwen3next.gguf tests/data/qwen3next-80b-a3b-header.gguf "$out/data/"
 
 cargo build --release --lib
 # GPU test binaries: each tests/gpu_*.rs, built in release mode.
@@ -99,6 +99,11 @@ for e in bin/example_*; do
   [ -x "$e" ] || continue
   case "$(basename "$e")" in
     example_gguf_plan) run example_gguf_plan "$e" data/tiny-qwen3next.gguf 1 128 4 ;;
+    # The tiny model's head dims have no CUDA kernels (it runs on the CPU); the 80B
+    # configuration runs on CUDA at full-scale shapes.
+    example_demo)
+      run example_demo "$e" data/tiny-qwen3next.gguf
+      run example_demo-80b-cuda "$e" data/qwen3next-80b-a3b-header.gguf cuda ;;
     *) run "$(basename "$e")" "$e" ;;
   esac
 done

@@ -7,8 +7,10 @@
 #      documented for static linking still match what rustc prints
 #   3. ffi-tests: C and C++ against the header and both libraries, an ASan+UBSan build,
 #      and valgrind over the static-library test
-#   4. examples: built with Make (static and shared) and with CMake; the demo, the paged
-#      KV and GDN speculative-decoding examples (CPU backend) and the GGUF planner run
+#   4. examples: built with Make (static and shared) and with CMake; the demo (`make -C
+#      examples run`: the tiny Qwen3-Next; also every tiny model, the 80B header file, and
+#      a missing and a malformed file, which must fail), info, the paged KV and GDN
+#      speculative-decoding examples (CPU backend) and the GGUF planner run
 # Installs CMake into .tools/ (pip) when it is missing. Set KVR_REQUIRE_KERNELS=1 to fail
 # when the CUDA kernels cannot be compiled (CI does).
 set -euo pipefail
@@ -59,12 +61,29 @@ step "examples (make, static and shared)"
 make -C examples clean >/dev/null
 make -C examples
 make -C examples run
+for f in tests/data/tiny-*.gguf; do
+  ./examples/build/demo "$f" cpu --steps 4 --rounds 2 >/dev/null ||
+    { echo "demo failed on $f" >&2; exit 1; }
+done
+./examples/build/demo tests/data/qwen3next-80b-a3b-header.gguf cpu --batch 2 --steps 2 --rounds 1 |
+  tail -n 16
+truncated="$(mktemp)"
+head -c 300 tests/data/tiny-qwen3next.gguf >"$truncated"
+for bad in tests/data/no-such-model.gguf "$truncated"; do
+  if ./examples/build/demo "$bad" >/dev/null 2>&1; then
+    echo "the demo accepted $bad" >&2
+    exit 1
+  fi
+done
+rm -f "$truncated"
+./examples/build/info
 ./examples/build/paged_decode cpu
 ./examples/build/spec_decode_gdn cpu
 ./examples/build/gguf_plan tests/data/tiny-qwen3next.gguf 1 128 4
 ./examples/build/gguf_plan tests/data/qwen3next-80b-a3b-header.gguf 40 8192 4 | tail -n 8
 make -C examples clean >/dev/null
 make -C examples SHARED=1
+./examples/build/demo cpu >/dev/null
 ./examples/build/info >/dev/null
 ./examples/build/spec_decode_gdn cpu >/dev/null
 ./examples/build/paged_decode cpu >/dev/null
@@ -84,6 +103,7 @@ rm -rf target/cmake-examples
 cmake -S examples -B target/cmake-examples -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build target/cmake-examples -j 2 >/dev/null
 target/cmake-examples/info >/dev/null
+target/cmake-examples/demo cpu >/dev/null
 target/cmake-examples/gguf_plan tests/data/tiny-mamba2.gguf >/dev/null
 cmake -S examples -B target/cmake-examples-shared -DKVREPLAY_SHARED=ON >/dev/null
 cmake --build target/cmake-examples-shared -j 2 >/dev/null
