@@ -37,19 +37,16 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, MemoryKind, TensorView};
 
 /// Most draft tokens one verify can carry.
-pub const MAX_DRAFTS: usize = 8;
+pub const MAX_DRAFTS: usize = crate::abi::KVR_GDN_MAX_T;
 
-/// Per-sequence mode values in the metadata.
-pub(crate) const MODE_KV_ONLY: i32 = 0;
-pub(crate) const MODE_REPLAY: i32 = 1;
-pub(crate) const MODE_RECURRENT: i32 = 2;
-/// i32 fields per (layer, sequence) metadata record.
-pub(crate) const META_INTS: usize = 8;
-pub(crate) const META_MODE: usize = 0;
-pub(crate) const META_START: usize = 1;
-pub(crate) const META_H: usize = 2;
-pub(crate) const META_PENDING: usize = 3;
-pub(crate) const META_CONV_END: usize = 4;
+/// Per-sequence mode values in the metadata, and the (layer, sequence) metadata record:
+/// `META_INTS` i32 fields (kernels/kvr_abi.h).
+pub(crate) use crate::abi::{
+    KVR_GDN_KV_ONLY as MODE_KV_ONLY, KVR_GDN_META_CONV_END as META_CONV_END,
+    KVR_GDN_META_H as META_H, KVR_GDN_META_INTS as META_INTS, KVR_GDN_META_MODE as META_MODE,
+    KVR_GDN_META_PENDING as META_PENDING, KVR_GDN_META_START as META_START,
+    KVR_GDN_RECURRENT as MODE_RECURRENT, KVR_GDN_REPLAY as MODE_REPLAY,
+};
 
 /// Shape and policy of a GDN pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
