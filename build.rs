@@ -78,7 +78,7 @@ fn build_kernels(manifest: &Path, out_dir: &Path) {
                     println!("cargo::rerun-if-changed={}", path.display());
                     sources.push(path);
                 }
-                Some("cuh") => println!("cargo::rerun-if-changed={}", path.display()),
+                Some("cuh" | "h") => println!("cargo::rerun-if-changed={}", path.display()),
                 _ => {}
             }
         }

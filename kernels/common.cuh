@@ -1,9 +1,11 @@
-// Shared device helpers for every kvreplay kernel.
+// Shared device helpers for every kvreplay kernel, and the host/device ABI (kvr_abi.h).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "kvr_abi.h"
 
 namespace kvr {
 
@@ -36,8 +38,5 @@ template <typename S, typename D> __device__ __forceinline__ D convert(S x) {
 template <typename T> struct alignas(16) Pack8 {
   T v[8];
 };
-
-// Most dimensions of a kvr_tensor (must equal MAX_DIMS in src/tensor.rs).
-constexpr int kMaxDims = 8;
 
 }  // namespace kvr

@@ -7,17 +7,7 @@
 
 namespace kvr {
 
-// Must match `CopyParams` in src/backend/cuda/copy.rs field for field.
-struct CopyParams {
-  const void* src;
-  void* dst;
-  int64_t n;          // elements
-  int32_t ndim;       // dimensions after coalescing (0..kMaxDims)
-  int32_t vectorized; // 1: both contiguous and 16-byte aligned
-  int64_t shape[kMaxDims];
-  int64_t src_stride[kMaxDims];  // elements
-  int64_t dst_stride[kMaxDims];  // elements
-};
+using CopyParams = kvr_copy_args;
 
 template <typename S, typename D> __device__ __forceinline__ void copy_impl(const CopyParams& p) {
   const S* __restrict__ src = static_cast<const S*>(p.src);
@@ -54,7 +44,7 @@ template <typename S, typename D> __device__ __forceinline__ void copy_impl(cons
 }  // namespace kvr
 
 #define KVR_COPY_KERNEL(SN, S, DN, D)                                                    \
-  extern "C" __global__ void __launch_bounds__(256) kvr_copy_##SN##_##DN(const kvr::CopyParams p) { \
+  extern "C" __global__ void __launch_bounds__(KVR_COPY_THREADS) kvr_copy_##SN##_##DN(const kvr::CopyParams p) { \
     kvr::copy_impl<S, D>(p);                                                             \
   }
 

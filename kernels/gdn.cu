@@ -1,9 +1,12 @@
 // Gated DeltaNet replay decoding (src/linear/gdn_cuda.rs; the math is src/linear/math.rs):
-//   kvr_gdn_step_<state>_<layout>   verify (T = 1..8) for a batch, an explicit flush, a state
-//                                   export, and decode (T = 1, auto-commit) where the fast
-//                                   kernel of kernels/gdn_decode.cu does not apply
-//   kvr_gdn_commit                  per-sequence accepted counts (host or device) -> cursors,
-//                                   conv window of the accepted prefix, recurrent snapshots
+//   kvr_gdn_step_<state>_<k|v>_nv<8|16>   verify (T = 1..8) for a batch, an explicit flush, a
+//                                         state export, and decode (T = 1, auto-commit) where
+//                                         neither gdn_stream.cu nor gdn_decode.cu applies
+//   kvr_gdn_finish                        per-sequence metadata, ring keys and decays after a
+//                                         step or flush launch (and after gdn_decode.cu)
+//   kvr_gdn_commit                        per-sequence accepted counts (host or device) ->
+//                                         cursors, conv window of the accepted prefix,
+//                                         recurrent snapshots
 //
 // One CTA owns (sequence, value head, tile of `tv` value rows). Its slice of the checkpoint
 // state (tv x dk) is loaded into registers once; every other input is small and goes
@@ -185,47 +188,46 @@ __device__ __forceinline__ void rank_update(float4 (&sv)[NV], const Geo& g, cons
   }
 }
 
-__device__ __forceinline__ int round4(int n) { return (n + 3) & ~3; }
-
-// Shared memory carve-up (floats); `smem_floats` in src/linear/gdn_cuda.rs must match.
+// Shared memory carve-up, area by area as kvr_gdn_step_smem_layout (kvr_abi.h) sizes them
+// (the host sizes the launch by its total).
 struct Smem {
   float *xs, *hist, *vrow, *urow, *coefA, *coefB, *egam, *betas, *gd, *kc, *uc, *cx, *ga, *gb, *red;
-  char* raw;
+  char* raw;  // 2 x kChunk x (dk + tv) entry elements (cp.async)
 };
 
 __device__ __forceinline__ Smem carve(float* base, int dk, int tv, int T, int hmax) {
+  const kvr_gdn_step_smem l = kvr_gdn_step_smem_layout(dk, tv, T, hmax);
   Smem s;
   float* p = base;
   s.xs = p;
-  p += 2 * T * dk;
+  p += l.xs;
   s.hist = p;
-  p += 2 * T * tv;
+  p += l.hist;
   s.vrow = p;
-  p += T * tv;
+  p += l.vrow;
   s.urow = p;
-  p += T * tv;
+  p += l.urow;
   s.coefA = p;
-  p += 64;
+  p += l.coef_a;
   s.coefB = p;
-  p += 64;
+  p += l.coef_b;
   s.egam = p;
   s.betas = p + 16;
   s.gd = p + 32;
-  p += 64;
-  p += 64;
+  p += l.egam;
   s.kc = p;
-  p += kChunk * dk;
+  p += l.kc;
   s.uc = p;
-  p += kChunk * tv;
+  p += l.uc;
   s.cx = p;
-  p += 2 * T * kChunk;
+  p += l.cx;
   s.ga = p;
-  p += round4(hmax);
+  p += l.ga;
   s.gb = p;
-  p += round4(hmax);
+  p += l.gb;
   s.red = p;
-  p += kWarps * 2 * tv;
-  s.raw = reinterpret_cast<char*>(p);  // 2 x kChunk x (dk + tv) entry elements (cp.async)
+  p += l.red;
+  s.raw = reinterpret_cast<char*>(p);
   return s;
 }
 
@@ -236,9 +238,9 @@ __device__ void step_body(const StepParams& p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int tile = blockIdx.x % p.tiles;
   const int hb = blockIdx.x / p.tiles;
-  const int h = hb % p.Hv, b = hb / p.Hv;
-  const int T = p.T, tv = p.tv, dk = p.dk, dv = p.dv, v0 = tile * tv;
-  const int kh = h / (p.Hv / p.Hk);
+  const int h = hb % p.hv, b = hb / p.hv;
+  const int T = p.t, tv = p.tv, dk = p.dk, dv = p.dv, v0 = tile * tv;
+  const int kh = h / (p.hv / p.hk);
   const int seq = p.op == kOpExport ? p.export_seq : (p.ids ? p.ids[b] : p.ids_inline[b]);
   const Tensor& out = p.out;
   if (seq < 0) {  // an unused row: zero outputs
@@ -261,21 +263,21 @@ __device__ void step_body(const StepParams& p) {
   const int base = pl.base;
   if (p.op == kOpFlush && !flush) return;  // nothing to write
   const bool materialize = !recurrent && (flush || p.op == kOpExport);
-  const int ee = p.entry_dtype == 0 ? 4 : 2;
-  const int L = p.L > 0 ? p.L : 1;
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const int L = p.l > 0 ? p.l : 1;
   auto ring_pos = [&](int j) { return (start + j) % L; };
   auto entry_u = [&](int j) -> const char* {
     if (kvonly) return head + static_cast<int64_t>(j) * dv * ee;
-    return p.ring_u + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.Hv + h) * dv * ee;
+    return p.ring_u + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hv + h) * dv * ee;
   };
   auto entry_k = [&](int j) -> const char* {
     if (kvonly) return head + (static_cast<int64_t>(p.kv_cap) * dv + static_cast<int64_t>(j) * dk) * ee;
-    return p.ring_k + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.Hk + kh) * dk * ee;
+    return p.ring_k + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hk + kh) * dk * ee;
   };
   auto entry_g = [&](int j) -> float {
     if (kvonly)
       return *reinterpret_cast<const float*>(head + static_cast<int64_t>(p.kv_cap) * (dv + dk) * ee + 4 * j);
-    return p.ring_g[(static_cast<int64_t>(seq) * L + ring_pos(j)) * p.Hv + h];
+    return p.ring_g[(static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hv + h];
   };
 
   Smem sm = carve(reinterpret_cast<float*>(smem4), dk, tv, p.op == kOpStep ? T : 1, p.hmax);
@@ -431,7 +433,7 @@ __device__ void step_body(const StepParams& p) {
   };
 
   if (recurrent && p.op == kOpStep) {
-    const int64_t state_elems = static_cast<int64_t>(p.Hv) * dk * dv;
+    const int64_t state_elems = static_cast<int64_t>(p.hv) * dk * dv;
     for (int s = 0; s < T; ++s) {
       const float a = expf(sm.gd[s]);
 #pragma unroll
@@ -476,7 +478,7 @@ __device__ void step_body(const StepParams& p) {
     round_state();
     if (p.op != kOpExport) {
       // Every tile of a KV-only head must have read the entries stored in the state.
-      if (kvonly) head_barrier(p.sync + static_cast<int64_t>(seq) * p.Hv + h, p.tiles);
+      if (kvonly) head_barrier(p.sync + static_cast<int64_t>(seq) * p.hv + h, p.tiles);
       store_state(head);
       if (p.op == kOpStep) state_dots<VM, NV>(sv, geo, sm.xs, dk, 2 * T, sm.hist, tv, 1.f, sm.red);
     }
@@ -551,7 +553,7 @@ __device__ void step_body(const StepParams& p) {
           stx(head + static_cast<int64_t>(base + s) * dv * ee, p.entry_dtype, v0 + r, u);
         } else {
           const int pos = (base + s) % L;
-          stx(p.ring_u + ((static_cast<int64_t>(seq) * L + pos) * p.Hv + h) * dv * ee, p.entry_dtype, v0 + r, u);
+          stx(p.ring_u + ((static_cast<int64_t>(seq) * L + pos) * p.hv + h) * dv * ee, p.entry_dtype, v0 + r, u);
         }
       }
     }
@@ -570,11 +572,11 @@ __device__ void step_body(const StepParams& p) {
 
   if (p.op == kOpStep && p.conv_dim > 0) {
     // This CTA's share of the conv inputs goes into the window ring.
-    const int R = p.Hv * p.tiles, rr = h * p.tiles + tile;
+    const int R = p.hv * p.tiles, rr = h * p.tiles + tile;
     const int lo = static_cast<int>(static_cast<int64_t>(rr) * p.conv_dim / R);
     const int hi = static_cast<int>(static_cast<int64_t>(rr + 1) * p.conv_dim / R);
     const int wdt = hi - lo;
-    const int ce = p.conv_dtype == 0 ? 4 : 2;
+    const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
     for (int i = tid; i < T * wdt; i += kThreads) {
       const int s = i / wdt, c = lo + i % wdt;
       const int slot = (conv_end + s) % p.conv_slots;
@@ -590,7 +592,7 @@ __device__ void step_body(const StepParams& p) {
 // After a step or flush launch: per sequence, the ring keys and decays of the new entries
 // (keys normalized as the step kernel did), the metadata, and the transition counters.
 // One CTA of kFinishThreads per batch row.
-constexpr int kFinishThreads = 128;
+constexpr int kFinishThreads = KVR_GDN_FINISH_THREADS;
 
 __device__ void finish_body(const StepParams& p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -605,7 +607,7 @@ __device__ void finish_body(const StepParams& p) {
   if (p.op == kOpFlush && !pl.flush) return;
   const bool recurrent = mode == kModeRecurrent;
   if (p.op == kOpStep && !recurrent && !pl.kv_store) ring_keys_and_decays(p, b, seq, pl.base, warp, lane, tid, kFinishThreads);
-  for (int i = tid; i < p.Hv; i += kFinishThreads) p.sync[static_cast<int64_t>(seq) * p.Hv + i] = 0u;
+  for (int i = tid; i < p.hv; i += kFinishThreads) p.sync[static_cast<int64_t>(seq) * p.hv + i] = 0u;
   __syncthreads();  // every thread has read the old metadata
   if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
 }
@@ -633,7 +635,7 @@ __device__ void commit_body(const CommitParams& p) {
   }
   if (chunk == 0 && p.conv_out.p != nullptr) {
     // The conv window of the accepted prefix: the conv_k1 inputs before the new end.
-    const int ce = p.conv_dtype == 0 ? 4 : 2;
+    const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
     const char* cw = p.conv + l * p.conv_layer_bytes + static_cast<int64_t>(seq) * p.conv_slots * p.conv_dim * ce;
     const Tensor& o = p.conv_out;
     for (int i = tid; i < p.conv_k1 * p.conv_dim; i += blockDim.x) {
@@ -678,12 +680,13 @@ KVR_GDN_STEP(float, f32, true, v, 16)
 KVR_GDN_STEP(__nv_bfloat16, bf16, false, k, 16)
 KVR_GDN_STEP(__nv_bfloat16, bf16, true, v, 16)
 #undef KVR_GDN_STEP
+static_assert(KVR_GDN_NARROW_NV == 8 && KVR_GDN_MAX_NV == 16, "the _nv8 and _nv16 kernels above");
 
 extern "C" __global__ void __launch_bounds__(kvr::gdn::kFinishThreads)
     kvr_gdn_finish(const __grid_constant__ kvr::gdn::StepParams p) {
   kvr::gdn::finish_body(p);
 }
 
-extern "C" __global__ void __launch_bounds__(256) kvr_gdn_commit(const __grid_constant__ kvr::gdn::CommitParams p) {
+extern "C" __global__ void __launch_bounds__(KVR_GDN_COMMIT_THREADS) kvr_gdn_commit(const __grid_constant__ kvr::gdn::CommitParams p) {
   kvr::gdn::commit_body(p);
 }

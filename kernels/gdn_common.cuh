@@ -1,95 +1,53 @@
-// Declarations shared by the GDN kernels (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu): launch
-// parameters (must match src/linear/gdn_cuda.rs), metadata layout, element access and the
-// placement rule the step, decode and finish kernels must agree on.
+// Declarations shared by the GDN kernels (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu): the
+// launch parameters, metadata record and codes under their kernel names (defined in
+// kvr_abi.h), element access and the placement rule the step, decode and finish kernels must
+// agree on.
 #pragma once
 
 #include "mma.cuh"
 namespace kvr {
 namespace gdn {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = KVR_GDN_THREADS;
 constexpr int kWarps = kThreads / 32;
-// float4 state vectors one thread holds at most (tv * dk <= NV * 4 * 256): each step
-// kernel comes in an NV = 8 variant (fewer registers, smaller tiles) and an NV = 16 one.
-constexpr int kMaxNV = 16;
-// Buffered entries per shared-memory chunk.
-constexpr int kChunk = 16;
-constexpr int kMaxInline = 512;
-constexpr int kMaxCommitInline = 256;
-constexpr int kMaxT = 8;
+constexpr int kChunk = KVR_GDN_CHUNK;
+constexpr int kMaxT = KVR_GDN_MAX_T;
 
-enum : int { kModeKvOnly = 0, kModeReplay = 1, kModeRecurrent = 2 };
 enum : int {
-  kMetaMode = 0,
-  kMetaStart = 1,
-  kMetaH = 2,
-  kMetaPending = 3,
-  kMetaConvEnd = 4,
-  kMetaArrive = 5,
-  kMetaInts = 8
+  kModeKvOnly = KVR_GDN_KV_ONLY,
+  kModeReplay = KVR_GDN_REPLAY,
+  kModeRecurrent = KVR_GDN_RECURRENT
 };
-enum : int { kOpStep = 0, kOpFlush = 1, kOpExport = 2 };
+enum : int {
+  kMetaMode = KVR_GDN_META_MODE,
+  kMetaStart = KVR_GDN_META_START,
+  kMetaH = KVR_GDN_META_H,
+  kMetaPending = KVR_GDN_META_PENDING,
+  kMetaConvEnd = KVR_GDN_META_CONV_END,
+  kMetaArrive = KVR_GDN_META_ARRIVE,
+  kMetaInts = KVR_GDN_META_INTS
+};
+enum : int { kOpStep = KVR_GDN_OP_STEP, kOpFlush = KVR_GDN_OP_FLUSH, kOpExport = KVR_GDN_OP_EXPORT };
+// The decode kernels read mode, start, h and pending as one int4.
+static_assert(kMetaMode == 0 && kMetaStart == 1 && kMetaH == 2 && kMetaPending == 3,
+              "mode, start, h, pending are the record's first four words");
+static_assert(kMetaInts % 4 == 0 && kMetaArrive < kMetaInts, "16-byte metadata records");
 
-// A strided tensor argument; dtype 0 f32, 1 f16, 2 bf16. Must match `DevTensor` in
-// src/linear/gdn_cuda.rs.
-struct Tensor {
-  void* p;
-  int64_t s[4];
-  int32_t dtype;
-  int32_t pad;
-};
-
-// Must match `StepParams` in src/linear/gdn_cuda.rs field for field.
-struct StepParams {
-  char* state;           // this layer's state of sequence slot 0
-  char* snaps;           // recurrent pools: this layer's per-draft snapshots
-  char* ring_u;          // this layer's ring: u [seq][L][Hv][dv]
-  char* ring_k;          //                    k [seq][L][Hk][dk]
-  float* ring_g;         //                    g [seq][L][Hv]
-  int32_t* meta;         // this layer's metadata [seq][8]
-  char* conv;            // this layer's conv windows [seq][slots][conv_dim]
-  uint32_t* sync;        // per-(seq, head) arrival counters (all layers)
-  const int32_t* ids;    // device sequence ids, or null (ids_inline)
-  int64_t seq_stride;    // state elements between sequence slots
-  Tensor q, k, v, g, beta, out, conv_in;
-  int32_t op, B, T, Hk, Hv, dk, dv, L;
-  int32_t thr, kv_cap, max_drafts, conv_dim, conv_slots, entry_dtype, conv_dtype, tv;
-  int32_t tiles, auto_commit, l2norm, hmax, export_seq, stages;  // stages: gdn_stream.cu state tiles
-  float scale;
-  int32_t pad1;
-  int32_t ids_inline[kMaxInline];
-};
-
-struct LayerState {
-  char* state;
-  int64_t seq_stride;
-};
-
-// Must match `CommitParams` in src/linear/gdn_cuda.rs.
-struct CommitParams {
-  const LayerState* layers;
-  char* snaps;          // all layers
-  int32_t* meta;        // all layers
-  char* conv;           // all layers
-  const int32_t* accepted;  // device counts, or null (acc_inline)
-  Tensor conv_out;      // [B, conv_kernel - 1, conv_dim], p null when not wanted
-  int64_t snap_layer_bytes, state_bytes, conv_layer_bytes;
-  int32_t layer0, max_seqs, max_drafts, recurrent, conv_dim, conv_slots, conv_k1, conv_dtype;
-  int32_t chunks, acc_stride, state_es, pad;
-  int32_t ids[kMaxCommitInline];
-  int32_t acc_inline[kMaxCommitInline];
-};
+using Tensor = kvr_gdn_tensor;
+using StepParams = kvr_gdn_step_args;
+using LayerState = kvr_gdn_layer_state;
+using CommitParams = kvr_gdn_commit_args;
 
 __device__ __forceinline__ float ldx(const void* p, int dt, int64_t i) {
-  if (dt == 0) return static_cast<const float*>(p)[i];
-  if (dt == 1) return __half2float(static_cast<const __half*>(p)[i]);
+  if (dt == KVR_DT_F32) return static_cast<const float*>(p)[i];
+  if (dt == KVR_DT_F16) return __half2float(static_cast<const __half*>(p)[i]);
   return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
 }
 
 __device__ __forceinline__ void stx(void* p, int dt, int64_t i, float x) {
-  if (dt == 0)
+  if (dt == KVR_DT_F32)
     static_cast<float*>(p)[i] = x;
-  else if (dt == 1)
+  else if (dt == KVR_DT_F16)
     static_cast<__half*>(p)[i] = __float2half_rn(x);
   else
     static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
@@ -97,8 +55,8 @@ __device__ __forceinline__ void stx(void* p, int dt, int64_t i, float x) {
 
 // What storing as `dt` keeps.
 __device__ __forceinline__ float roundx(int dt, float x) {
-  if (dt == 1) return __half2float(__float2half_rn(x));
-  if (dt == 2) return __bfloat162float(__float2bfloat16_rn(x));
+  if (dt == KVR_DT_F16) return __half2float(__float2half_rn(x));
+  if (dt == KVR_DT_BF16) return __bfloat162float(__float2bfloat16_rn(x));
   return x;
 }
 
@@ -134,7 +92,8 @@ template <> struct StateIO<__nv_bfloat16> {
     *reinterpret_cast<uint2*>(base + e * 2) = r;
   }
   static __device__ __forceinline__ float4 round(float4 v) {
-    return make_float4(roundx(2, v.x), roundx(2, v.y), roundx(2, v.z), roundx(2, v.w));
+    return make_float4(roundx(KVR_DT_BF16, v.x), roundx(KVR_DT_BF16, v.y), roundx(KVR_DT_BF16, v.z),
+                       roundx(KVR_DT_BF16, v.w));
   }
 };
 
@@ -191,12 +150,12 @@ __device__ __forceinline__ void ld_vec(const T* p, float* d) {
   }
 }
 
-// The same for a runtime entry dtype (0 f32, 1 f16, 2 bf16); `e` counts elements.
+// The same for a runtime entry dtype (KVR_DT_*); `e` counts elements.
 template <int N>
 __device__ __forceinline__ void ld_entry(const char* base, int dt, int64_t e, float* d) {
-  if (dt == 0)
+  if (dt == KVR_DT_F32)
     ld_vec<float, N>(reinterpret_cast<const float*>(base) + e, d);
-  else if (dt == 1)
+  else if (dt == KVR_DT_F16)
     ld_vec<__half, N>(reinterpret_cast<const __half*>(base) + e, d);
   else
     ld_vec<__nv_bfloat16, N>(reinterpret_cast<const __nv_bfloat16*>(base) + e, d);
@@ -272,10 +231,10 @@ __device__ __forceinline__ float reduce_scatter(float (&P)[N], int lane) {
 // channels goes into the sequence's window ring at slot conv_end (decode kernels, T = 1).
 __device__ __forceinline__ void conv_window_share(const StepParams& p, int b, int seq, int h, int tile, int conv_end,
                                                   int tid, int nthreads) {
-  const int parts = p.Hv * p.tiles, part = h * p.tiles + tile;
+  const int parts = p.hv * p.tiles, part = h * p.tiles + tile;
   const int lo = static_cast<int>(static_cast<int64_t>(part) * p.conv_dim / parts);
   const int hi = static_cast<int>(static_cast<int64_t>(part + 1) * p.conv_dim / parts);
-  const int ce = p.conv_dtype == 0 ? 4 : 2;
+  const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
   char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + conv_end % p.conv_slots) * p.conv_dim * ce;
   for (int c = lo + tid; c < hi; c += nthreads)
     stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
@@ -326,14 +285,14 @@ struct Place {
 __device__ __forceinline__ Place placement(const StepParams& p, int mode, int start, int hcnt) {
   Place r{false, false, 0};
   if (p.op == kOpStep && mode != kModeRecurrent) {
-    const int need = p.auto_commit ? p.T : 2 * p.T;
+    const int need = p.auto_commit ? p.t : 2 * p.t;
     if (mode == kModeKvOnly) {
       r.flush = hcnt + need > p.thr;
       r.kv_store = !r.flush;
       r.base = r.flush ? 0 : hcnt;
     } else {
-      r.flush = hcnt + need > p.L;
-      r.base = (start + hcnt) % p.L;
+      r.flush = hcnt + need > p.l;
+      r.base = (start + hcnt) % p.l;
     }
   } else if (p.op == kOpFlush) {
     r.flush = mode == kModeKvOnly || (mode == kModeReplay && hcnt > 0);
@@ -345,10 +304,10 @@ __device__ __forceinline__ Place placement(const StepParams& p, int mode, int st
 // of a step's T new entries of batch row b, from position `base` on; `nthreads` threads.
 __device__ __forceinline__ void ring_keys_and_decays(const StepParams& p, int b, int seq, int base,
                                                      int warp, int lane, int tid, int nthreads) {
-  const int T = p.T, dk = p.dk, ee = p.entry_dtype == 0 ? 4 : 2;
-  const int L = p.L > 0 ? p.L : 1;
-  for (int x = warp; x < T * p.Hk; x += nthreads / 32) {
-    const int s = x / p.Hk, kk = x % p.Hk;
+  const int T = p.t, dk = p.dk, ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const int L = p.l > 0 ? p.l : 1;
+  for (int x = warp; x < T * p.hk; x += nthreads / 32) {
+    const int s = x / p.hk, kk = x % p.hk;
     const int64_t o = b * p.k.s[0] + s * p.k.s[1] + kk * p.k.s[2];
     float ss = 0.f;
     for (int i = lane; i < dk; i += 32) {
@@ -358,14 +317,14 @@ __device__ __forceinline__ void ring_keys_and_decays(const StepParams& p, int b,
     ss = warp_sum(ss);
     const float f = p.l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f;
     const int pos = (base + s) % L;
-    char* dst = p.ring_k + ((static_cast<int64_t>(seq) * L + pos) * p.Hk + kk) * dk * ee;
+    char* dst = p.ring_k + ((static_cast<int64_t>(seq) * L + pos) * p.hk + kk) * dk * ee;
     for (int i = lane; i < dk; i += 32)
       stx(dst, p.entry_dtype, i, roundx(p.entry_dtype, ldx(p.k.p, p.k.dtype, o + i * p.k.s[3]) * f));
   }
-  for (int i = tid; i < T * p.Hv; i += nthreads) {
-    const int s = i / p.Hv, hh = i % p.Hv;
+  for (int i = tid; i < T * p.hv; i += nthreads) {
+    const int s = i / p.hv, hh = i % p.hv;
     const int pos = (base + s) % L;
-    p.ring_g[(static_cast<int64_t>(seq) * L + pos) * p.Hv + hh] =
+    p.ring_g[(static_cast<int64_t>(seq) * L + pos) * p.hv + hh] =
         ldx(p.g.p, p.g.dtype, b * p.g.s[0] + s * p.g.s[1] + hh * p.g.s[2]);
   }
 }
@@ -374,7 +333,7 @@ __device__ __forceinline__ void ring_keys_and_decays(const StepParams& p, int b,
 // once every CTA of the launch has read them).
 __device__ __forceinline__ void finish_meta(const StepParams& p, int32_t* meta, int mode, int start, int hcnt,
                                             int pending, int conv_end, const Place& pl) {
-  const int L = p.L > 0 ? p.L : 1;
+  const int L = p.l > 0 ? p.l : 1;
   int m_mode = mode, m_start = start, m_h = hcnt, m_pending = pending, m_conv = conv_end;
   if (pl.flush) {
     m_start = mode == kModeReplay ? (start + hcnt) % L : 0;
@@ -383,11 +342,11 @@ __device__ __forceinline__ void finish_meta(const StepParams& p, int32_t* meta, 
   }
   if (p.op == kOpStep) {
     if (p.auto_commit) {
-      if (mode != kModeRecurrent) m_h += p.T;
-      m_conv += p.T;
+      if (mode != kModeRecurrent) m_h += p.t;
+      m_conv += p.t;
       m_pending = 0;
     } else {
-      m_pending = p.T;
+      m_pending = p.t;
     }
   }
   meta[kMetaMode] = m_mode;

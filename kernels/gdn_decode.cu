@@ -25,8 +25,9 @@
 namespace kvr {
 namespace gdn {
 
-constexpr int kRows = 8;           // value rows per warp
-constexpr int kDecodeMaxWarps = 4;  // warps per CTA (tv <= 32)
+constexpr int kRows = KVR_GDN_DECODE_ROWS_PER_WARP;        // value rows per warp
+constexpr int kDecodeMaxWarps = KVR_GDN_DECODE_MAX_WARPS;  // warps per CTA (tv <= 32)
+static_assert(kRows == 8, "LaneMap and the row phase assume 8 rows per warp");
 
 // Which state elements a lane holds: s[r][c] = S[row0 + r][key(c)] for all 8 rows of the
 // warp and KL = dk / 32 keys in runs of VW. V-major ([dv][dk]): a warp instruction reads
@@ -55,9 +56,9 @@ __device__ void decode_body(const StepParams& p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int tile = blockIdx.x % p.tiles;
   const int hb = blockIdx.x / p.tiles;
-  const int h = hb % p.Hv, b = hb / p.Hv;
+  const int h = hb % p.hv, b = hb / p.hv;
   const int dv = p.dv;
-  const int kh = h / (p.Hv / p.Hk);
+  const int kh = h / (p.hv / p.hk);
   const int row0 = tile * p.tv + warp * kRows;
   // Row phase: lane l handles value row row0 + (l & 7); lanes 0..7 write.
   const int rr = lane & (kRows - 1);
@@ -131,20 +132,20 @@ __device__ void decode_body(const StepParams& p) {
   const float bt = ldx(p.beta.p, p.beta.dtype, b * p.beta.s[0] + h * p.beta.s[2]);
 
   const Place pl = placement(p, mode, start, hcnt);
-  const int ee = p.entry_dtype == 0 ? 4 : 2;
-  const int L = p.L > 0 ? p.L : 1;
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const int L = p.l > 0 ? p.l : 1;
   auto entry_u = [&](int j) -> const char* {
     if (kvonly) return head + static_cast<int64_t>(j) * dv * ee;
-    return p.ring_u + ((static_cast<int64_t>(seq) * L + (start + j) % L) * p.Hv + h) * dv * ee;
+    return p.ring_u + ((static_cast<int64_t>(seq) * L + (start + j) % L) * p.hv + h) * dv * ee;
   };
   auto entry_k = [&](int j) -> const char* {
     if (kvonly) return head + (static_cast<int64_t>(p.kv_cap) * dv + static_cast<int64_t>(j) * DK) * ee;
-    return p.ring_k + ((static_cast<int64_t>(seq) * L + (start + j) % L) * p.Hk + kh) * DK * ee;
+    return p.ring_k + ((static_cast<int64_t>(seq) * L + (start + j) % L) * p.hk + kh) * DK * ee;
   };
   auto entry_g = [&](int j) -> float {
     if (kvonly)
       return *reinterpret_cast<const float*>(head + static_cast<int64_t>(p.kv_cap) * (dv + DK) * ee + 4 * j);
-    return p.ring_g[(static_cast<int64_t>(seq) * L + (start + j) % L) * p.Hv + h];
+    return p.ring_g[(static_cast<int64_t>(seq) * L + (start + j) % L) * p.hv + h];
   };
   auto load_keys = [&](const char* kp, float* dst) {
 #pragma unroll
@@ -212,7 +213,7 @@ __device__ void decode_body(const StepParams& p) {
 #pragma unroll
       for (int r = 0; r < RL; ++r)
 #pragma unroll
-        for (int c = 0; c < KL; ++c) s[r][c] = roundx(2, s[r][c]);
+        for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
     }
   };
 
@@ -276,7 +277,7 @@ __device__ void decode_body(const StepParams& p) {
     }
     round_state();
     // Every warp of the head must have read the entries kept in the state memory.
-    if (kvonly) head_barrier(p.sync + static_cast<int64_t>(seq) * p.Hv + h, p.tiles);
+    if (kvonly) head_barrier(p.sync + static_cast<int64_t>(seq) * p.hv + h, p.tiles);
     state_io(true);
     float sq, sk;
     state_dots(sq, sk);
@@ -290,10 +291,10 @@ __device__ void decode_body(const StepParams& p) {
     if (nbuf > 0) {
       // (a) the CTA's warps share the key dot products k_j . q and k_j . k, by chunks.
       extern __shared__ float dsm[];
-      const int hcap = p.hmax;
-      float* gs = dsm;
-      float* cq = dsm + hcap;
-      float* ck = dsm + 2 * hcap;
+      const kvr_gdn_decode_smem lay = kvr_gdn_decode_smem_layout(p.hmax);
+      float* gs = dsm + lay.gs;
+      float* cq = dsm + lay.cq;
+      float* ck = dsm + lay.ck;
       if (static_cast<int>(threadIdx.x) < nbuf) gs[threadIdx.x] = gl;
       for (int j = threadIdx.x + blockDim.x; j < nbuf; j += blockDim.x) gs[j] = entry_g(j);
       for (int c0 = warp * CH; c0 < nbuf; c0 += nwarps * CH) {
@@ -362,7 +363,7 @@ __device__ void decode_body(const StepParams& p) {
     stx(out.p, out.dtype, out_at, y);
     if (!recurrent) {
       char* dst = pl.kv_store ? head + static_cast<int64_t>(pl.base) * dv * ee
-                              : p.ring_u + ((static_cast<int64_t>(seq) * L + pl.base % L) * p.Hv + h) * dv * ee;
+                              : p.ring_u + ((static_cast<int64_t>(seq) * L + pl.base % L) * p.hv + h) * dv * ee;
       stx(dst, p.entry_dtype, row0 + rr, u);
     }
   }

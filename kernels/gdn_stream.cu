@@ -30,32 +30,12 @@
 //
 // Shared memory: the state tile (V-major: R rows of dk; K-major: dk rows of R values, each row
 // padded by 16 bytes so that the 8 lanes of a quarter warp, reading 8 consecutive key rows,
-// hit different banks), the ring's u rows of the tile, then small float arrays. The host
-// computes the same size in `stream_smem_bytes` (src/linear/gdn_cuda.rs).
+// hit different banks), the ring's u rows of the tile, then small float arrays:
+// kvr_gdn_stream_smem_layout (kvr_abi.h), which the host sizes the launch by.
 #include "gdn_stream.cuh"
 
 namespace kvr {
 namespace gdn {
-
-// Shared-memory layout of a CTA (bytes), shared with the host's stream_smem_bytes: `stages`
-// state tiles (1: one item per CTA; 2: persistent CTAs with the next item's tile in flight),
-// the current item's ring rows,
-// then floats qs, ks [dk]; sq, sk, us [R]; aq, ak, wg, gs [max(L, 1)]; then 32 words.
-struct SLayout {
-  int st0, st1, ut, fl, ints, total;
-};
-__host__ __device__ inline SLayout stream_layout(bool vm, int dk, int R, int es, int L, int ee, int stages) {
-  SLayout s;
-  const int st_bytes = align16(vm ? R * dk * es : dk * (R * es + 16));
-  s.st0 = 0;
-  s.st1 = stages > 1 ? st_bytes : 0;
-  s.ut = stages * st_bytes;
-  s.fl = s.ut + align16(L * R * ee);
-  const int Lc = L > 0 ? L : 1;
-  s.ints = s.fl + 4 * (2 * dk + 3 * R + 4 * Lc);
-  s.total = s.ints + 4 * 32;
-  return s;
-}
 
 // Words of the int area: the current item's metadata [0, 5), k . q [5], e^G [6], the deferred
 // tail flag [7], and two tail records of kTailInts words from [8].
@@ -74,15 +54,15 @@ __device__ void sdecode_body(const StepParams& p) {
   constexpr int VW = KL < 4 ? KL : 4;
   const int R = p.tv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = p.Hv / p.Hk;
+  const int group = p.hv / p.hk;
   const int dv = p.dv;
-  const int L = p.L;
+  const int L = p.l;
   const int Ls = L > 0 ? L : 1;
-  const int total = p.B * p.Hv * p.tiles;
-  const int per_seq = p.Hv * p.tiles;
+  const int total = p.b * p.hv * p.tiles;
+  const int per_seq = p.hv * p.tiles;
   const Tensor& out = p.out;
-  const int ee = p.entry_dtype == 0 ? 4 : 2;
-  const SLayout lay = stream_layout(VM, DK, R, ES, L, ee, p.stages);
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const kvr_gdn_stream_smem lay = kvr_gdn_stream_smem_layout(VM, DK, R, ES, L, ee, p.stages);
   unsigned char* ut = sm + lay.ut;
   float* qs = reinterpret_cast<float*>(sm + lay.fl);
   float* ks = qs + DK;
@@ -102,8 +82,8 @@ __device__ void sdecode_body(const StepParams& p) {
     Item x;
     x.tile = it % p.tiles;
     const int hb = it / p.tiles;
-    x.h = hb % p.Hv;
-    x.b = hb / p.Hv;
+    x.h = hb % p.hv;
+    x.b = hb / p.hv;
     x.seq = p.ids ? p.ids[x.b] : p.ids_inline[x.b];
     return x;
   };
@@ -247,7 +227,7 @@ __device__ void sdecode_body(const StepParams& p) {
     const int base = recurrent ? 0 : (start + hcnt) % Ls;
     auto slot = [&](int j) { return (start + j) % Ls; };
     auto entry_k = [&](int j) -> const char* {
-      return p.ring_k + ((static_cast<int64_t>(seq) * Ls + slot(j)) * p.Hk + kh) * DK * ee;
+      return p.ring_k + ((static_cast<int64_t>(seq) * Ls + slot(j)) * p.hk + kh) * DK * ee;
     };
 
     // 1. This item's ring rows and decays, then the next item's tile and metadata: every
@@ -256,12 +236,12 @@ __device__ void sdecode_body(const StepParams& p) {
       const int c16 = R * ee / 16;
       for (int i = tid; i < nbuf * c16; i += kStreamThreads) {
         const int j = i / c16, c = i - j * c16;
-        const char* src = p.ring_u + ((static_cast<int64_t>(seq) * Ls + slot(j)) * p.Hv + h) * dv * ee +
+        const char* src = p.ring_u + ((static_cast<int64_t>(seq) * Ls + slot(j)) * p.hv + h) * dv * ee +
                           static_cast<int64_t>(v0) * ee + 16 * c;
         cp_async_16(ut + j * R * ee + 16 * c, src, 16);
       }
       for (int j = tid; j < nbuf; j += kStreamThreads)
-        gs[j] = p.ring_g[(static_cast<int64_t>(seq) * Ls + slot(j)) * p.Hv + h];
+        gs[j] = p.ring_g[(static_cast<int64_t>(seq) * Ls + slot(j)) * p.hv + h];
     }
     cp_async_commit();
     if (nxt < total) {
@@ -452,7 +432,7 @@ __device__ void sdecode_body(const StepParams& p) {
         const float y = a * hist_q + kq * u;
         stx(out.p, out.dtype, b * out.s[0] + h * out.s[2] + (v0 + tid) * out.s[3], y);
         if (!recurrent) {
-          char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Ls + base) * p.Hv + h) * dv * ee;
+          char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Ls + base) * p.hv + h) * dv * ee;
           stx(dst, p.entry_dtype, v0 + tid, u);
         }
         us[tid] = u;
@@ -555,10 +535,10 @@ __device__ void sdecode_body(const StepParams& p) {
       // 7. The new entry's key and decay (outside a flush: nobody reads that slot this step).
       if (!recurrent && !flush && tile == 0) {
         if (h % group == 0) {
-          char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Ls + base) * p.Hk + kh) * DK * ee;
+          char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Ls + base) * p.hk + kh) * DK * ee;
           for (int i = tid; i < DK; i += kStreamThreads) stx(kd, p.entry_dtype, i, ks[i]);
         }
-        if (tid == 0) p.ring_g[(static_cast<int64_t>(seq) * Ls + base) * p.Hv + h] = gt;
+        if (tid == 0) p.ring_g[(static_cast<int64_t>(seq) * Ls + base) * p.hv + h] = gt;
       }
       if (p.conv_dim > 0) conv_window_share(p, b, seq, h, tile, conv_end, tid, kStreamThreads);
       __syncthreads();  // (B5) every thread is done with this item's shared memory

@@ -6,7 +6,7 @@
 namespace kvr {
 namespace gdn {
 
-constexpr int kStreamThreads = 256;
+constexpr int kStreamThreads = KVR_GDN_STREAM_THREADS;
 constexpr int kStreamWarps = kStreamThreads / 32;
 
 __host__ __device__ constexpr int align16(int x) { return (x + 15) & ~15; }

@@ -59,11 +59,11 @@ __device__ void sverify_body(const StepParams& p) {
   constexpr int ES = sizeof(SD);
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
-  const int R = p.tv, T = p.T;
+  const int R = p.tv, T = p.t;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = p.Hv / p.Hk;
-  const int dv = p.dv, L = p.L;
-  const int per_seq = p.Hv * p.tiles;
+  const int group = p.hv / p.hk;
+  const int dv = p.dv, L = p.l;
+  const int per_seq = p.hv * p.tiles;
   const Tensor& out = p.out;
   const int ee = p.entry_dtype == 0 ? 4 : 2;
   const VLayout lay = sverify_layout(VM, DK, R, ES, L, ee, T);
@@ -90,8 +90,8 @@ __device__ void sverify_body(const StepParams& p) {
 
   const int it = blockIdx.x;
   const int tile = it % p.tiles;
-  const int h = (it / p.tiles) % p.Hv;
-  const int b = it / p.tiles / p.Hv;
+  const int h = (it / p.tiles) % p.hv;
+  const int b = it / p.tiles / p.hv;
   const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
   const int kh = h / group;
   const int v0 = tile * R;
@@ -182,7 +182,7 @@ __device__ void sverify_body(const StepParams& p) {
   const int base = (start + hcnt) % Lc;
   auto slot = [&](int j) { return (start + j) % Lc; };
   auto entry_k = [&](int j) -> const char* {
-    return p.ring_k + ((static_cast<int64_t>(seq) * Lc + slot(j)) * p.Hk + kh) * DK * ee;
+    return p.ring_k + ((static_cast<int64_t>(seq) * Lc + slot(j)) * p.hk + kh) * DK * ee;
   };
 
   // 2. The ring's u rows of the tile and decays (asynchronous), the drafts' coefficients and
@@ -191,11 +191,11 @@ __device__ void sverify_body(const StepParams& p) {
     const int c16 = R * ee / 16;
     for (int i = tid; i < nbuf * c16; i += kStreamThreads) {
       const int j = i / c16, c = i - j * c16;
-      const char* src = p.ring_u + ((static_cast<int64_t>(seq) * Lc + slot(j)) * p.Hv + h) * dv * ee +
+      const char* src = p.ring_u + ((static_cast<int64_t>(seq) * Lc + slot(j)) * p.hv + h) * dv * ee +
                         static_cast<int64_t>(v0) * ee + 16 * c;
       cp_async_16(ut + j * R * ee + 16 * c, src, 16);
     }
-    for (int j = tid; j < nbuf; j += kStreamThreads) gs[j] = p.ring_g[(static_cast<int64_t>(seq) * Lc + slot(j)) * p.Hv + h];
+    for (int j = tid; j < nbuf; j += kStreamThreads) gs[j] = p.ring_g[(static_cast<int64_t>(seq) * Lc + slot(j)) * p.hv + h];
   }
   cp_async_commit();
   if (tid < T) {
@@ -380,7 +380,7 @@ __device__ void sverify_body(const StepParams& p) {
 #pragma unroll
         for (int s2 = 0; s2 <= s; ++s2) y += cB[s * T + s2] * u[s2];
         stx(out.p, out.dtype, b * out.s[0] + s * out.s[1] + h * out.s[2] + (v0 + tid) * out.s[3], y);
-        char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.Hv + h) * dv * ee;
+        char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.hv + h) * dv * ee;
         stx(dst, p.entry_dtype, v0 + tid, u[s]);
       }
     }
@@ -454,14 +454,14 @@ __device__ void sverify_body(const StepParams& p) {
     if (h % group == 0) {
       for (int i = tid; i < T * DK; i += kStreamThreads) {
         const int s = i / DK, c = i - s * DK;
-        char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.Hk + kh) * DK * ee;
+        char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.hk + kh) * DK * ee;
         stx(kd, p.entry_dtype, c, ks[i]);
       }
     }
-    if (tid < T) p.ring_g[(static_cast<int64_t>(seq) * Lc + (base + tid) % Lc) * p.Hv + h] = gt[tid];
+    if (tid < T) p.ring_g[(static_cast<int64_t>(seq) * Lc + (base + tid) % Lc) * p.hv + h] = gt[tid];
   }
   if (p.conv_dim > 0) {
-    const int parts = p.Hv * p.tiles, part = h * p.tiles + tile;
+    const int parts = p.hv * p.tiles, part = h * p.tiles + tile;
     const int lo = static_cast<int>(static_cast<int64_t>(part) * p.conv_dim / parts);
     const int hi = static_cast<int>(static_cast<int64_t>(part + 1) * p.conv_dim / parts);
     const int ce = p.conv_dtype == 0 ? 4 : 2;

@@ -24,9 +24,8 @@
 
 namespace kvr {
 
-constexpr int kTileN = 64;      // tokens per tile (16 per warp)
-constexpr int kDecodeThreads = 192;  // 4 consumer warps + 2 producer warps
-constexpr int kMaxInlineBatch = 512;
+constexpr int kTileN = KVR_KV_DECODE_TILE;          // tokens per tile (16 per warp)
+constexpr int kDecodeThreads = KVR_KV_DECODE_THREADS;  // 4 consumer warps + 2 producer warps
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -37,48 +36,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Must match `DecodeParams` in src/kv/cuda.rs field for field.
-struct DecodeParams {
-  const void* q;
-  void* out;
-  float* lse;         // optional [B, T, Hq] (natural log)
-  const void* k;
-  const void* v;
-  const int32_t* table;   // [max_seqs][table_stride] page ids
-  const int32_t* lens;    // [max_seqs]
-  const int32_t* batch;   // [B] sequence slots in device memory, or null: batch_inline
-  float* part_o;          // [ctas][2][16][D] normalized partial outputs
-  float* part_lse;        // [ctas][2][16] base-2 log-sum-exp of each partial
-  int32_t* counters;      // [B][Hkv][Y], zero between launches
-  int32_t* group_counters;  // [Y][ctas][2] (by partial slot), zero between launches
-  int64_t q_sb, q_st, q_sh;
-  int64_t o_sb, o_st, o_sh;
-  int64_t l_sb, l_st, l_sh;
-  int64_t k_sp, k_sh, k_st;
-  int64_t v_sp, v_sh, v_st;
-  FastDiv page;
-  int32_t table_stride;
-  int32_t max_seqs;
-  int32_t B, T, Hq, Hkv, G;
-  int32_t q_dtype, out_dtype;  // 0 f32, 1 f16, 2 bf16
-  int32_t window;              // 0: no sliding window
-  int32_t min_tiles_per_cta;
-  int32_t stages;              // 1..3 pipeline stages
-  int32_t q_vec;               // 1: q is KV-typed, 2: f32; 16-byte aligned rows (vector loads)
-  float scale_log2;            // scale * log2(e), no softcap
-  float qk_scale;              // scale (softcap path)
-  float softcap;               // 0: off
-  int32_t batch_inline[kMaxInlineBatch];
-};
+using DecodeParams = kvr_kv_decode_args;
 
 __device__ __forceinline__ float load_any(const void* p, int64_t i, int dtype) {
-  if (dtype == 0) return static_cast<const float*>(p)[i];
-  if (dtype == 1) return __half2float(static_cast<const __half*>(p)[i]);
+  if (dtype == KVR_DT_F32) return static_cast<const float*>(p)[i];
+  if (dtype == KVR_DT_F16) return __half2float(static_cast<const __half*>(p)[i]);
   return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
 }
 __device__ __forceinline__ void store_any(void* p, int64_t i, int dtype, float x) {
-  if (dtype == 0) static_cast<float*>(p)[i] = x;
-  else if (dtype == 1) static_cast<__half*>(p)[i] = __float2half_rn(x);
+  if (dtype == KVR_DT_F32) static_cast<float*>(p)[i] = x;
+  else if (dtype == KVR_DT_F16) static_cast<__half*>(p)[i] = __float2half_rn(x);
   else static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
 }
 
@@ -102,7 +69,7 @@ __device__ __forceinline__ void row_shape(const DecodeParams& p, int slot, int* 
   int l = slot >= 0 ? p.lens[slot] : 0;
   if (l < 0) l = 0;
   int kstart = 0;
-  if (p.window > 0) kstart = max(0, l - p.T - p.window + 1);
+  if (p.window > 0) kstart = max(0, l - p.t - p.window + 1);
   const int ft = kstart / kTileN;
   const int last = (l + kTileN - 1) / kTileN;
   *len = l;
@@ -119,9 +86,9 @@ __device__ __forceinline__ void cursor_advance(const DecodeParams& p, RowCursor&
   if (++c.tile < c.ntiles) return;
   c.tile = 0;
   c.row_first += c.ntiles;
-  if (++c.h < p.Hkv) return;
+  if (++c.h < p.hkv) return;
   c.h = 0;
-  if (++c.b < p.B) cursor_load_row(p, c);
+  if (++c.b < p.b) cursor_load_row(p, c);
 }
 
 // CTA that owns global tile x when the tiles are cut into ranges of k: [c*k, (c+1)*k).
@@ -182,36 +149,29 @@ __device__ __forceinline__ void cp_async_16_stream(void* smem, const void* gmem,
                : "memory");
 }
 
-// Barrier among the 4 consumer warps only (the producer warp never joins it).
+// Barrier among the 4 consumer warps only (the producer warps never join it).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
 
 constexpr int kConsumerThreads = 128;
 constexpr int kWarpsTotal = kDecodeThreads / 32;  // 4 consumers + 2 producers
 
+// Shared-memory layout, area by area as kvr_kv_decode_smem_layout (kvr_abi.h) sizes them (the
+// host sizes the launch by its total). K/V tile rows: head dims that are a multiple of 64 use
+// an XOR swizzle of the 16-byte chunks (chunk c of row r is stored at c ^ (r % 8)):
+// conflict-free ldmatrix with no padding, so 3 stages fit twice per SM. Other head dims pad
+// each row by 16 bytes. Merge buffer rows are padded by 8 floats: the 4 warps' float2
+// read-modify-writes (8 rows x 4 column pairs per access) hit distinct banks in each
+// half-warp.
 template <typename KV, int D> struct DecodeSmem {
-  // K/V tile rows: head dims that are a multiple of 64 use an XOR swizzle of the 16-byte
-  // chunks (chunk c of row r is stored at c ^ (r % 8)): conflict-free ldmatrix with no
-  // padding, so 3 stages fit twice per SM. Other head dims pad each row by 16 bytes.
-  static constexpr bool kSwizzle = (D % 64) == 0;
-  static constexpr int kStride = kSwizzle ? D : D + 8;
-  static constexpr int kQStride = D + 8;
+  static constexpr kvr_kv_decode_smem kLayout = kvr_kv_decode_smem_layout(D, sizeof(KV), 1);
+  static constexpr bool kSwizzle = kLayout.swizzled != 0;
+  static constexpr int kStride = kLayout.row_stride;
+  static constexpr int kQStride = kLayout.q_stride;
+  static constexpr int kMStride = kLayout.merge_stride;
   static constexpr int kTileElems = kTileN * kStride;
+  static constexpr int kStageBytes = kLayout.stage_bytes;
+  static_assert(kStageBytes == 2 * kTileElems * static_cast<int>(sizeof(KV)), "a stage is a K and a V tile");
   static __device__ __forceinline__ int chunk(int row, int c) { return kSwizzle ? (c ^ (row & 7)) : c; }
-  static constexpr int kStageBytes = 2 * kTileElems * static_cast<int>(sizeof(KV));
-  // After the stages: Q staging [16][kStride] KV, merge buffer [16][D] f32, producer row
-  // addresses [64][2] i64, softmax state of 4 warps [2][4][16] + [16][2] f32, barriers,
-  // scan scratch.
-  static constexpr int kQBytes = 16 * kQStride * static_cast<int>(sizeof(KV));
-  // Merge buffer rows padded by 8 floats: the 4 warps' float2 read-modify-writes (8 rows x 4
-  // column pairs per access) hit distinct banks in each half-warp.
-  static constexpr int kMStride = D + 8;
-  static constexpr int kMergeBytes = 16 * kMStride * 4;
-  static constexpr int kOffBytes = kTileN * 2 * 8;
-  static constexpr int kMlBytes = (4 * 16 * 2 + 32) * 4;
-  static constexpr int kScanBytes = 16 * 8;
-  static constexpr int bytes(int stages) {
-    return stages * (kStageBytes + 16) + kQBytes + kMergeBytes + kOffBytes + kMlBytes + kScanBytes;
-  }
 };
 
 // Writes outputs d..d+3 of query row r (of query tile y) of a (batch row, KV head) row, and
@@ -219,7 +179,7 @@ template <typename KV, int D> struct DecodeSmem {
 __device__ __forceinline__ void store_out(const DecodeParams& p, int y, const RowCursor& rc, int r,
                                           int d, float4 o, float lse2) {
   const int R = y * 16 + r;
-  const int t = R / p.G, g = R % p.G, hq = rc.h * p.G + g;
+  const int t = R / p.g, g = R % p.g, hq = rc.h * p.g + g;
   const int64_t base = rc.b * p.o_sb + t * p.o_st + hq * p.o_sh + d;
   store_any(p.out, base, p.out_dtype, o.x);
   store_any(p.out, base + 1, p.out_dtype, o.y);
@@ -231,8 +191,8 @@ __device__ __forceinline__ void store_out(const DecodeParams& p, int y, const Ro
 // Merges `count` partials of a split row (those of CTAs first, first + stride, ...) by
 // log-sum-exp into the output, or (out_part >= 0) into that partial slot. One pass, 8
 // partials at a time, their log-sum-exps and outputs loaded together, the running sum
-// rescaled when the max grows. Called by the 128 consumer threads; kept out of line (it
-// runs at most a few times per CTA, and the kernel's hot loop stays small).
+// rescaled when the max grows. Called by the 128 consumer threads, at most a few times
+// per CTA.
 template <int D>
 __device__ __forceinline__ void merge_partials(const DecodeParams& p, const RowCursor& rc, int y,
                                             int rows_here, long long c_first, int first_slot,
@@ -298,22 +258,23 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   constexpr int kQStride = Sm::kQStride;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem[];
+  constexpr kvr_kv_decode_smem kLay = Sm::kLayout;
   const int S_ = p.stages;
   unsigned char* cursor_p = smem;
   KV* stages_base = reinterpret_cast<KV*>(cursor_p);
-  cursor_p += S_ * Sm::kStageBytes;
+  cursor_p += S_ * kLay.stage_bytes;
   KV* sq = reinterpret_cast<KV*>(cursor_p);
-  cursor_p += Sm::kQBytes;
+  cursor_p += kLay.q_bytes;
   float* s_merge = reinterpret_cast<float*>(cursor_p);
-  cursor_p += Sm::kMergeBytes;
+  cursor_p += kLay.merge_bytes;
   long long* s_off = reinterpret_cast<long long*>(cursor_p);
-  cursor_p += Sm::kOffBytes;
+  cursor_p += kLay.off_bytes;
   float* s_ml = reinterpret_cast<float*>(cursor_p);
   float* s_row = s_ml + 128;
-  cursor_p += Sm::kMlBytes;
+  cursor_p += kLay.ml_bytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(cursor_p);
   uint64_t* empty = full + S_;
-  cursor_p += S_ * 16;
+  cursor_p += S_ * kLay.bar_bytes;
   long long* s_scan = reinterpret_cast<long long*>(cursor_p);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -328,8 +289,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   }
 
   // ---- Work partition, recomputed by every CTA from the device lengths. ----
-  const int per = (p.B + kDecodeThreads - 1) / kDecodeThreads;
-  const int b0 = min(p.B, tid * per), b1 = min(p.B, b0 + per);
+  const int per = (p.b + kDecodeThreads - 1) / kDecodeThreads;
+  const int b0 = min(p.b, tid * per), b1 = min(p.b, b0 + per);
   long long mine = 0;
   int my_max = 1;  // longest row (tiles) among this thread's
   for (int b = b0; b < b1; ++b) {
@@ -338,7 +299,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     mine += nt;
     my_max = max(my_max, nt);
   }
-  mine *= p.Hkv;
+  mine *= p.hkv;
   long long incl = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -387,7 +348,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       const int slot = batch_slot(p, b);
       int len, ft, nt;
       row_shape(p, slot, &len, &ft, &nt);
-      const long long span = static_cast<long long>(nt) * p.Hkv;
+      const long long span = static_cast<long long>(nt) * p.hkv;
       if (S < acc + span) {
         const long long off = S - acc;
         s_scan[8] = b;
@@ -430,7 +391,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       const int tok = (rc.first_tile + rc.tile) * kTileN + my_row;
       if (rc.slot < 0 || tok >= rc.len) return -1;
       const int32_t* trow = p.table + static_cast<int64_t>(rc.slot) * p.table_stride;
-      return __ldg(trow + p.page.div(static_cast<uint32_t>(tok)));
+      return __ldg(trow + fast_div(p.page, static_cast<uint32_t>(tok)));
     };
     RowCursor lc = start, pc = start;  // tile to issue, tile to prefetch ids for
     int id0 = -1, id1 = -1;
@@ -446,7 +407,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       const int tok = (lc.first_tile + lc.tile) * kTileN + my_row;
       long long ko = -1, vo = -1;
       if (id0 >= 0) {
-        const uint32_t pi = p.page.div(static_cast<uint32_t>(tok));
+        const uint32_t pi = fast_div(p.page, static_cast<uint32_t>(tok));
         const int64_t sl = tok - static_cast<int64_t>(pi) * p.page.d;
         ko = id0 * p.k_sp + lc.h * p.k_sh + sl * p.k_st;
         vo = id0 * p.v_sp + lc.h * p.v_sh + sl * p.v_st;
@@ -479,12 +440,12 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   }
 
   // =================== Consumer warps: attention over the ring. ===================
-  const int rows_total = p.G * p.T;
+  const int rows_total = p.g * p.t;
   int t_of[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int R = y * 16 + (lane >> 2) + r * 8;
-    t_of[r] = min(R, rows_total - 1) / p.G;
+    t_of[r] = min(R, rows_total - 1) / p.g;
   }
   float acc[D / 8][4];
   float m_run[2], l_run[2];
@@ -502,9 +463,9 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         const int R = y * 16 + r;
         qv[k] = make_uint4(0u, 0u, 0u, 0u);
         if (i < 16 * kChunks && R < rows_total && rc.slot >= 0) {
-          const int t = R / p.G, g = R % p.G;
-          const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + ch * 8;
-          if (p.q_vec == 1) {
+          const int t = R / p.g, g = R % p.g;
+          const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.g + g) * p.q_sh + ch * 8;
+          if (p.q_vec == KVR_KV_Q_VEC_KV) {
             qv[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const KV*>(p.q) + off));
           } else {
             const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.q) + off);
@@ -536,8 +497,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         const int R = y * 16 + r;
         float x = 0.f;
         if (R < rows_total && rc.slot >= 0) {
-          const int t = R / p.G, g = R % p.G;
-          x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.G + g) * p.q_sh + d, p.q_dtype);
+          const int t = R / p.g, g = R % p.g;
+          x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.g + g) * p.q_sh + d, p.q_dtype);
         }
         sq[r * kQStride + d] = from_float<KV>(x);
       }
@@ -669,7 +630,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
         merge_partials<D>(p, rc, y, rows_here, c_first, first_slot, first, stride, count, out_part,
                           s_row);
       };
-      int32_t* row_counter = p.counters + (static_cast<int64_t>(rc.b) * p.Hkv + rc.h) * Y + y;
+      int32_t* row_counter = p.counters + (static_cast<int64_t>(rc.b) * p.hkv + rc.h) * Y + y;
       if (!tree) {
         if (arrive_last(row_counter, n_parts)) merge_parts(c_first, 1, n_parts, -1);
       } else {
@@ -720,7 +681,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     }
     // Scale (or softcap), then mask what a query may not see: keys past its own position
     // (causal within the draft window and the end of the sequence) or before its window.
-    const int last_pos = rc.len - p.T;  // position of query t is last_pos + t
+    const int last_pos = rc.len - p.t;  // position of query t is last_pos + t
     const bool full_vis = (tok0 + 15 <= last_pos) && (p.window <= 0 || tok0 >= rc.len - p.window);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {

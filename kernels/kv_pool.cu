@@ -9,65 +9,22 @@
 
 namespace kvr {
 
-constexpr int kMaxPatches = 480;
-constexpr int kMaxWriteGroups = 120;
-constexpr int kMaxPageCopies = 240;
-
-// Must match `PatchParams` in src/kv/cuda.rs.
-struct PatchParams {
-  int32_t* dst;
-  int32_t count;
-  int32_t pad;
-  uint32_t index[kMaxPatches];
-  int32_t value[kMaxPatches];
-};
-
-// One layer's K and V storage; must match `LayerDesc` in src/kv/cuda.rs.
-struct LayerDesc {
-  void* k;
-  void* v;
-  int64_t k_sp, k_sh, k_st;  // page, head, token strides (elements)
-  int64_t v_sp, v_sh, v_st;
-};
-
-// Tokens [src_offset, src_offset + count) of the source go to positions
-// [start, start + count) of sequence `slot`.
-struct WriteGroup {
-  int32_t slot, start, count, src_offset;
-};
-
-// Must match `WriteParams` in src/kv/cuda.rs.
-struct WriteParams {
-  const LayerDesc* layers;
-  const int32_t* table;
-  const void* k_src;
-  const void* v_src;
-  int64_t ks_l, ks_t, ks_h, ks_d;  // source strides: layer, token, head, dim (elements)
-  int64_t vs_l, vs_t, vs_h, vs_d;
-  FastDiv page;
-  int32_t table_stride;
-  int32_t layer0, n_layers, Hkv, D, n_groups, n_tokens;
-  WriteGroup groups[kMaxWriteGroups];
-};
-
-// Must match `PageCopyParams` in src/kv/cuda.rs.
-struct PageCopyParams {
-  const LayerDesc* layers;
-  int32_t n_layers, Hkv, D, page_size, elem_bytes, n_pairs;
-  int32_t src[kMaxPageCopies];
-  int32_t dst[kMaxPageCopies];
-};
+using PatchParams = kvr_kv_patch_args;
+using LayerDesc = kvr_kv_layer_desc;
+using WriteGroup = kvr_kv_write_group;
+using WriteParams = kvr_kv_write_args;
+using PageCopyParams = kvr_kv_page_copy_args;
 
 template <typename S, typename Dt> __device__ __forceinline__ void write_body(const WriteParams& p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int64_t rows = static_cast<int64_t>(p.n_layers) * p.n_tokens * p.Hkv * 2;
+  const int64_t rows = static_cast<int64_t>(p.n_layers) * p.n_tokens * p.hkv * 2;
   for (int64_t r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
     int64_t x = r;
     const int kv = static_cast<int>(x % 2);
     x /= 2;
-    const int h = static_cast<int>(x % p.Hkv);
-    x /= p.Hkv;
+    const int h = static_cast<int>(x % p.hkv);
+    x /= p.hkv;
     const int tok = static_cast<int>(x % p.n_tokens);
     const int l = static_cast<int>(x / p.n_tokens);
     // Group holding this token: groups are sorted by src_offset.
@@ -79,7 +36,7 @@ template <typename S, typename Dt> __device__ __forceinline__ void write_body(co
     }
     const WriteGroup g = p.groups[lo];
     const int pos = g.start + (tok - g.src_offset);
-    const uint32_t pi = p.page.div(static_cast<uint32_t>(pos));
+    const uint32_t pi = fast_div(p.page, static_cast<uint32_t>(pos));
     const int64_t page = p.table[static_cast<int64_t>(g.slot) * p.table_stride + pi];
     const int64_t sl = pos - static_cast<int64_t>(pi) * p.page.d;
     const LayerDesc ld = p.layers[p.layer0 + l];
@@ -88,14 +45,14 @@ template <typename S, typename Dt> __device__ __forceinline__ void write_body(co
     int64_t sd;
     if (kv == 0) {
       dst = static_cast<Dt*>(ld.k) + page * ld.k_sp + h * ld.k_sh + sl * ld.k_st;
-      src = static_cast<const S*>(p.k_src) + l * p.ks_l + tok * p.ks_t + h * p.ks_h;
-      sd = p.ks_d;
+      src = static_cast<const S*>(p.k_src) + l * p.ks[0] + tok * p.ks[1] + h * p.ks[2];
+      sd = p.ks[3];
     } else {
       dst = static_cast<Dt*>(ld.v) + page * ld.v_sp + h * ld.v_sh + sl * ld.v_st;
-      src = static_cast<const S*>(p.v_src) + l * p.vs_l + tok * p.vs_t + h * p.vs_h;
-      sd = p.vs_d;
+      src = static_cast<const S*>(p.v_src) + l * p.vs[0] + tok * p.vs[1] + h * p.vs[2];
+      sd = p.vs[3];
     }
-    for (int d = lane; d < p.D; d += 32) dst[d] = convert<S, Dt>(src[d * sd]);
+    for (int d = lane; d < p.d; d += 32) dst[d] = convert<S, Dt>(src[d * sd]);
   }
 }
 
@@ -110,13 +67,13 @@ extern "C" __global__ void kvr_kv_copy_pages(const __grid_constant__ kvr::PageCo
   // Rows: pair x layer x {K, V} x head x slot, each D elements.
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int64_t rows = static_cast<int64_t>(p.n_pairs) * p.n_layers * 2 * p.Hkv * p.page_size;
+  const int64_t rows = static_cast<int64_t>(p.n_pairs) * p.n_layers * 2 * p.hkv * p.page_size;
   for (int64_t r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
     int64_t x = r;
     const int sl = static_cast<int>(x % p.page_size);
     x /= p.page_size;
-    const int h = static_cast<int>(x % p.Hkv);
-    x /= p.Hkv;
+    const int h = static_cast<int>(x % p.hkv);
+    x /= p.hkv;
     const int kv = static_cast<int>(x % 2);
     x /= 2;
     const int l = static_cast<int>(x % p.n_layers);
@@ -128,17 +85,17 @@ extern "C" __global__ void kvr_kv_copy_pages(const __grid_constant__ kvr::PageCo
     const char* src = base + (p.src[pair] * sp + row) * p.elem_bytes;
     char* dst = base + (p.dst[pair] * sp + row) * p.elem_bytes;
     if (p.elem_bytes == 4) {
-      for (int d = lane; d < p.D; d += 32)
+      for (int d = lane; d < p.d; d += 32)
         reinterpret_cast<uint32_t*>(dst)[d] = reinterpret_cast<const uint32_t*>(src)[d];
     } else {
-      for (int d = lane; d < p.D; d += 32)
+      for (int d = lane; d < p.d; d += 32)
         reinterpret_cast<uint16_t*>(dst)[d] = reinterpret_cast<const uint16_t*>(src)[d];
     }
   }
 }
 
 #define KVR_WRITE_KERNEL(SN, S, DN, Dt)                                                        \
-  extern "C" __global__ void __launch_bounds__(256)                                            \
+  extern "C" __global__ void __launch_bounds__(KVR_KV_WRITE_THREADS)                                            \
       kvr_kv_write_##SN##_##DN(const __grid_constant__ kvr::WriteParams p) {                    \
     kvr::write_body<S, Dt>(p);                                                                   \
   }

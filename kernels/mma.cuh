@@ -65,13 +65,10 @@ template <> struct Mma<__nv_bfloat16> {
   }
 };
 
-// n / d for 0 <= n < 2^31 and a runtime d >= 1, with (mul, shift) precomputed on the host:
-// shift = ceil(log2 d), mul = floor(2^32 * (2^shift - d) / d) + 1 (src/kv/decode.rs).
-struct FastDiv {
-  uint32_t d, mul, shift;
-  __device__ __forceinline__ uint32_t div(uint32_t n) const {
-    return (__umulhi(n, mul) + n) >> shift;
-  }
-};
+// n / f.d for 0 <= n < 2^31, with (mul, shift) precomputed on the host (kvr_fast_div in
+// kvr_abi.h).
+__device__ __forceinline__ uint32_t fast_div(const kvr_fast_div& f, uint32_t n) {
+  return (__umulhi(n, f.mul) + n) >> f.shift;
+}
 
 }  // namespace kvr

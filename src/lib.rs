@@ -4,6 +4,7 @@
 //! The Rust core (everything but [`ffi`]) knows nothing about C; the C ABI lives in
 //! [`ffi`] and is described by `include/kvreplay.h`.
 
+mod abi;
 pub mod backend;
 pub mod error;
 pub mod ffi;

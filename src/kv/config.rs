@@ -5,9 +5,9 @@ use crate::error::{Error, Result};
 use crate::pool::require_positive;
 use crate::tensor::DType;
 
-/// Most write groups of one CUDA write launch (`kMaxWriteGroups`, kernels/kv_pool.cu);
-/// a write takes at most 64 launches' worth of sequences on every backend.
-pub(crate) const MAX_WRITE_GROUPS: usize = 120;
+/// Most write groups of one CUDA write launch (kernels/kvr_abi.h); a write takes at most 64
+/// launches' worth of sequences on every backend.
+pub(crate) use crate::abi::KVR_KV_MAX_WRITE_GROUPS as MAX_WRITE_GROUPS;
 
 /// A sequence id: a slot in `0..max_seqs`.
 pub type SeqId = i32;

@@ -8,6 +8,13 @@ use super::config::{KvPoolConfig, LayerLayout, MAX_WRITE_GROUPS};
 use super::decode::DecodePlan;
 use super::exec::{KvExecutor, Placed};
 use super::state::PoolState;
+use crate::abi::{
+    dtype_code, kv_decode_smem_bytes as decode_smem, kv_decode_stage_bytes as decode_stage_bytes,
+    FastDiv, KvDecodeArgs as DecodeParams, KvLayerDesc as LayerDesc,
+    KvPageCopyArgs as PageCopyParams, KvWriteArgs as WriteParams, KvWriteGroup as WriteGroup,
+    KVR_KV_DECODE_THREADS as DECODE_THREADS, KVR_KV_MAX_INLINE_BATCH as MAX_INLINE_BATCH,
+    KVR_KV_MAX_PAGE_COPIES as MAX_PAGE_COPIES, KVR_KV_Q_SCALAR, KVR_KV_Q_VEC_F32, KVR_KV_Q_VEC_KV,
+};
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
 use crate::backend::cuda::patch::patch_i32;
@@ -17,26 +24,12 @@ use crate::error::{Error, Result};
 use crate::pool::BatchIds;
 use crate::tensor::{DType, MemoryKind, TensorView};
 
-const MAX_PAGE_COPIES: usize = 240;
-const MAX_INLINE_BATCH: usize = 512;
 /// Deepest decode pipeline (ring of tiles between the producer and consumer warps).
 const MAX_STAGES: usize = 8;
-/// 4 consumer warps + 2 producer warps (kernels/kv_decode.cu).
-const DECODE_THREADS: u32 = 192;
-const DECODE_TILE: usize = 64;
 /// Smallest share of a CTA, in 64-token tiles: short batches use fewer, longer ranges.
 const MIN_TILES_PER_CTA: i32 = 2;
 /// Most 16-row query tiles per decode: 16 heads x 8 tokens / 16.
 const MAX_Y_TILES: usize = 8;
-
-/// `n / d` as `(mulhi(n, mul) + n) >> shift` for n < 2^31; matches `kvr::FastDiv`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct FastDiv {
-    d: u32,
-    mul: u32,
-    shift: u32,
-}
 
 impl FastDiv {
     pub(crate) fn new(d: u32) -> FastDiv {
@@ -52,111 +45,9 @@ impl FastDiv {
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct LayerDesc {
-    k: u64,
-    v: u64,
-    k_sp: i64,
-    k_sh: i64,
-    k_st: i64,
-    v_sp: i64,
-    v_sh: i64,
-    v_st: i64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct WriteGroup {
-    slot: i32,
-    start: i32,
-    count: i32,
-    src_offset: i32,
-}
-
-#[repr(C)]
-struct WriteParams {
-    layers: u64,
-    table: u64,
-    k_src: u64,
-    v_src: u64,
-    ks: [i64; 4],
-    vs: [i64; 4],
-    page: FastDiv,
-    table_stride: i32,
-    layer0: i32,
-    n_layers: i32,
-    hkv: i32,
-    d: i32,
-    n_groups: i32,
-    n_tokens: i32,
-    groups: [WriteGroup; MAX_WRITE_GROUPS],
-}
-
-#[repr(C)]
-struct PageCopyParams {
-    layers: u64,
-    n_layers: i32,
-    hkv: i32,
-    d: i32,
-    page_size: i32,
-    elem_bytes: i32,
-    n_pairs: i32,
-    src: [i32; MAX_PAGE_COPIES],
-    dst: [i32; MAX_PAGE_COPIES],
-}
-
-/// Must match `kvr::DecodeParams` in kernels/kv_decode.cu field for field.
-#[repr(C)]
-struct DecodeParams {
-    q: u64,
-    out: u64,
-    lse: u64,
-    k: u64,
-    v: u64,
-    table: u64,
-    lens: u64,
-    batch: u64,
-    part_o: u64,
-    part_lse: u64,
-    counters: u64,
-    group_counters: u64,
-    q_s: [i64; 3],
-    o_s: [i64; 3],
-    l_s: [i64; 3],
-    k_s: [i64; 3],
-    v_s: [i64; 3],
-    page: FastDiv,
-    table_stride: i32,
-    max_seqs: i32,
-    b: i32,
-    t: i32,
-    hq: i32,
-    hkv: i32,
-    g: i32,
-    q_dtype: i32,
-    out_dtype: i32,
-    window: i32,
-    min_tiles_per_cta: i32,
-    stages: i32,
-    q_vec: i32,
-    scale_log2: f32,
-    qk_scale: f32,
-    softcap: f32,
-    batch_inline: [i32; MAX_INLINE_BATCH],
-}
-
-fn dtype_code(d: DType) -> i32 {
-    match d {
-        DType::F32 | DType::I32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-    }
-}
-
-/// How the decode kernel may load q rows with 16-byte vectors: 1 when q has the KV dtype,
-/// 2 when it is f32, with the address and every stride a multiple of 16 bytes; else 0
-/// (element loads).
+/// How the decode kernel may load q rows with 16-byte vectors: `KVR_KV_Q_VEC_KV` when q has
+/// the KV dtype, `KVR_KV_Q_VEC_F32` when it is f32, with the address and every stride a
+/// multiple of 16 bytes; else `KVR_KV_Q_SCALAR` (element loads).
 fn q_vector_mode(q: &TensorView, kv: DType) -> i32 {
     let elem = q.dtype().size();
     let aligned = q.addr() % 16 == 0
@@ -164,32 +55,11 @@ fn q_vector_mode(q: &TensorView, kv: DType) -> i32 {
             .iter()
             .all(|&s| (s * elem as isize) % 16 == 0);
     match q.dtype() {
-        _ if !aligned => 0,
-        d if d == kv => 1,
-        DType::F32 => 2,
-        _ => 0,
+        _ if !aligned => KVR_KV_Q_SCALAR,
+        d if d == kv => KVR_KV_Q_VEC_KV,
+        DType::F32 => KVR_KV_Q_VEC_F32,
+        _ => KVR_KV_Q_SCALAR,
     }
-}
-
-/// Bytes of one pipeline stage (K and V tiles; rows swizzled when the head dim is a
-/// multiple of 64, else padded by 16 bytes).
-fn decode_stage_bytes(head_dim: usize, elem: usize) -> usize {
-    let stride = if head_dim % 64 == 0 {
-        head_dim
-    } else {
-        head_dim + 8
-    };
-    2 * DECODE_TILE * stride * elem
-}
-
-/// Dynamic shared memory of the decode kernel; matches `DecodeSmem::bytes`.
-fn decode_smem(head_dim: usize, elem: usize, stages: usize) -> usize {
-    let q = 16 * (head_dim + 8) * elem;
-    let merge = 16 * (head_dim + 8) * 4; // rows padded by 8 floats
-    let offsets = DECODE_TILE * 2 * 8;
-    let softmax_state = (4 * 16 * 2 + 32) * 4;
-    let scan = 16 * 8;
-    stages * (decode_stage_bytes(head_dim, elem) + 16) + q + merge + offsets + softmax_state + scan
 }
 
 /// How decode launches on this device for the pool's (dtype, head dim).
@@ -519,7 +389,11 @@ impl DeviceState {
             let s = t.strides();
             [s[0] as i64, s[1] as i64, s[2] as i64]
         };
-        let lse_s = plan.lse.as_ref().map_or([0; 3], s3);
+        let [q_sb, q_st, q_sh] = s3(&plan.q);
+        let [o_sb, o_st, o_sh] = s3(&plan.out);
+        let [l_sb, l_st, l_sh] = plan.lse.as_ref().map_or([0; 3], s3);
+        let [k_sp, k_sh, k_st] = lay.k_strides.map(|x| x as i64);
+        let [v_sp, v_sh, v_st] = lay.v_strides.map(|x| x as i64);
         let pps = cfg.pages_per_seq();
         let mut p = Box::new(DecodeParams {
             q: plan.q.addr() as u64,
@@ -534,19 +408,21 @@ impl DeviceState {
             part_lse: self.part_lse.addr() as u64,
             counters: self.counters.addr() as u64,
             group_counters: (self.counters.addr() + self.group_counters_at) as u64,
-            q_s: s3(&plan.q),
-            o_s: s3(&plan.out),
-            l_s: lse_s,
-            k_s: [
-                lay.k_strides[0] as i64,
-                lay.k_strides[1] as i64,
-                lay.k_strides[2] as i64,
-            ],
-            v_s: [
-                lay.v_strides[0] as i64,
-                lay.v_strides[1] as i64,
-                lay.v_strides[2] as i64,
-            ],
+            q_sb,
+            q_st,
+            q_sh,
+            o_sb,
+            o_st,
+            o_sh,
+            l_sb,
+            l_st,
+            l_sh,
+            k_sp,
+            k_sh,
+            k_st,
+            v_sp,
+            v_sh,
+            v_st,
             page: FastDiv::new(cfg.page_size as u32),
             table_stride: pps as i32,
             max_seqs: cfg.max_seqs as i32,
@@ -565,6 +441,7 @@ impl DeviceState {
             qk_scale: plan.scale,
             softcap: plan.softcap,
             batch_inline,
+            pad: 0,
         });
         let mut args = [&mut *p as *mut DecodeParams as *mut c_void];
         cuda.launch(

@@ -4,24 +4,10 @@ use std::ffi::c_void;
 
 use super::module::Kernel;
 use super::CudaBackend;
+use crate::abi::{CopyArgs as CopyParams, KVR_COPY_THREADS as BLOCK};
 use crate::backend::Stream;
 use crate::error::Result;
 use crate::tensor::{DType, StridedLoop, TensorView, MAX_DIMS};
-
-/// Must match `kvr::CopyParams` in kernels/copy.cu field for field.
-#[repr(C)]
-struct CopyParams {
-    src: u64,
-    dst: u64,
-    n: i64,
-    ndim: i32,
-    vectorized: i32,
-    shape: [i64; MAX_DIMS],
-    src_stride: [i64; MAX_DIMS],
-    dst_stride: [i64; MAX_DIMS],
-}
-
-const BLOCK: u32 = 256;
 
 pub(super) fn launch_copy(
     backend: &CudaBackend,

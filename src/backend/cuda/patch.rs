@@ -9,17 +9,7 @@ use super::CudaBackend;
 use crate::backend::Stream;
 use crate::error::Result;
 
-/// Patches per launch (kernels/kv_pool.cu `kMaxPatches`).
-const MAX_PATCHES: usize = 480;
-
-#[repr(C)]
-struct PatchParams {
-    dst: u64,
-    count: i32,
-    pad: i32,
-    index: [u32; MAX_PATCHES],
-    value: [i32; MAX_PATCHES],
-}
+use crate::abi::{KvPatchArgs as PatchParams, KVR_KV_MAX_PATCHES as MAX_PATCHES};
 
 /// Writes `value` at `dst[index]` (i32 elements) for each pair, on the stream: the
 /// values travel in the kernel parameters, so this is asynchronous and capturable.

@@ -9,6 +9,16 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::io::{Gdn, GdnPlan};
+use crate::abi::{
+    dtype_code as code, gdn_decode_smem_bytes, gdn_step_smem_bytes as smem_bytes,
+    GdnCommitArgs as CommitParams, GdnLayerState as LayerState, GdnStepArgs as StepParams,
+    GdnTensor as DevTensor, KVR_GDN_COMMIT_THREADS, KVR_GDN_DECODE_MAX_WARPS,
+    KVR_GDN_DECODE_ROWS_PER_WARP, KVR_GDN_FINISH_THREADS as FINISH_THREADS,
+    KVR_GDN_MAX_COMMIT_INLINE as MAX_COMMIT_INLINE, KVR_GDN_MAX_INLINE as MAX_INLINE,
+    KVR_GDN_MAX_NV as MAX_NV, KVR_GDN_NARROW_NV as NARROW_NV, KVR_GDN_OP_EXPORT as OP_EXPORT,
+    KVR_GDN_OP_FLUSH as OP_FLUSH, KVR_GDN_OP_STEP as OP_STEP,
+    KVR_GDN_STREAM_THREADS as STREAM_THREADS, KVR_GDN_THREADS as THREADS,
+};
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
 use crate::backend::cuda::patch::patch_i32;
@@ -23,133 +33,16 @@ use crate::linear::replay::{Commit, Executor, Layout, ReplayConfig, Step};
 use crate::pool::BatchIds;
 use crate::tensor::{DType, MemoryKind, TensorView};
 
-const THREADS: u32 = 256;
-/// Threads of the per-sequence finish kernel (`kFinishThreads`).
-const FINISH_THREADS: u32 = 128;
-/// float4 state vectors per thread: the narrow kernels hold up to 8, the wide ones 16
-/// (kernels/gdn.cu `NV`).
-const NARROW_NV: usize = 8;
-const MAX_NV: usize = 16;
-/// Entries per shared-memory chunk (`kChunk`).
-const CHUNK: usize = 16;
-const MAX_INLINE: usize = 512;
-/// Value rows per CTA of the decode kernel at most (`kDecodeMaxWarps` x 8 rows).
-const DECODE_MAX_ROWS: usize = 32;
-const MAX_COMMIT_INLINE: usize = 256;
-const OP_STEP: i32 = 0;
-const OP_FLUSH: i32 = 1;
-const OP_EXPORT: i32 = 2;
+/// Value rows per CTA of the decode kernel at most.
+const DECODE_MAX_ROWS: usize = KVR_GDN_DECODE_MAX_WARPS * KVR_GDN_DECODE_ROWS_PER_WARP;
 /// Dynamic shared memory the step kernels may use (the largest valid configuration needs
 /// about 100 KiB; see `smem_bytes`).
 const STEP_SMEM_LIMIT: u32 = 112 * 1024;
-/// Threads of the streaming decode kernel (`kStreamThreads`, kernels/gdn_stream.cu).
-const STREAM_THREADS: u32 = 256;
 /// Dynamic shared memory one CTA may have on sm_80 / sm_90 (227 KiB).
 const STREAM_SMEM_LIMIT: usize = 227 * 1024;
 /// Value rows per CTA the streaming decode kernel takes, widest first (V-major takes 16
 /// too, K-major needs 32).
 const STREAM_ROWS: [usize; 4] = [128, 64, 32, 16];
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct DevTensor {
-    p: u64,
-    s: [i64; 4],
-    dtype: i32,
-    pad: i32,
-}
-
-/// Must match `kvr::gdn::StepParams` in kernels/gdn.cu field for field.
-#[repr(C)]
-struct StepParams {
-    state: u64,
-    snaps: u64,
-    ring_u: u64,
-    ring_k: u64,
-    ring_g: u64,
-    meta: u64,
-    conv: u64,
-    sync: u64,
-    ids: u64,
-    seq_stride: i64,
-    q: DevTensor,
-    k: DevTensor,
-    v: DevTensor,
-    g: DevTensor,
-    beta: DevTensor,
-    out: DevTensor,
-    conv_in: DevTensor,
-    op: i32,
-    b: i32,
-    t: i32,
-    hk: i32,
-    hv: i32,
-    dk: i32,
-    dv: i32,
-    l: i32,
-    thr: i32,
-    kv_cap: i32,
-    max_drafts: i32,
-    conv_dim: i32,
-    conv_slots: i32,
-    entry_dtype: i32,
-    conv_dtype: i32,
-    tv: i32,
-    tiles: i32,
-    auto_commit: i32,
-    l2norm: i32,
-    hmax: i32,
-    export_seq: i32,
-    /// State tiles in shared memory of the streaming decode kernel: 1 (one item per CTA) or
-    /// 2 (persistent CTAs, the next item's tile in flight).
-    stages: i32,
-    scale: f32,
-    pad1: i32,
-    ids_inline: [i32; MAX_INLINE],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct LayerState {
-    state: u64,
-    seq_stride: i64,
-}
-
-/// Must match `kvr::gdn::CommitParams` in kernels/gdn.cu.
-#[repr(C)]
-struct CommitParams {
-    layers: u64,
-    snaps: u64,
-    meta: u64,
-    conv: u64,
-    accepted: u64,
-    conv_out: DevTensor,
-    snap_layer_bytes: i64,
-    state_bytes: i64,
-    conv_layer_bytes: i64,
-    layer0: i32,
-    max_seqs: i32,
-    max_drafts: i32,
-    recurrent: i32,
-    conv_dim: i32,
-    conv_slots: i32,
-    conv_k1: i32,
-    conv_dtype: i32,
-    chunks: i32,
-    acc_stride: i32,
-    state_es: i32,
-    pad: i32,
-    ids: [i32; MAX_COMMIT_INLINE],
-    acc_inline: [i32; MAX_COMMIT_INLINE],
-}
-
-fn code(d: DType) -> i32 {
-    match d {
-        DType::F32 | DType::I32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-    }
-}
 
 /// A view as a kernel tensor argument (strides padded to 4 dims), shifted by `row0` rows
 /// of its first dimension.
@@ -167,36 +60,17 @@ fn dev_tensor(t: &TensorView, row0: usize) -> DevTensor {
     }
 }
 
-/// Shared memory of one step launch (floats, as `carve` in kernels/gdn.cu lays it out).
-fn smem_bytes(dk: usize, tv: usize, t: usize, hmax: usize) -> u32 {
-    // xs, hist, vrow + urow, coefficients, kc, uc, cx, ga + gb, red (8 warps x 2 x tv).
-    let floats = 2 * t * dk
-        + 2 * t * tv
-        + 2 * t * tv
-        + 256
-        + CHUNK * dk
-        + CHUNK * tv
-        + 2 * t * CHUNK
-        + 2 * hmax.div_ceil(4) * 4
-        + 8 * 2 * tv;
-    // Plus the double-buffered raw entry chunks (f32 entries at most).
-    let raw = 2 * CHUNK * (dk + tv) * 4;
-    (floats * 4 + raw) as u32
-}
-
-/// Shared memory of one streaming decode CTA (kernels/gdn_stream.cu `stream_layout`):
-/// `stages` state tiles (K-major key rows padded by 16 bytes), the tile's ring rows, then qs, ks [dk];
-/// sq, sk, us [rows]; aq, ak, wg, gs [max(L, 1)]; 32 words.
+/// Shared memory of one streaming decode CTA (`kvr_gdn_stream_smem_layout`).
 fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
-    let align16 = |x: usize| x.div_ceil(16) * 16;
-    let es = cfg.state_dtype.size();
-    let st = if cfg.layout == StateLayout::VMajor {
-        rows * cfg.dk * es
-    } else {
-        cfg.dk * (rows * es + 16)
-    };
-    let ut = align16(cfg.ring_len * rows * cfg.entry_dtype.size());
-    stages * align16(st) + ut + 4 * (2 * cfg.dk + 3 * rows + 4 * cfg.ring_len.max(1)) + 4 * 32
+    crate::abi::gdn_stream_smem_bytes(
+        cfg.layout == StateLayout::VMajor,
+        cfg.dk,
+        rows,
+        cfg.state_dtype.size(),
+        cfg.ring_len,
+        cfg.entry_dtype.size(),
+        stages,
+    )
 }
 
 /// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
@@ -500,7 +374,7 @@ impl GdnCuda {
         let two = self.verify_rows.iter().filter(|&&(_, per_sm)| per_sm >= 2);
         two.clone()
             .find(|&&(r, per_sm)| items(r) >= per_sm * sms)
-            .or(two.last())
+            .or(two.clone().next_back())
             .or(self.verify_rows.last())
             .map(|&(r, _)| r)
     }
@@ -697,8 +571,7 @@ impl GdnCuda {
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let threads = 4 * p.tv as u32;
-        // Decays and the two key dot products of every buffered entry (kernels/gdn_decode.cu).
-        let smem = 3 * p.hmax as u32 * 4;
+        let smem = gdn_decode_smem_bytes(p.hmax as usize);
         let mut args = [p as *mut StepParams as *mut c_void];
         self.cuda.launch(
             kernel,
@@ -776,7 +649,7 @@ impl GdnCuda {
             self.cuda.launch(
                 Kernel::GdnCommit,
                 (rows as u32, chunks as u32, layers.len() as u32),
-                (256, 1, 1),
+                (KVR_GDN_COMMIT_THREADS, 1, 1),
                 0,
                 stream,
                 &mut args,

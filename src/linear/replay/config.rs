@@ -6,7 +6,7 @@ use crate::pool::require_positive;
 use crate::tensor::DType;
 
 /// Most draft tokens one verify can carry.
-pub const MAX_DRAFTS: usize = 8;
+pub const MAX_DRAFTS: usize = crate::abi::KVR_GDN_MAX_T;
 
 /// Shape and policy of a replay pool. The field names are GDN's; other families map onto
 /// them: a value head is a head of the recurrence (Mamba-2: `nheads`, dv = head dim P), a

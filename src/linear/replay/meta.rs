@@ -5,25 +5,13 @@
 
 use super::config::ReplayConfig;
 
-/// Per-sequence mode values.
-pub const MODE_KV_ONLY: i32 = 0;
-pub const MODE_REPLAY: i32 = 1;
-pub const MODE_RECURRENT: i32 = 2;
-/// i32 fields per (layer, sequence) record.
-pub const META_INTS: usize = 8;
-/// Mode (`MODE_*`).
-pub const META_MODE: usize = 0;
-/// Ring position of the oldest committed entry.
-pub const META_START: usize = 1;
-/// Committed entries in the ring (or in the KV-only store).
-pub const META_H: usize = 2;
-/// Drafts verified and not yet committed.
-pub const META_PENDING: usize = 3;
-/// Conv-window position after the last committed input.
-pub const META_CONV_END: usize = 4;
-/// Arrival counter of the CTAs of one step (the last one to arrive finishes the step;
-/// device only, zero between launches).
-pub const META_ARRIVE: usize = 5;
+// The record's slots and the mode values are part of the kernel ABI (kernels/kvr_abi.h).
+pub(crate) use crate::abi::{
+    KVR_GDN_KV_ONLY as MODE_KV_ONLY, KVR_GDN_META_CONV_END as META_CONV_END,
+    KVR_GDN_META_H as META_H, KVR_GDN_META_INTS as META_INTS, KVR_GDN_META_MODE as META_MODE,
+    KVR_GDN_META_PENDING as META_PENDING, KVR_GDN_META_START as META_START,
+    KVR_GDN_RECURRENT as MODE_RECURRENT, KVR_GDN_REPLAY as MODE_REPLAY,
+};
 
 /// One metadata record.
 pub type Meta = [i32; META_INTS];

@@ -1,0 +1,384 @@
+/*
+ * kvr_abi.h: the one definition of what the host (Rust) hands the kernels.
+ *
+ * Every kernel launch-parameter struct, the per-sequence GDN metadata record, the mode, op
+ * and dtype codes, the limits both sides size arrays and launches by, and the shared-memory
+ * layouts whose size the host must know. Plain C11 (a host C compiler compiles it for the
+ * layout check) and CUDA C++ (every kernel source includes it through common.cuh).
+ *
+ * The Rust side is src/abi.rs: a #[repr(C)] mirror of every struct, every constant, and a
+ * port of every *_smem formula. A CPU-only unit test (abi::tests, part of `cargo test`)
+ * parses this file, compiles a C program that prints sizeof / offsetof of every field, every
+ * constant and the formulas over a grid of configurations, and compares with src/abi.rs.
+ *
+ * Restricted syntax (the test's parser reads it):
+ *   - shared structs: `typedef struct { <type> <name>[, <name>...]; ... } kvr_<name>;` with
+ *     fields of int32_t, uint32_t, int64_t, float, KVR_PTR(<T>) (a device pointer: T* in
+ *     CUDA, uint64_t in host C) or an earlier kvr_ struct; arrays as <name>[<constant>]. No
+ *     implicit padding: explicit pad fields (the test checks that the fields fill the struct);
+ *   - constants: `#define KVR_<NAME> <integer expression>` (any other KVR_ macro must be
+ *     known to the parser);
+ *   - shared-memory layouts: `struct kvr_<name>_smem { ... };` (no typedef: device-internal,
+ *     not mirrored; the test compares the host's size formula with the `total` of the
+ *     KVR_ABI_FN that fills it).
+ */
+#ifndef KVR_ABI_H
+#define KVR_ABI_H
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define KVR_ABI_FN static constexpr __host__ __device__ inline
+#define KVR_PTR(T) T*
+#elif defined(__cplusplus)
+#define KVR_ABI_FN static constexpr inline
+#define KVR_PTR(T) uint64_t
+#else
+#define KVR_ABI_FN static inline
+#define KVR_PTR(T) uint64_t
+#endif
+
+/* ---- Element types of kernel tensors, rings, states and windows ---- */
+
+#define KVR_DT_F32 0
+#define KVR_DT_F16 1
+#define KVR_DT_BF16 2
+
+/* ---- kernels/copy.cu: kvr_copy_<src>_<dst> ---- */
+
+/* Most dimensions of a copy (MAX_DIMS of src/tensor.rs). */
+#define KVR_COPY_MAX_DIMS 8
+#define KVR_COPY_THREADS 256
+
+typedef struct {
+  KVR_PTR(const void) src;
+  KVR_PTR(void) dst;
+  int64_t n;          /* elements */
+  int32_t ndim;       /* dimensions after coalescing (0..KVR_COPY_MAX_DIMS) */
+  int32_t vectorized; /* 1: both contiguous and 16-byte aligned (8 elements a thread) */
+  int64_t shape[KVR_COPY_MAX_DIMS];
+  int64_t src_stride[KVR_COPY_MAX_DIMS]; /* elements */
+  int64_t dst_stride[KVR_COPY_MAX_DIMS]; /* elements */
+} kvr_copy_args;
+
+/* ---- Shared by the KV kernels ---- */
+
+/* n / d for 0 <= n < 2^31 and a runtime d >= 1 as (mulhi(n, mul) + n) >> shift, with
+ * shift = ceil(log2 d), mul = floor(2^32 * (2^shift - d) / d) + 1 (FastDiv::new in
+ * src/kv/cuda.rs; kvr::fast_div in mma.cuh). */
+typedef struct {
+  uint32_t d, mul, shift;
+} kvr_fast_div;
+
+/* One layer's K and V storage: element (page, head, slot, d) at
+ * base + page * sp + head * sh + slot * st + d (elements). */
+typedef struct {
+  KVR_PTR(void) k;
+  KVR_PTR(void) v;
+  int64_t k_sp, k_sh, k_st;
+  int64_t v_sp, v_sh, v_st;
+} kvr_kv_layer_desc;
+
+/* ---- kernels/kv_pool.cu ---- */
+
+#define KVR_KV_MAX_PATCHES 480
+#define KVR_KV_MAX_WRITE_GROUPS 120
+#define KVR_KV_MAX_PAGE_COPIES 240
+#define KVR_KV_WRITE_THREADS 256
+
+/* kvr_kv_patch: dst[index[i]] = value[i] for i < count (int32 table / lengths). */
+typedef struct {
+  KVR_PTR(int32_t) dst;
+  int32_t count;
+  int32_t pad;
+  uint32_t index[KVR_KV_MAX_PATCHES];
+  int32_t value[KVR_KV_MAX_PATCHES];
+} kvr_kv_patch_args;
+
+/* Tokens [src_offset, src_offset + count) of the source go to positions
+ * [start, start + count) of sequence `slot`. */
+typedef struct {
+  int32_t slot, start, count, src_offset;
+} kvr_kv_write_group;
+
+/* kvr_kv_write_<src>_<dst>: scatter new tokens' K and V rows into their pages. */
+typedef struct {
+  KVR_PTR(const kvr_kv_layer_desc) layers;
+  KVR_PTR(const int32_t) table;
+  KVR_PTR(const void) k_src;
+  KVR_PTR(const void) v_src;
+  int64_t ks[4]; /* source strides: layer, token, head, dim (elements) */
+  int64_t vs[4];
+  kvr_fast_div page;
+  int32_t table_stride;
+  int32_t layer0, n_layers, hkv, d, n_groups, n_tokens;
+  kvr_kv_write_group groups[KVR_KV_MAX_WRITE_GROUPS]; /* sorted by src_offset */
+} kvr_kv_write_args;
+
+/* kvr_kv_copy_pages: whole pages src[i] -> dst[i], all layers, K and V (copy-on-write). */
+typedef struct {
+  KVR_PTR(const kvr_kv_layer_desc) layers;
+  int32_t n_layers, hkv, d, page_size, elem_bytes, n_pairs;
+  int32_t src[KVR_KV_MAX_PAGE_COPIES];
+  int32_t dst[KVR_KV_MAX_PAGE_COPIES];
+} kvr_kv_page_copy_args;
+
+/* ---- kernels/kv_decode.cu: kvr_kv_decode_<kv>_d<head_dim> ---- */
+
+#define KVR_KV_DECODE_THREADS 192 /* 4 consumer warps + 2 producer warps */
+#define KVR_KV_DECODE_TILE 64     /* tokens per K/V tile (16 per consumer warp) */
+#define KVR_KV_MAX_INLINE_BATCH 512
+/* q_vec: how q rows are loaded. */
+#define KVR_KV_Q_SCALAR 0 /* element loads, any dtype and strides */
+#define KVR_KV_Q_VEC_KV 1 /* 16-byte loads: q has the KV dtype, 16-byte aligned rows */
+#define KVR_KV_Q_VEC_F32 2 /* 16-byte loads: q is f32, 16-byte aligned rows */
+
+typedef struct {
+  KVR_PTR(const void) q;
+  KVR_PTR(void) out;
+  KVR_PTR(float) lse;                /* optional [B, T, Hq] (natural log) */
+  KVR_PTR(const void) k;             /* this layer's K and V (kvr_kv_layer_desc layout) */
+  KVR_PTR(const void) v;
+  KVR_PTR(const int32_t) table;      /* [max_seqs][table_stride] page ids */
+  KVR_PTR(const int32_t) lens;       /* [max_seqs] */
+  KVR_PTR(const int32_t) batch;      /* [b] sequence slots in device memory, or 0: batch_inline */
+  KVR_PTR(float) part_o;             /* [ctas][2][16][D] normalized partial outputs */
+  KVR_PTR(float) part_lse;           /* [ctas][2][16] base-2 log-sum-exp of each partial */
+  KVR_PTR(int32_t) counters;         /* [b][hkv][Y], zero between launches */
+  KVR_PTR(int32_t) group_counters;   /* [Y][ctas][2] (by partial slot), zero between launches */
+  int64_t q_sb, q_st, q_sh;          /* q strides: batch row, token, head (elements) */
+  int64_t o_sb, o_st, o_sh;          /* out strides */
+  int64_t l_sb, l_st, l_sh;          /* lse strides */
+  int64_t k_sp, k_sh, k_st;          /* K strides: page, head, slot */
+  int64_t v_sp, v_sh, v_st;          /* V strides */
+  kvr_fast_div page;                 /* division by the page size */
+  int32_t table_stride;
+  int32_t max_seqs;
+  int32_t b, t, hq, hkv, g;          /* batch rows, query tokens, heads, GQA group hq / hkv */
+  int32_t q_dtype, out_dtype;        /* KVR_DT_* */
+  int32_t window;                    /* 0: no sliding window */
+  int32_t min_tiles_per_cta;
+  int32_t stages;                    /* cp.async pipeline stages (the shared memory holds them) */
+  int32_t q_vec;                     /* KVR_KV_Q_* */
+  float scale_log2;                  /* scale * log2(e), no softcap */
+  float qk_scale;                    /* scale (softcap path) */
+  float softcap;                     /* 0: off */
+  int32_t batch_inline[KVR_KV_MAX_INLINE_BATCH];
+  int32_t pad;                       /* to the struct's 8-byte alignment */
+} kvr_kv_decode_args;
+
+/* Dynamic shared memory of a decode CTA, in bytes, area by area in this order: `stages` K/V
+ * stages, Q staging [16][D + 8] KV, merge buffer [16][D + 8] f32, producer row offsets
+ * [64][2] i64, softmax state of 4 warps [2][4][16] + [16][2] f32, full and empty mbarriers
+ * (`stages` each), scan scratch [16] i64. Head dims that are a multiple of 64 swizzle the
+ * 16-byte chunks of a K/V row (no padding); others pad each row by 16 bytes. */
+struct kvr_kv_decode_smem {
+  int32_t swizzled;     /* 1: chunk c of row r is stored at c ^ (r % 8) */
+  int32_t row_stride;   /* elements per K/V tile row */
+  int32_t q_stride;     /* elements per Q staging row */
+  int32_t merge_stride; /* floats per merge buffer row */
+  int32_t stage_bytes;  /* one stage: the K and the V tile */
+  int32_t q_bytes, merge_bytes, off_bytes, ml_bytes;
+  int32_t bar_bytes;    /* per stage */
+  int32_t scan_bytes;
+  int32_t total;        /* all of it, for `stages` stages */
+};
+
+KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim, int32_t elem_bytes,
+                                                               int32_t stages) {
+  struct kvr_kv_decode_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  s.swizzled = head_dim % 64 == 0;
+  s.row_stride = s.swizzled ? head_dim : head_dim + 8;
+  s.q_stride = head_dim + 8;
+  s.merge_stride = head_dim + 8; /* 4 warps' float2 read-modify-writes hit distinct banks */
+  s.stage_bytes = 2 * KVR_KV_DECODE_TILE * s.row_stride * elem_bytes;
+  s.q_bytes = 16 * s.q_stride * elem_bytes;
+  s.merge_bytes = 16 * s.merge_stride * 4;
+  s.off_bytes = KVR_KV_DECODE_TILE * 2 * 8;
+  s.ml_bytes = (4 * 16 * 2 + 32) * 4;
+  s.bar_bytes = 2 * 8;
+  s.scan_bytes = 16 * 8;
+  s.total = stages * (s.stage_bytes + s.bar_bytes) + s.q_bytes + s.merge_bytes + s.off_bytes +
+            s.ml_bytes + s.scan_bytes;
+  return s;
+}
+
+/* ---- GDN kernels (gdn.cu, gdn_decode.cu, gdn_stream.cu) ---- */
+
+#define KVR_GDN_THREADS 256        /* the step kernel (kvr_gdn_step_*) */
+/* float4 state vectors one thread of a step kernel holds at most (tv * dk <= NV * 4 *
+ * KVR_GDN_THREADS): kvr_gdn_step_*_nv8 (fewer registers, smaller tiles) and _nv16. */
+#define KVR_GDN_NARROW_NV 8
+#define KVR_GDN_MAX_NV 16
+#define KVR_GDN_CHUNK 16           /* buffered entries per shared-memory chunk (step kernel) */
+#define KVR_GDN_MAX_T 8            /* tokens per step (MAX_DRAFTS of src/linear/gdn.rs) */
+#define KVR_GDN_MAX_INLINE 512     /* sequence ids in kvr_gdn_step_args */
+#define KVR_GDN_MAX_COMMIT_INLINE 256
+#define KVR_GDN_FINISH_THREADS 128
+#define KVR_GDN_COMMIT_THREADS 256
+#define KVR_GDN_DECODE_ROWS_PER_WARP 8 /* kvr_gdn_decode_*: value rows per warp */
+#define KVR_GDN_DECODE_MAX_WARPS 4     /* ... warps per CTA at most */
+#define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_* */
+
+/* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
+#define KVR_GDN_META_MODE 0     /* KVR_GDN_KV_ONLY, KVR_GDN_REPLAY or KVR_GDN_RECURRENT */
+#define KVR_GDN_META_START 1    /* ring position of the oldest buffered entry */
+#define KVR_GDN_META_H 2        /* buffered entries */
+#define KVR_GDN_META_PENDING 3  /* drafts of an uncommitted verify */
+#define KVR_GDN_META_CONV_END 4 /* conv window: inputs written so far (ring end) */
+#define KVR_GDN_META_ARRIVE 5   /* arrival counter of the CTAs of a launch (device only, 0 between) */
+#define KVR_GDN_META_INTS 8
+
+/* Sequence modes (the KVR_GDN_META_MODE slot). */
+#define KVR_GDN_KV_ONLY 0   /* entries only, kept in the state memory */
+#define KVR_GDN_REPLAY 1    /* checkpoint state plus ring */
+#define KVR_GDN_RECURRENT 2 /* state read and written every step (ring_len 0) */
+
+/* kvr_gdn_step_args.op */
+#define KVR_GDN_OP_STEP 0
+#define KVR_GDN_OP_FLUSH 1
+#define KVR_GDN_OP_EXPORT 2
+
+/* A strided tensor argument (up to 4 dims, strides in elements). */
+typedef struct {
+  KVR_PTR(void) p;
+  int64_t s[4];
+  int32_t dtype; /* KVR_DT_* */
+  int32_t pad;
+} kvr_gdn_tensor;
+
+/* kvr_gdn_step_*, kvr_gdn_finish, kvr_gdn_decode_*, kvr_gdn_sdecode_*: one layer. */
+typedef struct {
+  KVR_PTR(char) state;          /* this layer's state of sequence slot 0 */
+  KVR_PTR(char) snaps;          /* recurrent pools: this layer's per-draft snapshots */
+  KVR_PTR(char) ring_u;         /* this layer's ring: u [seq][L][hv][dv] */
+  KVR_PTR(char) ring_k;         /*                    k [seq][L][hk][dk] */
+  KVR_PTR(float) ring_g;        /*                    g [seq][L][hv] */
+  KVR_PTR(int32_t) meta;        /* this layer's metadata [seq][KVR_GDN_META_INTS] */
+  KVR_PTR(char) conv;           /* this layer's conv windows [seq][conv_slots][conv_dim] */
+  KVR_PTR(uint32_t) sync;       /* per-(seq, value head) arrival counters (all layers) */
+  KVR_PTR(const int32_t) ids;   /* device sequence ids, or 0: ids_inline */
+  int64_t seq_stride;           /* state elements between sequence slots */
+  kvr_gdn_tensor q, k, v, g, beta, out, conv_in;
+  int32_t op;                   /* KVR_GDN_OP_* */
+  int32_t b, t, hk, hv, dk, dv; /* batch rows, tokens, key / value heads, head dims */
+  int32_t l;                    /* ring length L (0: recurrent pool) */
+  int32_t thr, kv_cap, max_drafts, conv_dim, conv_slots, entry_dtype, conv_dtype, tv;
+  int32_t tiles, auto_commit, l2norm, hmax, export_seq;
+  int32_t stages;               /* gdn_stream.cu: state tiles per CTA (2: persistent CTAs) */
+  float scale;
+  int32_t pad1;
+  int32_t ids_inline[KVR_GDN_MAX_INLINE];
+} kvr_gdn_step_args;
+
+/* One layer's state (kvr_gdn_commit). */
+typedef struct {
+  KVR_PTR(char) state;
+  int64_t seq_stride;
+} kvr_gdn_layer_state;
+
+/* kvr_gdn_commit: layers [layer0, layer0 + gridDim.z). */
+typedef struct {
+  KVR_PTR(const kvr_gdn_layer_state) layers;
+  KVR_PTR(char) snaps;               /* all layers */
+  KVR_PTR(int32_t) meta;             /* all layers */
+  KVR_PTR(char) conv;                /* all layers */
+  KVR_PTR(const int32_t) accepted;   /* device counts, or 0: acc_inline */
+  kvr_gdn_tensor conv_out;           /* [B, conv_kernel - 1, conv_dim], p 0 when not wanted */
+  int64_t snap_layer_bytes, state_bytes, conv_layer_bytes;
+  int32_t layer0, max_seqs, max_drafts, recurrent, conv_dim, conv_slots, conv_k1, conv_dtype;
+  int32_t chunks, acc_stride, state_es, pad;
+  int32_t ids[KVR_GDN_MAX_COMMIT_INLINE];
+  int32_t acc_inline[KVR_GDN_MAX_COMMIT_INLINE];
+} kvr_gdn_commit_args;
+
+KVR_ABI_FN int32_t kvr_align16(int32_t x) { return (x + 15) & ~15; }
+KVR_ABI_FN int32_t kvr_round4(int32_t x) { return (x + 3) & ~3; }
+
+/* Dynamic shared memory of the step kernel (gdn.cu), area by area in this order: sizes in
+ * floats, then the double-buffered raw entry chunks (cp.async) in bytes, sized for f32
+ * entries. `t` is the step's tokens (1 for a flush or export). */
+struct kvr_gdn_step_smem {
+  int32_t xs;     /* [2t][dk] q and k of each token */
+  int32_t hist;   /* [2t][tv] state readouts */
+  int32_t vrow;   /* [t][tv] */
+  int32_t urow;   /* [t][tv] */
+  int32_t coef_a; /* [KVR_GDN_MAX_T][KVR_GDN_MAX_T] */
+  int32_t coef_b; /* [KVR_GDN_MAX_T][KVR_GDN_MAX_T] */
+  int32_t egam;   /* egam [16] at 0, betas [16] at 16, gd [16] at 32 */
+  int32_t kc;     /* [KVR_GDN_CHUNK][dk] */
+  int32_t uc;     /* [KVR_GDN_CHUNK][tv] */
+  int32_t cx;     /* [2t][KVR_GDN_CHUNK] */
+  int32_t ga, gb; /* [round4(hmax)] each */
+  int32_t red;    /* [8 warps][2][tv] */
+  int32_t raw;    /* bytes: [2][KVR_GDN_CHUNK][dk + tv] f32 */
+  int32_t total;  /* bytes */
+};
+
+KVR_ABI_FN struct kvr_gdn_step_smem kvr_gdn_step_smem_layout(int32_t dk, int32_t tv, int32_t t,
+                                                             int32_t hmax) {
+  struct kvr_gdn_step_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  s.xs = 2 * t * dk;
+  s.hist = 2 * t * tv;
+  s.vrow = t * tv;
+  s.urow = t * tv;
+  s.coef_a = KVR_GDN_MAX_T * KVR_GDN_MAX_T;
+  s.coef_b = KVR_GDN_MAX_T * KVR_GDN_MAX_T;
+  s.egam = 128;
+  s.kc = KVR_GDN_CHUNK * dk;
+  s.uc = KVR_GDN_CHUNK * tv;
+  s.cx = 2 * t * KVR_GDN_CHUNK;
+  s.ga = kvr_round4(hmax);
+  s.gb = kvr_round4(hmax);
+  s.red = (KVR_GDN_THREADS / 32) * 2 * tv;
+  s.raw = 2 * KVR_GDN_CHUNK * (dk + tv) * 4;
+  s.total = 4 * (s.xs + s.hist + s.vrow + s.urow + s.coef_a + s.coef_b + s.egam + s.kc + s.uc +
+                 s.cx + s.ga + s.gb + s.red) +
+            s.raw;
+  return s;
+}
+
+/* Dynamic shared memory of kvr_gdn_decode_* (float offsets, then bytes): decays, and the
+ * key dot products k_j . q and k_j . k of every buffered entry (hmax each). */
+struct kvr_gdn_decode_smem {
+  int32_t gs, cq, ck;
+  int32_t total;
+};
+
+KVR_ABI_FN struct kvr_gdn_decode_smem kvr_gdn_decode_smem_layout(int32_t hmax) {
+  struct kvr_gdn_decode_smem s = {0, 0, 0, 0};
+  s.gs = 0;
+  s.cq = hmax;
+  s.ck = 2 * hmax;
+  s.total = 4 * 3 * hmax;
+  return s;
+}
+
+/* Dynamic shared memory of kvr_gdn_sdecode_* (bytes): `stages` state tiles (V-major: r rows
+ * of dk elements; K-major: dk rows of r values, each padded by 16 bytes), the ring's u rows
+ * of the tile [l][r] (entry dtype), then floats qs, ks [dk]; sq, sk, us [r]; aq, ak, wg, gs
+ * [max(l, 1)]; then 32 int words. `es` / `ee`: state / entry element bytes. */
+struct kvr_gdn_stream_smem {
+  int32_t st0, st1; /* state tiles (st1 = st0 with one stage) */
+  int32_t ut;       /* ring u rows */
+  int32_t fl;       /* floats */
+  int32_t ints;     /* int words */
+  int32_t total;
+};
+
+KVR_ABI_FN struct kvr_gdn_stream_smem kvr_gdn_stream_smem_layout(int32_t vmajor, int32_t dk, int32_t r,
+                                                                 int32_t es, int32_t l, int32_t ee,
+                                                                 int32_t stages) {
+  struct kvr_gdn_stream_smem s = {0, 0, 0, 0, 0, 0};
+  const int32_t st_bytes = kvr_align16(vmajor ? r * dk * es : dk * (r * es + 16));
+  const int32_t lc = l > 0 ? l : 1;
+  s.st0 = 0;
+  s.st1 = stages > 1 ? st_bytes : 0;
+  s.ut = stages * st_bytes;
+  s.fl = s.ut + kvr_align16(l * r * ee);
+  s.ints = s.fl + 4 * (2 * dk + 3 * r + 4 * lc);
+  s.total = s.ints + 4 * 32;
+  return s;
+}
+
+#endif /* KVR_ABI_H */
