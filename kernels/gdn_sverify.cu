@@ -27,30 +27,97 @@
 namespace kvr {
 namespace gdn {
 
-// Shared-memory layout of a verify CTA (bytes); the host computes the size with the same
-// formula (`sverify_smem_bytes`, src/linear/gdn/cuda.rs): the state tile, the ring's u rows of
-// the tile, then floats qs, ks [T][dk]; sq, sk, vt [T][R]; aq, ak [T][L]; wg, gs [L];
-// A, Bq [T][T]; gam, gt, bt [T]; then 32 words.
-struct VLayout {
-  int ut, qs, ks, sq, sk, vt, aq, ak, wg, gs, co, ints, total;
-};
-__host__ __device__ inline VLayout sverify_layout(bool vm, int dk, int R, int es, int L, int ee, int T) {
-  VLayout s;
-  const int Lc = L > 0 ? L : 1;
-  s.ut = align16(vm ? R * dk * es : dk * (R * es + 16));
-  s.qs = s.ut + align16(L * R * ee);
-  s.ks = s.qs + 4 * T * dk;
-  s.sq = s.ks + 4 * T * dk;
-  s.sk = s.sq + 4 * T * R;
-  s.vt = s.sk + 4 * T * R;
-  s.aq = s.vt + 4 * T * R;
-  s.ak = s.aq + 4 * T * Lc;
-  s.wg = s.ak + 4 * T * Lc;
-  s.gs = s.wg + 4 * Lc;
-  s.co = s.gs + 4 * Lc;
-  s.ints = s.co + 4 * (2 * T * T + 3 * T);
-  s.total = s.ints + 4 * 32;
-  return s;
+__device__ __forceinline__ int vprep_floats(int dk, int L, int Tm) {
+  return kvr_gdn_vprep_record_layout(dk, L, Tm).floats;
+}
+
+// Per (batch row, key head) of a verify launch (grid B x Hk, kStreamThreads threads): the
+// drafts' q and k normalized (k rounded to the entry dtype, as buffered), their products
+// with each other and with the ring's keys. Every value head and tile of the group reads them.
+template <int DK>
+__device__ void vprep_body(const StepParams& p) {
+  __shared__ float qs[kMaxT * DK], ks[kMaxT * DK];
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int T = p.t, Tm = p.max_drafts;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int L = p.l, Lc = L > 0 ? L : 1;
+  const int ee = p.entry_dtype == 0 ? 4 : 2;
+  const int b = blockIdx.x / p.hk, kh = blockIdx.x % p.hk;
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  if (seq < 0) return;
+  auto key = [&](int c) { return (c / VW) * (32 * VW) + lane * VW + c % VW; };
+  float* sc = p.scratch + static_cast<int64_t>(b * p.hk + kh) * vprep_floats(DK, L, Tm);
+  float* pr = sc + 2 * Tm * DK;  // entry products [2 Tm][Lc]
+  float* cc = pr + 2 * Tm * Lc;  // draft products [2][Tm][Tm]
+  const int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  const int start = __ldcg(meta + kMetaStart), nbuf = __ldcg(meta + kMetaH);
+  if (warp < T) {
+    const int s = warp;
+    const int64_t qo = b * p.q.s[0] + s * p.q.s[1] + kh * p.q.s[2];
+    const int64_t ko = b * p.k.s[0] + s * p.k.s[1] + kh * p.k.s[2];
+    float q[KL], k[KL];
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      q[c] = ldx(p.q.p, p.q.dtype, qo + key(c) * p.q.s[3]);
+      k[c] = ldx(p.k.p, p.k.dtype, ko + key(c) * p.k.s[3]);
+    }
+    normalize_qk<KL>(p, q, k, true);
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      qs[s * DK + key(c)] = q[c];
+      ks[s * DK + key(c)] = k[c];
+      sc[s * DK + key(c)] = q[c];
+      sc[(Tm + s) * DK + key(c)] = k[c];
+    }
+  }
+  // The first entry keys, before the barrier.
+  auto entry_k = [&](int j) -> const char* {
+    return p.ring_k + ((static_cast<int64_t>(seq) * Lc + (start + j) % Lc) * p.hk + kh) * DK * ee;
+  };
+  float kn[KL];
+  if (warp < nbuf) {
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_entry<VW>(entry_k(warp), p.entry_dtype, key(c), &kn[c]);
+  }
+  __syncthreads();
+  // Draft pairs: k_s . k_s' (s' < s) and k_s' . q_s (s' <= s), a warp per pair.
+  for (int x = warp; x < 2 * T * T; x += kStreamWarps) {
+    const bool isq = x >= T * T;
+    const int s = (x % (T * T)) / T, s2 = x % T;
+    if (isq ? s2 > s : s2 >= s) continue;
+    const float* a = (isq ? qs : ks) + s * DK;
+    const float* c = ks + s2 * DK;
+    float d = 0.f;
+    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
+    d = warp_sum(d);
+    if (lane == 0) cc[(isq ? Tm * Tm : 0) + s * Tm + s2] = d;
+  }
+  // Entry products: a warp per entry, the next entry's key loaded ahead, four sums per reduce4.
+  for (int j = warp; j < nbuf; j += kStreamWarps) {
+    float kj[KL];
+#pragma unroll
+    for (int c = 0; c < KL; ++c) kj[c] = kn[c];
+    if (j + kStreamWarps < nbuf) {
+#pragma unroll
+      for (int c = 0; c < KL; c += VW) ld_entry<VW>(entry_k(j + kStreamWarps), p.entry_dtype, key(c), &kn[c]);
+    }
+    for (int x0 = 0; x0 < 2 * T; x0 += 4) {
+      float P[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int x = min(x0 + e, 2 * T - 1);
+        const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
+        float d = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) d += kj[c] * v[key(c)];
+        P[e] = d;
+      }
+      const float r = reduce4(P, lane);
+      const int x = x0 + (lane >> 3);
+      if ((lane & 7) == 0 && x < 2 * T) pr[(x < T ? x : Tm + x - T) * Lc + j] = r;
+    }
+  }
 }
 
 template <typename SD, bool VM, int DK>
@@ -66,7 +133,7 @@ __device__ void sverify_body(const StepParams& p) {
   const int per_seq = p.hv * p.tiles;
   const Tensor& out = p.out;
   const int ee = p.entry_dtype == 0 ? 4 : 2;
-  const VLayout lay = sverify_layout(VM, DK, R, ES, L, ee, T);
+  const kvr_gdn_verify_smem lay = kvr_gdn_verify_smem_layout(VM, DK, R, ES, L, ee, T);
   unsigned char* st = sm;
   unsigned char* ut = sm + lay.ut;
   float* qs = reinterpret_cast<float*>(sm + lay.qs);
@@ -157,24 +224,7 @@ __device__ void sverify_body(const StepParams& p) {
     const int s = i / R, r = i - s * R;
     vt[i] = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + s * p.v.s[1] + h * p.v.s[2] + (v0 + r) * p.v.s[3]);
   }
-  if (warp < T) {  // warp s: draft s's q and k, normalized (k rounded as buffered)
-    const int s = warp;
-    const int64_t qo = b * p.q.s[0] + s * p.q.s[1] + kh * p.q.s[2];
-    const int64_t ko = b * p.k.s[0] + s * p.k.s[1] + kh * p.k.s[2];
-    float q[KL], k[KL];
-#pragma unroll
-    for (int c = 0; c < KL; ++c) {
-      q[c] = ldx(p.q.p, p.q.dtype, qo + key(c) * p.q.s[3]);
-      k[c] = ldx(p.k.p, p.k.dtype, ko + key(c) * p.k.s[3]);
-    }
-    normalize_qk<KL>(p, q, k, true);
-#pragma unroll
-    for (int c = 0; c < KL; ++c) {
-      qs[s * DK + key(c)] = q[c];
-      ks[s * DK + key(c)] = k[c];
-    }
-  }
-  __syncthreads();  // (B1) metadata, inputs, q and k
+  __syncthreads();  // (B1) metadata
 
   const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
   const int nbuf = hcnt;
@@ -203,49 +253,26 @@ __device__ void sverify_body(const StepParams& p) {
     for (int s = 0; s <= tid; ++s) a += gt[s];
     gam[tid] = a;
   }
-  // Draft pairs (s, s'): s' < s for A, s' <= s for Bq; a warp per pair.
-  for (int x = warp; x < 2 * T * T; x += kStreamWarps) {
-    const bool isq = x >= T * T;
-    const int s = (x % (T * T)) / T, s2 = x % T;
-    if (isq ? s2 > s : s2 >= s) continue;
-    const float* a = isq ? qs + s * DK : ks + s * DK;
-    const float* c = ks + s2 * DK;
-    float d = 0.f;
-    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
-    d = warp_sum(d);
-    if (lane == 0) (isq ? cB : cA)[s * T + s2] = d;
-  }
-  // Entry products k_j . q_s and k_j . k_s: a warp per entry, four sums per reduce4; the next
-  // entry's key is loaded before this one's products (the loads are round trips to L2).
-  float kn[KL];
-  if (warp < nbuf) {
-    const char* kp = entry_k(warp);
-#pragma unroll
-    for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kn[c]);
-  }
-  for (int j = warp; j < nbuf; j += kStreamWarps) {
-    float kj[KL];
-#pragma unroll
-    for (int c = 0; c < KL; ++c) kj[c] = kn[c];
-    if (j + kStreamWarps < nbuf) {
-      const char* kp = entry_k(j + kStreamWarps);
-#pragma unroll
-      for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kn[c]);
+  // The group's record from kvr_gdn_vprep: q and k, entry products, draft products.
+  {
+    const int Tm = p.max_drafts;
+    const float* sc = p.scratch + static_cast<int64_t>(b * p.hk + kh) * vprep_floats(DK, L, Tm);
+    const float* pr = sc + 2 * Tm * DK;
+    const float* cc = pr + 2 * Tm * Lc;
+    for (int i = tid; i < T * DK / 4; i += kStreamThreads) {
+      const int s = i / (DK / 4), c = i - s * (DK / 4);
+      reinterpret_cast<float4*>(qs)[i] = __ldcg(reinterpret_cast<const float4*>(sc + s * DK) + c);
+      reinterpret_cast<float4*>(ks)[i] = __ldcg(reinterpret_cast<const float4*>(sc + (Tm + s) * DK) + c);
     }
-    for (int x0 = 0; x0 < 2 * T; x0 += 4) {
-      float P[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = min(x0 + e, 2 * T - 1);
-        const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
-        float d = 0.f;
-#pragma unroll
-        for (int c = 0; c < KL; ++c) d += kj[c] * v[key(c)];
-        P[e] = d;
-      }
-      const float r = reduce4(P, lane);
-      const int x = x0 + (lane >> 3);
-      if ((lane & 7) == 0 && x < 2 * T) (x < T ? aq + x * Lc : ak + (x - T) * Lc)[j] = r;
+    for (int i = tid; i < T * nbuf; i += kStreamThreads) {
+      const int s = i / nbuf, j = i - s * nbuf;
+      aq[s * Lc + j] = __ldcg(pr + s * Lc + j);
+      ak[s * Lc + j] = __ldcg(pr + (Tm + s) * Lc + j);
+    }
+    for (int i = tid; i < T * T; i += kStreamThreads) {
+      const int s = i / T, s2 = i - s * T;
+      cA[i] = s2 < s ? __ldcg(cc + s * Tm + s2) : 0.f;
+      cB[i] = s2 <= s ? __ldcg(cc + Tm * Tm + s * Tm + s2) : 0.f;
     }
   }
 #if KVR_GDN_BULK
@@ -254,7 +281,7 @@ __device__ void sverify_body(const StepParams& p) {
 #else
   cp_async_wait<0>();
 #endif
-  __syncthreads();  // (B2) tile, ring rows, products, gam
+  __syncthreads();  // (B2) tile, ring rows, q and k, products, gam
 
   // 3. Warp 0: the entries' weights w_j (suffix scan over the decays) and e^G; the others:
   //    the drafts' coefficients. Every warp: (S q_s)[v], (S k_s)[v] over the tile.
@@ -511,5 +538,14 @@ __device__ void sverify_body(const StepParams& p) {
 KVR_GDN_SVERIFY_DK(64)
 KVR_GDN_SVERIFY_DK(128)
 KVR_GDN_SVERIFY_DK(256)
+#define KVR_GDN_VPREP(DK)                                                                 \
+  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads)                  \
+      kvr_gdn_vprep_d##DK(const __grid_constant__ kvr::gdn::StepParams p) {                \
+    kvr::gdn::vprep_body<DK>(p);                                                           \
+  }
+KVR_GDN_VPREP(64)
+KVR_GDN_VPREP(128)
+KVR_GDN_VPREP(256)
+#undef KVR_GDN_VPREP
 #undef KVR_GDN_SVERIFY_DK
 #undef KVR_GDN_SVERIFY

@@ -218,7 +218,7 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_COMMIT_THREADS 256
 #define KVR_GDN_DECODE_ROWS_PER_WARP 8 /* kvr_gdn_decode_*: value rows per warp */
 #define KVR_GDN_DECODE_MAX_WARPS 4     /* ... warps per CTA at most */
-#define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_* */
+#define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_*, kvr_gdn_sverify_*, kvr_gdn_vprep_* */
 
 /* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
 #define KVR_GDN_META_MODE 0     /* KVR_GDN_KV_ONLY, KVR_GDN_REPLAY or KVR_GDN_RECURRENT */
@@ -258,6 +258,7 @@ typedef struct {
   KVR_PTR(char) conv;           /* this layer's conv windows [seq][conv_slots][conv_dim] */
   KVR_PTR(uint32_t) sync;       /* per-(seq, value head) arrival counters (all layers) */
   KVR_PTR(const int32_t) ids;   /* device sequence ids, or 0: ids_inline */
+  KVR_PTR(float) scratch;       /* verify: per-(row, key head) records of kvr_gdn_vprep_* */
   int64_t seq_stride;           /* state elements between sequence slots */
   kvr_gdn_tensor q, k, v, g, beta, out, conv_in;
   int32_t op;                   /* KVR_GDN_OP_* */
@@ -378,6 +379,51 @@ KVR_ABI_FN struct kvr_gdn_stream_smem kvr_gdn_stream_smem_layout(int32_t vmajor,
   s.fl = s.ut + kvr_align16(l * r * ee);
   s.ints = s.fl + 4 * (2 * dk + 3 * r + 4 * lc);
   s.total = s.ints + 4 * 32;
+  return s;
+}
+
+/* Dynamic shared memory of the streaming verify kernel (gdn_sverify.cu), bytes: the state
+ * tile (as the stream kernel's), the ring's u rows of the tile [l][r] (entry dtype), then
+ * floats qs, ks [t][dk]; sq, sk, vt [t][r]; aq, ak [t][max(l, 1)]; wg, gs [max(l, 1)]; the
+ * drafts' coefficients [2][t][t] and gam, g, beta [t]; then 32 int words. */
+struct kvr_gdn_verify_smem {
+  int32_t ut, qs, ks, sq, sk, vt, aq, ak, wg, gs, co, ints, total;
+};
+
+KVR_ABI_FN struct kvr_gdn_verify_smem kvr_gdn_verify_smem_layout(int32_t vmajor, int32_t dk, int32_t r,
+                                                                 int32_t es, int32_t l, int32_t ee,
+                                                                 int32_t t) {
+  struct kvr_gdn_verify_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const int32_t lc = l > 0 ? l : 1;
+  s.ut = kvr_align16(vmajor ? r * dk * es : dk * (r * es + 16));
+  s.qs = s.ut + kvr_align16(l * r * ee);
+  s.ks = s.qs + 4 * t * dk;
+  s.sq = s.ks + 4 * t * dk;
+  s.sk = s.sq + 4 * t * r;
+  s.vt = s.sk + 4 * t * r;
+  s.aq = s.vt + 4 * t * r;
+  s.ak = s.aq + 4 * t * lc;
+  s.wg = s.ak + 4 * t * lc;
+  s.gs = s.wg + 4 * lc;
+  s.co = s.gs + 4 * lc;
+  s.ints = s.co + 4 * (2 * t * t + 3 * t);
+  s.total = s.ints + 4 * 32;
+  return s;
+}
+
+/* Floats of one (batch row, key head) record of the verify scratch (kvr_gdn_step_args.
+ * scratch), written by kvr_gdn_vprep_* and read by the verify CTAs of the group: the drafts'
+ * normalized q and k [tm][dk] each, the entries' key products k_j . q_s (rows 0..t) and
+ * k_j . k_s (rows tm..tm+t) [2 tm][max(l, 1)], the drafts' products k_s . k_s' and k_s' . q_s
+ * [2][tm][tm]; rounded up to 4 floats (tm: the pool's max_drafts). */
+struct kvr_gdn_vprep_record {
+  int32_t floats;
+};
+
+KVR_ABI_FN struct kvr_gdn_vprep_record kvr_gdn_vprep_record_layout(int32_t dk, int32_t l, int32_t tm) {
+  struct kvr_gdn_vprep_record s = {0};
+  const int32_t lc = l > 0 ? l : 1;
+  s.floats = kvr_round4(2 * tm * (dk + lc + tm));
   return s;
 }
 

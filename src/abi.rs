@@ -298,6 +298,7 @@ abi_structs! {
         conv: u64,
         sync: u64,
         ids: u64,
+        scratch: u64,
         seq_stride: i64,
         q: GdnTensor,
         k: GdnTensor,
@@ -455,6 +456,37 @@ pub(crate) fn gdn_stream_smem_bytes(
     };
     let ut = align16(ring_len * rows * entry_es);
     stages * align16(st) + ut + 4 * (2 * dk + 3 * rows + 4 * ring_len.max(1)) + 4 * 32
+}
+
+/// Dynamic shared memory of one streaming verify CTA at `t` drafts
+/// (`kvr_gdn_verify_smem_layout`, kernels/gdn_sverify.cu): the state tile, the tile's ring
+/// rows, then qs, ks [t][dk]; sq, sk, vt [t][rows]; aq, ak [t][L]; wg, gs [L]; two [t][t]
+/// coefficient blocks and 3 [t]; 32 words.
+pub(crate) fn gdn_verify_smem_bytes(
+    vmajor: bool,
+    dk: usize,
+    rows: usize,
+    state_es: usize,
+    ring_len: usize,
+    entry_es: usize,
+    t: usize,
+) -> usize {
+    let align16 = |x: usize| x.div_ceil(16) * 16;
+    let st = if vmajor {
+        rows * dk * state_es
+    } else {
+        dk * (rows * state_es + 16)
+    };
+    let l = ring_len.max(1);
+    align16(st)
+        + align16(ring_len * rows * entry_es)
+        + 4 * (2 * t * dk + 3 * t * rows + 2 * t * l + 2 * l + 2 * t * t + 3 * t)
+        + 4 * 32
+}
+
+/// Floats of one (row, key head) record of the verify scratch (`kvr_gdn_vprep_record_layout`).
+pub(crate) fn gdn_vprep_floats(dk: usize, ring_len: usize, max_drafts: usize) -> usize {
+    (2 * max_drafts * (dk + ring_len.max(1) + max_drafts)).div_ceil(4) * 4
 }
 
 #[cfg(test)]
@@ -690,6 +722,36 @@ mod tests {
                         gdn_stream_smem_bytes(vm, u(dk), u(rows), u(es), u(l), u(ee), u(st)) as i64,
                     ]
                 },
+            },
+            Formula {
+                c_fn: "kvr_gdn_verify_smem_layout",
+                c_type: "kvr_gdn_verify_smem",
+                c_fields: &["total"],
+                grid: grid(&[
+                    &[0, 1],
+                    &[32, 64, 128, 256],
+                    &[16, 32, 64, 128],
+                    &[2, 4],
+                    &[1, 5, 16, 64, 100],
+                    &[2, 4],
+                    &[1, 2, 3, 5, 8],
+                ]),
+                rust: |a| {
+                    let (vm, dk, rows, es, l, ee, t) =
+                        (a[0] != 0, a[1], a[2], a[3], a[4], a[5], a[6]);
+                    vec![gdn_verify_smem_bytes(vm, u(dk), u(rows), u(es), u(l), u(ee), u(t)) as i64]
+                },
+            },
+            Formula {
+                c_fn: "kvr_gdn_vprep_record_layout",
+                c_type: "kvr_gdn_vprep_record",
+                c_fields: &["floats"],
+                grid: grid(&[
+                    &[32, 64, 128, 256],
+                    &[0, 1, 5, 16, 64, 1024],
+                    &[1, 2, 3, 5, 8],
+                ]),
+                rust: |a| vec![gdn_vprep_floats(u(a[0]), u(a[1]), u(a[2])) as i64],
             },
         ]
     }

@@ -85,6 +85,9 @@ pub(crate) enum Kernel {
         vmajor: bool,
         dk: usize,
     },
+    /// `kvr_gdn_vprep_d<dk>` (kernels/gdn_sverify.cu): the drafts' q/k and key products of
+    /// a verify, per (row, key head); dk is one of [`GDN_DECODE_DKS`].
+    GdnVprep { dk: usize },
 }
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
@@ -101,7 +104,8 @@ const GDN_FINISH: usize = 39;
 const GDN_DECODE_BASE: usize = 40;
 const GDN_STREAM_BASE: usize = 52;
 const GDN_VERIFY_BASE: usize = 64;
-const KERNEL_COUNT: usize = 76;
+const GDN_VPREP_BASE: usize = 76;
+const KERNEL_COUNT: usize = 79;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -158,6 +162,9 @@ impl Kernel {
                 }
             }
         }
+        for dk in GDN_DECODE_DKS {
+            v.push(Kernel::GdnVprep { dk });
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -197,6 +204,13 @@ impl Kernel {
             Kernel::GdnVerify { state, vmajor, dk } => {
                 GDN_VERIFY_BASE + gdn_decode_slot(state, vmajor, dk)
             }
+            Kernel::GdnVprep { dk } => {
+                GDN_VPREP_BASE
+                    + GDN_DECODE_DKS
+                        .iter()
+                        .position(|&x| x == dk)
+                        .expect("a compiled dk")
+            }
         }
     }
 
@@ -235,6 +249,7 @@ impl Kernel {
                 state.name(),
                 if vmajor { "v" } else { "k" }
             ),
+            Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
         }
     }
 }

@@ -74,23 +74,21 @@ fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
 }
 
 /// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
-/// Shared memory of one streaming verify CTA at T drafts (kernels/gdn_sverify.cu
-/// `sverify_layout`): the state tile, the tile's ring rows, then qs, ks [T][dk]; sq, sk, vt
-/// [T][rows]; aq, ak [T][L]; wg, gs [L]; two [T][T] coefficient blocks and 3 [T]; 32 words.
+/// Shared memory of one streaming verify CTA at `t` drafts (`kvr_gdn_verify_smem_layout`).
 fn sverify_smem_bytes(cfg: &ReplayConfig, rows: usize, t: usize) -> usize {
-    let align16 = |x: usize| x.div_ceil(16) * 16;
-    let es = cfg.state_dtype.size();
-    let st = if cfg.layout == StateLayout::VMajor {
-        rows * cfg.dk * es
-    } else {
-        cfg.dk * (rows * es + 16)
-    };
-    let l = cfg.ring_len.max(1);
-    align16(st)
-        + align16(cfg.ring_len * rows * cfg.entry_dtype.size())
-        + 4 * (2 * t * cfg.dk + 3 * t * rows + 2 * t * l + 2 * l + 2 * t * t + 3 * t)
-        + 4 * 32
+    crate::abi::gdn_verify_smem_bytes(
+        cfg.layout == StateLayout::VMajor,
+        cfg.dk,
+        rows,
+        cfg.state_dtype.size(),
+        cfg.ring_len,
+        cfg.entry_dtype.size(),
+        t,
+    )
 }
+
+/// Scratch of the verify kernels: at most this many bytes, in launches of fewer rows.
+const VERIFY_SCRATCH_MAX: usize = 64 << 20;
 
 /// float4 vectors and V-major rows have at most 32 threads.
 fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
@@ -129,6 +127,11 @@ pub(crate) struct GdnCuda {
     /// kernel (kernels/gdn_sverify.cu) may use, widest first; empty where it does not apply
     /// (recurrent or KV-only pools, other dk, unaligned states, KVR_GDN_VERIFY=general).
     verify_rows: Vec<(usize, usize)>,
+    /// The verify kernels' per-(row, key head) records, for `verify_chunk` rows a launch.
+    scratch: Option<DeviceBuffer>,
+    verify_chunk: usize,
+    /// KVR_GDN_VERIFY_ROWS: forced rows per CTA of the verify kernel (benchmarking).
+    forced_verify_rows: Option<usize>,
 }
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
@@ -334,6 +337,18 @@ impl GdnCuda {
                 verify_rows = per_sm.into_iter().filter(|&(_, n)| n > 0).collect();
             }
         }
+        let record = crate::abi::gdn_vprep_floats(cfg.dk, cfg.ring_len, cfg.max_drafts) * 4;
+        let verify_chunk = (VERIFY_SCRATCH_MAX / (record * cfg.k_heads))
+            .clamp(1, MAX_INLINE)
+            .min(cfg.max_seqs);
+        let scratch = if verify_rows.is_empty() {
+            None
+        } else {
+            Some(DeviceBuffer::new(
+                cuda,
+                verify_chunk * cfg.k_heads * record,
+            )?)
+        };
         let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
         sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
         let descs: Vec<LayerState> = lay
@@ -359,7 +374,13 @@ impl GdnCuda {
             forced_stream_rows,
             stream_persistent,
             stream_batches,
-            verify_rows,
+            verify_rows: verify_rows.clone(),
+            scratch,
+            verify_chunk,
+            forced_verify_rows: std::env::var("KVR_GDN_VERIFY_ROWS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|r| verify_rows.iter().any(|w| w.0 == *r)),
         })
     }
 
@@ -367,6 +388,9 @@ impl GdnCuda {
     /// the widest tile whose CTAs still fill every SM, or the narrowest; `None` where the
     /// kernel does not apply.
     fn verify_launch(&self, cfg: &ReplayConfig, rows: usize) -> Option<usize> {
+        if let Some(r) = self.forced_verify_rows {
+            return Some(r);
+        }
         let sms = self.sm_count as usize;
         let items = |r: usize| rows * cfg.v_heads * (cfg.dv / r);
         // One resident CTA per SM leaves nothing to hide a CTA's dependent phases behind
@@ -379,9 +403,20 @@ impl GdnCuda {
             .map(|&(r, _)| r)
     }
 
-    /// The streaming verify kernel (`p.tv` value rows per CTA); it finishes the step itself.
+    /// The streaming verify kernels (`p.tv` value rows per CTA): the drafts' products per
+    /// (row, key head), then the verify, which finishes the step itself.
     fn launch_verify(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
         let cfg = &self.lay.cfg;
+        p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch(
+            Kernel::GdnVprep { dk: cfg.dk },
+            ((rows * cfg.k_heads) as u32, 1, 1),
+            (STREAM_THREADS, 1, 1),
+            0,
+            stream,
+            &mut args,
+        )?;
         let kernel = Kernel::GdnVerify {
             state: cfg.state_dtype,
             vmajor: cfg.layout == StateLayout::VMajor,
@@ -389,7 +424,6 @@ impl GdnCuda {
         };
         let smem = sverify_smem_bytes(cfg, p.tv as usize, p.t as usize) as u32;
         let grid = rows * cfg.v_heads * p.tiles as usize;
-        let mut args = [p as *mut StepParams as *mut c_void];
         self.cuda.launch(
             kernel,
             (grid as u32, 1, 1),
@@ -464,6 +498,7 @@ impl GdnCuda {
             conv: lay.conv.at(layer, 0) as u64,
             sync: self.sync.addr() as u64,
             ids: 0,
+            scratch: 0,
             seq_stride: lay.states[layer].seq_stride as i64,
             q: DevTensor::default(),
             k: DevTensor::default(),
@@ -758,6 +793,9 @@ impl Executor<Gdn> for GdnCuda {
         let single = step.t == 1 && step.auto_commit;
         let decode = self.decode_rows.filter(|_| single);
         let chunk_rows = match step.ids {
+            BatchIds::Host(_) if !step.auto_commit && !self.verify_rows.is_empty() => {
+                self.verify_chunk
+            }
             BatchIds::Host(_) => MAX_INLINE,
             BatchIds::Device(_) => usize::MAX,
         };
