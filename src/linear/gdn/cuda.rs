@@ -29,7 +29,7 @@ use crate::linear::math::StateLayout;
 use crate::linear::replay::meta::{
     self, Meta, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING, META_START,
 };
-use crate::linear::replay::{Commit, Executor, Layout, ReplayConfig, Step};
+use crate::linear::replay::{Commit, Executor, Layout, ReplayConfig, Step, MAX_DRAFTS};
 use crate::pool::BatchIds;
 use crate::tensor::{DType, MemoryKind, TensorView};
 
@@ -126,7 +126,7 @@ pub(crate) struct GdnCuda {
     /// (value rows per CTA, resident CTAs per SM at `max_drafts`) the streaming verify
     /// kernel (kernels/gdn_sverify.cu) may use, widest first; empty where it does not apply
     /// (recurrent or KV-only pools, other dk, unaligned states, KVR_GDN_VERIFY=general).
-    verify_rows: Vec<(usize, usize)>,
+    verify_rows: Vec<(usize, [usize; MAX_DRAFTS + 1])>,
     /// The verify kernels' per-(row, key head) records, for `verify_chunk` rows a launch.
     scratch: Option<DeviceBuffer>,
     verify_chunk: usize,
@@ -317,24 +317,32 @@ impl GdnCuda {
                 vmajor: cfg.layout == StateLayout::VMajor,
                 dk: cfg.dk,
             };
-            let mut fits: Vec<(usize, usize)> = STREAM_ROWS
+            // Resident CTAs per SM of every (rows, T), in increasing shared memory so that the
+            // kernel's dynamic shared memory limit ends at the largest that fits.
+            let mut fits: Vec<(usize, usize, usize)> = STREAM_ROWS
                 .into_iter()
                 .filter(|&r| r >= min_rows && r <= cfg.dv && cfg.dv % r == 0)
-                .map(|r| (sverify_smem_bytes(cfg, r, cfg.max_drafts), r))
-                .filter(|&(bytes, _)| bytes <= STREAM_SMEM_LIMIT)
+                .flat_map(|r| (1..=cfg.max_drafts).map(move |t| (r, t)))
+                .map(|(r, t)| (sverify_smem_bytes(cfg, r, t), r, t))
+                .filter(|&(bytes, _, _)| bytes <= STREAM_SMEM_LIMIT)
                 .collect();
             if !fits.is_empty() {
                 cuda.prefer_shared_memory(kernel)?;
                 fits.sort_unstable();
                 let mut per_sm = Vec::new();
-                for (bytes, r) in fits {
-                    per_sm.push((
-                        r,
-                        cuda.prepare_kernel(kernel, bytes as u32, STREAM_THREADS)? as usize,
-                    ));
+                for (bytes, r, t) in fits {
+                    let n = cuda.prepare_kernel(kernel, bytes as u32, STREAM_THREADS)? as usize;
+                    per_sm.push((r, t, n));
                 }
-                per_sm.sort_unstable_by_key(|&(r, _)| std::cmp::Reverse(r));
-                verify_rows = per_sm.into_iter().filter(|&(_, n)| n > 0).collect();
+                for r in STREAM_ROWS {
+                    let mut by_t = [0usize; MAX_DRAFTS + 1];
+                    for &(_, t, n) in per_sm.iter().filter(|x| x.0 == r) {
+                        by_t[t] = n;
+                    }
+                    if by_t[1..=cfg.max_drafts].iter().all(|&n| n > 0) {
+                        verify_rows.push((r, by_t));
+                    }
+                }
             }
         }
         let record = crate::abi::gdn_vprep_floats(cfg.dk, cfg.ring_len, cfg.max_drafts) * 4;
@@ -387,20 +395,26 @@ impl GdnCuda {
     /// Value rows per CTA of the streaming verify kernel for a batch of `rows` sequences:
     /// the widest tile whose CTAs still fill every SM, or the narrowest; `None` where the
     /// kernel does not apply.
-    fn verify_launch(&self, cfg: &ReplayConfig, rows: usize) -> Option<usize> {
+    fn verify_launch(&self, cfg: &ReplayConfig, rows: usize, t: usize) -> Option<usize> {
         if let Some(r) = self.forced_verify_rows {
             return Some(r);
         }
         let sms = self.sm_count as usize;
         let items = |r: usize| rows * cfg.v_heads * (cfg.dv / r);
-        // One resident CTA per SM leaves nothing to hide a CTA's dependent phases behind
-        // (H200: T = 8 at 128 rows ran 4x slower than T = 4 at two CTAs per SM).
-        let two = self.verify_rows.iter().filter(|&&(_, per_sm)| per_sm >= 2);
-        two.clone()
-            .find(|&&(r, per_sm)| items(r) >= per_sm * sms)
-            .or(two.clone().next_back())
-            .or(self.verify_rows.last())
-            .map(|&(r, _)| r)
+        // Tiles with at least two resident CTAs per SM at this T: with one, nothing hides a
+        // CTA's dependent phases (H200, B = 32..128: T = 8 at 128 rows ran 4-5x slower than
+        // T = 4, which fits two; a tile of 64 rows then wins). Where none fits two, the
+        // general kernel verifies.
+        let two = || {
+            self.verify_rows
+                .iter()
+                .map(move |&(r, by_t)| (r, by_t[t]))
+                .filter(|&(_, n)| n >= 2)
+        };
+        two()
+            .find(|&(r, n)| items(r) >= n * sms)
+            .or_else(|| two().next_back())
+            .map(|(r, _)| r)
     }
 
     /// The streaming verify kernels (`p.tv` value rows per CTA): the drafts' products per
@@ -810,7 +824,7 @@ impl Executor<Gdn> for GdnCuda {
             let verified = if step.auto_commit {
                 None
             } else {
-                self.verify_launch(cfg, rows)
+                self.verify_launch(cfg, rows, step.t)
             };
             let tv = streamed
                 .map(|s| s.rows)
