@@ -376,24 +376,49 @@ __device__ void sverify_body(const StepParams& p) {
   }
   __syncthreads();  // (B3) weights, e^G, coefficients, (S q), (S k)
 
-  // 4. Row phase: thread t < R owns value row v0 + t.
+  // 4. History readouts H(q_s), H(k_s) of every row, spread over all threads: thread (row
+  //    r = tid % R, group g = tid / R) sums the entries into drafts g, g + G, ... of row r (at
+  //    most 4: G >= 2), in place in sq / sk.
   const float eG = __int_as_float(mi[6]);
+  {
+    const int G = kStreamThreads / R, r = tid % R, g = tid / R;
+    float hq[4], hk[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int s = g + i * G;
+      hq[i] = s < T ? eG * sq[s * R + r] : 0.f;
+      hk[i] = s < T ? eG * sk[s * R + r] : 0.f;
+    }
+    for (int j = 0; j < nbuf; ++j) {
+      const float uj = ldx(ut, p.entry_dtype, j * R + r);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s = g + i * G;
+        if (s < T) {
+          hq[i] += aq[s * Lc + j] * uj;
+          hk[i] += ak[s * Lc + j] * uj;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int s = g + i * G;
+      if (s < T) {
+        sq[s * R + r] = hq[i];
+        sk[s * R + r] = hk[i];
+      }
+    }
+  }
+  __syncthreads();  // (B4) readouts
+
+  // 5. Row phase: thread t < R owns value row v0 + t: the drafts' corrections by forward
+  //    substitution, the outputs, the ring rows.
   if (tid < R) {
     float hq[kMaxT], hk[kMaxT];
 #pragma unroll
     for (int s = 0; s < kMaxT; ++s) {
-      hq[s] = s < T ? eG * sq[s * R + tid] : 0.f;
-      hk[s] = s < T ? eG * sk[s * R + tid] : 0.f;
-    }
-    for (int j = 0; j < nbuf; ++j) {
-      const float uj = ldx(ut, p.entry_dtype, j * R + tid);
-#pragma unroll
-      for (int s = 0; s < kMaxT; ++s) {
-        if (s < T) {
-          hq[s] += aq[s * Lc + j] * uj;
-          hk[s] += ak[s * Lc + j] * uj;
-        }
-      }
+      hq[s] = s < T ? sq[s * R + tid] : 0.f;
+      hk[s] = s < T ? sk[s * R + tid] : 0.f;
     }
     float u[kMaxT];
 #pragma unroll
@@ -413,7 +438,7 @@ __device__ void sverify_body(const StepParams& p) {
     }
   }
 
-  // 5. A flush writes the tile's state e^G S + sum_j w_j u_j k_j^T back (the drafts' ring
+  // 6. A flush writes the tile's state e^G S + sum_j w_j u_j k_j^T back (the drafts' ring
   //    slots may be the oldest entries' slots: their u rows of this tile are in shared memory).
   if (flush) {
     if constexpr (VM) {
@@ -475,7 +500,7 @@ __device__ void sverify_body(const StepParams& p) {
     }
   }
 
-  // 6. The drafts' keys and decays (outside a flush: nobody reads those slots this step), and
+  // 7. The drafts' keys and decays (outside a flush: nobody reads those slots this step), and
   //    this CTA's share of the drafts' conv inputs.
   if (!flush && tile == 0) {
     if (h % group == 0) {
@@ -499,7 +524,7 @@ __device__ void sverify_body(const StepParams& p) {
     }
   }
 
-  // 7. Arrival: the last CTA of the sequence finishes the step (every other CTA has read the
+  // 8. Arrival: the last CTA of the sequence finishes the step (every other CTA has read the
   //    metadata and, in a flush, the entries' keys and decays it overwrites).
   __syncthreads();
   if (tid == 0) {
@@ -525,8 +550,10 @@ __device__ void sverify_body(const StepParams& p) {
 }  // namespace gdn
 }  // namespace kvr
 
+// Three resident CTAs per SM (80 registers): the shared memory of a 64-row tile allows three,
+// and one CTA's dependent phases hide only behind the others'.
 #define KVR_GDN_SVERIFY(SD, SN, VM, LN, DK)                                                  \
-  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 2)                 \
+  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 3)                 \
       kvr_gdn_sverify_##SN##_##LN##_d##DK(const __grid_constant__ kvr::gdn::StepParams p) { \
     kvr::gdn::sverify_body<SD, VM, DK>(p);                                                   \
   }
