@@ -141,16 +141,6 @@ __device__ void sdecode_body(const StepParams& p) {
     m[3] = m0.w;
     m[4] = __ldcg(meta + kMetaConvEnd);
   };
-  // A K-major tile from shared memory back to its rows of the state, 16 bytes a thread and
-  // consecutive threads along a row (the update pass's lanes step over rows instead).
-  auto store_kmajor_tile = [&](const unsigned char* src, char* hd, int v0) {
-    const int c16 = R * ES / 16;
-    for (int i = tid; i < DK * c16; i += kStreamThreads) {
-      const int k = i / c16, c = i - k * c16;
-      *reinterpret_cast<int4*>(hd + (static_cast<int64_t>(k) * dv + v0) * ES + 16 * c) =
-          *reinterpret_cast<const int4*>(src + k * row_bytes + 16 * c);
-    }
-  };
   // The step's end for a sequence whose last item this CTA finished: the new entry's key and
   // decay in a flush step, and the metadata. `t` is a tail record.
   auto run_tail = [&](const int* t) {
@@ -338,26 +328,12 @@ __device__ void sdecode_body(const StepParams& p) {
       // 4. Warp 0: weights w_j by a suffix scan over the decays, and the coefficients
       //    aq_j = w_j (k_j . q), ak_j = w_j (k_j . k); meanwhile every warp reads the tile.
       if (warp == 0) {
-        float carry = 0.f;
-        for (int blk = nbuf > 0 ? ((nbuf - 1) / 32) * 32 : -32; blk >= 0; blk -= 32) {
-          const int jl = blk + lane;
-          float x = jl < nbuf ? gs[jl] : 0.f;
-#pragma unroll
-          for (int o = 1; o < 32; o <<= 1) {
-            const float t = __shfl_down_sync(0xffffffffu, x, o);
-            if (lane + o < 32) x += t;
-          }
-          float excl = __shfl_down_sync(0xffffffffu, x, 1);
-          if (lane == 31) excl = 0.f;
-          if (jl < nbuf) {
-            const float w = expf(carry + excl);
-            wg[jl] = w;
-            aq[jl] *= w;
-            ak[jl] *= w;
-          }
-          carry += __shfl_sync(0xffffffffu, x, 0);
-        }
-        if (lane == 0) mi[6] = __float_as_int(expf(carry));
+        const float eg = suffix_weights(gs, nbuf, lane, [&](int j, float w) {
+          wg[j] = w;
+          aq[j] *= w;
+          ak[j] *= w;
+        });
+        if (lane == 0) mi[6] = __float_as_int(eg);
       }
       // (S q)[v] and (S k)[v] for the tile's rows.
       if constexpr (VM) {
@@ -472,64 +448,10 @@ __device__ void sdecode_body(const StepParams& p) {
             st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
           }
           __syncthreads();
-          store_kmajor_tile(st, head, v0);
+          store_kmajor_tile<SD>(st, head, v0, R, dv, row_bytes, DK);
         }
       } else if (flush) {
-        // S' = e^G S + sum_j w_j u_j k_j^T over the tile (keys from the ring, L1/L2-resident).
-        if constexpr (VM) {
-          const int rpw = R / kStreamWarps;
-          for (int r0 = 0; r0 < rpw; r0 += 2) {
-            float s[2][KL];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
-#pragma unroll
-              for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(row + key(c), &s[e][c]);
-#pragma unroll
-              for (int c = 0; c < KL; ++c) s[e][c] *= eG;
-            }
-#pragma unroll 4
-            for (int j = 0; j < nbuf; ++j) {
-              float kj[KL];
-              const char* kp = entry_k(j);
-#pragma unroll
-              for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float wu = wg[j] * ldx(ut, p.entry_dtype, j * R + warp * rpw + r0 + e);
-#pragma unroll
-                for (int c = 0; c < KL; ++c) s[e][c] += wu * kj[c];
-              }
-            }
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-#pragma unroll
-              for (int c = 0; c < KL; c += VW)
-                st_vec<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
-                             &s[e][c]);
-          }
-        } else {
-          const int nq = R / 32, ns = 32 / nq;
-          const int ql = lane / ns, ksub = lane - ql * ns;
-          const int c0 = warp * (R / kStreamWarps) + 4 * ql;
-          for (int k = ksub; k < DK; k += ns) {
-            float s[4];
-            ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
-#pragma unroll
-            for (int x = 0; x < 4; ++x) s[x] *= eG;
-#pragma unroll 4
-            for (int j = 0; j < nbuf; ++j) {
-              const float f = wg[j] * ldx(entry_k(j), p.entry_dtype, k);
-              float u4[4];
-              ld_entry<4>(reinterpret_cast<const char*>(ut), p.entry_dtype, j * R + c0, u4);
-#pragma unroll
-              for (int x = 0; x < 4; ++x) s[x] += f * u4[x];
-            }
-            st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
-          }
-          __syncthreads();
-          store_kmajor_tile(st, head, v0);
-        }
+        fold_tile<SD, VM, DK>(st, head, v0, R, dv, row_bytes, eG, nbuf, wg, ut, p.entry_dtype, entry_k);
       }
 
       // 7. The new entry's key and decay (outside a flush: nobody reads that slot this step).

@@ -81,5 +81,132 @@ __device__ __forceinline__ float reduce4(float (&P)[4], int lane) {
   return x;
 }
 
+
+// A K-major tile from shared memory (DK rows of `row_bytes`) back to its rows of the state, 16
+// bytes a thread and consecutive threads along a row. All kStreamThreads threads.
+template <typename SD>
+__device__ __forceinline__ void store_kmajor_tile(const unsigned char* src, char* hd, int v0, int R, int dv,
+                                                  int row_bytes, int DK) {
+  const int c16 = R * static_cast<int>(sizeof(SD)) / 16;
+  for (int i = threadIdx.x; i < DK * c16; i += kStreamThreads) {
+    const int k = i / c16, c = i - k * c16;
+    *reinterpret_cast<int4*>(hd + (static_cast<int64_t>(k) * dv + v0) * static_cast<int>(sizeof(SD)) + 16 * c) =
+        *reinterpret_cast<const int4*>(src + k * row_bytes + 16 * c);
+  }
+}
+
+// Weights of a ring's entries by a suffix scan over their decays gs[0..nbuf) (one warp, blocks
+// of 32 entries, last block first): f(j, w_j) for every entry, w_j = e^{g_{j+1} + ... +
+// g_{nbuf-1}}; returns e^G, G the sum of all decays (every lane).
+template <typename F>
+__device__ __forceinline__ float suffix_weights(const float* gs, int nbuf, int lane, F f) {
+  float carry = 0.f;
+  for (int blk = nbuf > 0 ? ((nbuf - 1) / 32) * 32 : -32; blk >= 0; blk -= 32) {
+    const int jl = blk + lane;
+    float x = jl < nbuf ? gs[jl] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float t = __shfl_down_sync(0xffffffffu, x, o);
+      if (lane + o < 32) x += t;
+    }
+    float excl = __shfl_down_sync(0xffffffffu, x, 1);
+    if (lane == 31) excl = 0.f;
+    if (jl < nbuf) f(jl, expf(carry + excl));
+    carry += __shfl_sync(0xffffffffu, x, 0);
+  }
+  return expf(carry);
+}
+
+// The flush of a tile of R value rows: S' = e^G S + sum_j w_j u_j k_j^T, from the tile in shared
+// memory `st` (rows of `row_bytes`), the tile's ring rows `ut` ([j][R], entry dtype), weights
+// `wg` and keys entry_k(j) (global, L1/L2-resident), written to the state at `head` (V-major
+// rows directly; K-major into `st`, then coalesced). All kStreamThreads threads.
+template <typename SD, bool VM, int DK, typename EntryK>
+__device__ __forceinline__ void fold_tile(unsigned char* st, char* head, int v0, int R, int dv, int row_bytes,
+                                          float eG, int nbuf, const float* wg, const unsigned char* ut,
+                                          int entry_dtype, EntryK entry_k) {
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  auto key = [&](int c) { return (c / VW) * (32 * VW) + lane * VW + c % VW; };
+  if constexpr (VM) {
+    const int rpw = R / kStreamWarps;
+    for (int r0 = 0; r0 < rpw; r0 += 2) {
+      float s[2][KL];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(row + key(c), &s[e][c]);
+#pragma unroll
+        for (int c = 0; c < KL; ++c) s[e][c] *= eG;
+      }
+#pragma unroll 4
+      for (int j = 0; j < nbuf; ++j) {
+        float kj[KL];
+        const char* kp = entry_k(j);
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, entry_dtype, key(c), &kj[c]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float wu = wg[j] * ldx(ut, entry_dtype, j * R + warp * rpw + r0 + e);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) s[e][c] += wu * kj[c];
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int c = 0; c < KL; c += VW)
+          st_vec<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
+                         &s[e][c]);
+    }
+  } else {
+    // lane = (quad, ksub): a quad is 4 value columns, ksub steps over key rows.
+    const int nq = R / 32, ns = 32 / nq;
+    const int ql = lane / ns, ksub = lane - ql * ns;
+    const int c0 = warp * (R / kStreamWarps) + 4 * ql;
+    for (int k = ksub; k < DK; k += ns) {
+      float s[4];
+      ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) s[x] *= eG;
+#pragma unroll 4
+      for (int j = 0; j < nbuf; ++j) {
+        const float f = wg[j] * ldx(entry_k(j), entry_dtype, k);
+        float u4[4];
+        ld_entry<4>(reinterpret_cast<const char*>(ut), entry_dtype, j * R + c0, u4);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) s[x] += f * u4[x];
+      }
+      st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s);
+    }
+    __syncthreads();
+    store_kmajor_tile<SD>(st, head, v0, R, dv, row_bytes, DK);
+  }
+}
+
+// 2T dot products of a warp's vector a (KL values per lane in the key map of `key`) with the
+// rows x of qs (x < T) and ks (x >= T), [T][DK] each in shared memory, four per reduce4: the
+// sums go to out_q[x * stride + idx] and out_k[(x - T) * stride + idx].
+template <int KL, int VW, int DK>
+__device__ __forceinline__ void dots_2t(const float (&a)[KL], const float* qs, const float* ks, int T, int lane,
+                                        float* out_q, float* out_k, int stride, int idx) {
+  for (int x0 = 0; x0 < 2 * T; x0 += 4) {
+    float P[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int x = min(x0 + e, 2 * T - 1);
+      const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
+      float d = 0.f;
+#pragma unroll
+      for (int c = 0; c < KL; ++c) d += a[c] * v[(c / VW) * (32 * VW) + lane * VW + c % VW];
+      P[e] = d;
+    }
+    const float r = reduce4(P, lane);
+    const int x = x0 + (lane >> 3);
+    if ((lane & 7) == 0 && x < 2 * T) (x < T ? out_q + x * stride : out_k + (x - T) * stride)[idx] = r;
+  }
+}
 }  // namespace gdn
 }  // namespace kvr

@@ -102,21 +102,7 @@ __device__ void vprep_body(const StepParams& p) {
 #pragma unroll
       for (int c = 0; c < KL; c += VW) ld_entry<VW>(entry_k(j + kStreamWarps), p.entry_dtype, key(c), &kn[c]);
     }
-    for (int x0 = 0; x0 < 2 * T; x0 += 4) {
-      float P[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = min(x0 + e, 2 * T - 1);
-        const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
-        float d = 0.f;
-#pragma unroll
-        for (int c = 0; c < KL; ++c) d += kj[c] * v[key(c)];
-        P[e] = d;
-      }
-      const float r = reduce4(P, lane);
-      const int x = x0 + (lane >> 3);
-      if ((lane & 7) == 0 && x < 2 * T) pr[(x < T ? x : Tm + x - T) * Lc + j] = r;
-    }
+    dots_2t<KL, VW, DK>(kj, qs, ks, T, lane, pr, pr + Tm * Lc, Lc, j);
   }
 }
 
@@ -286,28 +272,14 @@ __device__ void sverify_body(const StepParams& p) {
   // 3. Warp 0: the entries' weights w_j (suffix scan over the decays) and e^G; the others:
   //    the drafts' coefficients. Every warp: (S q_s)[v], (S k_s)[v] over the tile.
   if (warp == 0) {
-    float carry = 0.f;
-    for (int blk = nbuf > 0 ? ((nbuf - 1) / 32) * 32 : -32; blk >= 0; blk -= 32) {
-      const int jl = blk + lane;
-      float x = jl < nbuf ? gs[jl] : 0.f;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const float t = __shfl_down_sync(0xffffffffu, x, o);
-        if (lane + o < 32) x += t;
+    const float eg = suffix_weights(gs, nbuf, lane, [&](int j, float w) {
+      wg[j] = w;
+      for (int s = 0; s < T; ++s) {
+        aq[s * Lc + j] *= w;
+        ak[s * Lc + j] *= w;
       }
-      float excl = __shfl_down_sync(0xffffffffu, x, 1);
-      if (lane == 31) excl = 0.f;
-      if (jl < nbuf) {
-        const float w = expf(carry + excl);
-        wg[jl] = w;
-        for (int s = 0; s < T; ++s) {
-          aq[s * Lc + jl] *= w;
-          ak[s * Lc + jl] *= w;
-        }
-      }
-      carry += __shfl_sync(0xffffffffu, x, 0);
-    }
-    if (lane == 0) mi[6] = __float_as_int(expf(carry));
+    });
+    if (lane == 0) mi[6] = __float_as_int(eg);
   } else if (tid - 32 < T * T) {
     const int s = (tid - 32) / T, s2 = (tid - 32) % T;
     const float e = expf(gam[s] - gam[s2]);
@@ -321,21 +293,7 @@ __device__ void sverify_body(const StepParams& p) {
       float s_[KL];
 #pragma unroll
       for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(reinterpret_cast<const SD*>(st + row * row_bytes) + key(c), &s_[c]);
-      for (int x0 = 0; x0 < 2 * T; x0 += 4) {
-        float P[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int x = min(x0 + e, 2 * T - 1);
-          const float* v = x < T ? qs + x * DK : ks + (x - T) * DK;
-          float d = 0.f;
-#pragma unroll
-          for (int c = 0; c < KL; ++c) d += s_[c] * v[key(c)];
-          P[e] = d;
-        }
-        const float red = reduce4(P, lane);
-        const int x = x0 + (lane >> 3);
-        if ((lane & 7) == 0 && x < 2 * T) (x < T ? sq + x * R : sk + (x - T) * R)[row] = red;
-      }
+      dots_2t<KL, VW, DK>(s_, qs, ks, T, lane, sq, sk, R, row);
     }
   } else {
     // K-major: lane = (quad, ksub); a quad is 4 value columns, ksub steps over key rows; up
@@ -440,65 +398,7 @@ __device__ void sverify_body(const StepParams& p) {
 
   // 6. A flush writes the tile's state e^G S + sum_j w_j u_j k_j^T back (the drafts' ring
   //    slots may be the oldest entries' slots: their u rows of this tile are in shared memory).
-  if (flush) {
-    if constexpr (VM) {
-      const int rpw = R / kStreamWarps;
-      for (int r0 = 0; r0 < rpw; r0 += 2) {
-        float s_[2][KL];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const SD* row = reinterpret_cast<const SD*>(st + (warp * rpw + r0 + e) * row_bytes);
-#pragma unroll
-          for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(row + key(c), &s_[e][c]);
-#pragma unroll
-          for (int c = 0; c < KL; ++c) s_[e][c] *= eG;
-        }
-        for (int j = 0; j < nbuf; ++j) {
-          float kj[KL];
-          const char* kp = entry_k(j);
-#pragma unroll
-          for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, p.entry_dtype, key(c), &kj[c]);
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float wu = wg[j] * ldx(ut, p.entry_dtype, j * R + warp * rpw + r0 + e);
-#pragma unroll
-            for (int c = 0; c < KL; ++c) s_[e][c] += wu * kj[c];
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-          for (int c = 0; c < KL; c += VW)
-            st_vec<SD, VW>(reinterpret_cast<SD*>(head) + static_cast<int64_t>(v0 + warp * rpw + r0 + e) * DK + key(c),
-                           &s_[e][c]);
-      }
-    } else {
-      const int nq = R / 32, ns = 32 / nq;
-      const int ql = lane / ns, ksub = lane - ql * ns;
-      const int c0 = warp * (R / kStreamWarps) + 4 * ql;
-      for (int k = ksub; k < DK; k += ns) {
-        float s_[4];
-        ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s_);
-#pragma unroll
-        for (int x = 0; x < 4; ++x) s_[x] *= eG;
-        for (int j = 0; j < nbuf; ++j) {
-          const float f = wg[j] * ldx(entry_k(j), p.entry_dtype, k);
-          float u4[4];
-          ld_entry<4>(reinterpret_cast<const char*>(ut), p.entry_dtype, j * R + c0, u4);
-#pragma unroll
-          for (int x = 0; x < 4; ++x) s_[x] += f * u4[x];
-        }
-        st_vec<SD, 4>(reinterpret_cast<SD*>(st + k * row_bytes) + c0, s_);
-      }
-      __syncthreads();
-      const int c16 = R * ES / 16;
-      for (int i = tid; i < DK * c16; i += kStreamThreads) {
-        const int k = i / c16, c = i - k * c16;
-        *reinterpret_cast<int4*>(head + (static_cast<int64_t>(k) * dv + v0) * ES + 16 * c) =
-            *reinterpret_cast<const int4*>(st + k * row_bytes + 16 * c);
-      }
-    }
-  }
+  if (flush) fold_tile<SD, VM, DK>(st, head, v0, R, dv, row_bytes, eG, nbuf, wg, ut, p.entry_dtype, entry_k);
 
   // 7. The drafts' keys and decays (outside a flush: nobody reads those slots this step), and
   //    this CTA's share of the drafts' conv inputs.
