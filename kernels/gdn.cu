@@ -1,4 +1,4 @@
-// Gated DeltaNet replay decoding (src/linear/gdn_cuda.rs; the math is src/linear/math.rs):
+// Gated DeltaNet replay decoding (src/linear/gdn/cuda.rs; the math is src/linear/math.rs):
 //   kvr_gdn_step_<state>_<k|v>_nv<8|16>   verify (T = 1..8) for a batch, an explicit flush, a
 //                                         state export, and decode (T = 1, auto-commit) where
 //                                         neither gdn_stream.cu nor gdn_decode.cu applies

@@ -1,7 +1,7 @@
 // Gated DeltaNet single-token decode, the hot path of replay decoding:
 //   kvr_gdn_decode_<state>_<k|v>_d<dk>   one token per sequence (T = 1, auto-commit) for a
 //                                        batch in replay, recurrent or KV-only mode
-// (src/linear/gdn_cuda.rs picks it for dk in {64, 128, 256}; kernels/gdn.cu handles every
+// (src/linear/gdn/cuda.rs picks it for dk in {64, 128, 256}; kernels/gdn.cu handles every
 // other step, and kvr_gdn_finish runs after this kernel as after the general one.)
 //
 // Decode is a stream over the checkpoint states, so the kernel is shaped for memory-level

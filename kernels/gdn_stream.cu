@@ -1,7 +1,7 @@
 // Gated DeltaNet single-token decode, streaming form:
 //   kvr_gdn_sdecode_<state>_<k|v>_d<dk>   one token per sequence (T = 1, auto-commit) for a
 //                                         batch in replay or recurrent mode, in pools without
-//                                         KV-only mode (src/linear/gdn_cuda.rs picks it per
+//                                         KV-only mode (src/linear/gdn/cuda.rs picks it per
 //                                         layout, mode and batch size: `stream_batches`)
 //
 // Decode is a stream over the checkpoint states, and what limits it is how many state bytes

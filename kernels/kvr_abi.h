@@ -211,7 +211,7 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_NARROW_NV 8
 #define KVR_GDN_MAX_NV 16
 #define KVR_GDN_CHUNK 16           /* buffered entries per shared-memory chunk (step kernel) */
-#define KVR_GDN_MAX_T 8            /* tokens per step (MAX_DRAFTS of src/linear/gdn.rs) */
+#define KVR_GDN_MAX_T 8            /* tokens per step (MAX_DRAFTS of src/linear/replay/config.rs) */
 #define KVR_GDN_MAX_INLINE 512     /* sequence ids in kvr_gdn_step_args */
 #define KVR_GDN_MAX_COMMIT_INLINE 256
 #define KVR_GDN_FINISH_THREADS 128
