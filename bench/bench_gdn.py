@@ -15,7 +15,7 @@ q/k/v/beta, fp32 g, L2-normalized q and k in the kernel. On the same inputs:
   kv-only  decode of short sequences (context 8..120) with no state vs the recurrent mode.
   memory   bytes per sequence and layer: T snapshots vs a ring.
 
-Method (DESIGN.md section 4): every implementation runs under CUDA Graph replay (no host
+Method (BENCHMARKS.md): every implementation runs under CUDA Graph replay (no host
 launch overhead); states rotate over sets larger than 4x L2 (each set is a layer of our
 pool and a separate state tensor for fla), as the other layers of a model would evict them.
 Bandwidth counts the bytes each implementation must move (below), against a read+write

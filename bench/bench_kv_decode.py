@@ -8,7 +8,7 @@ Compares, on the same data: kvreplay paged (page 16), kvreplay over a contiguous
 batch; and a capacity table. Bandwidth counts the K and V bytes each call must read, against
 a read-only streaming ceiling measured in the same run (torch.sum over 2 GiB).
 
-Method (DESIGN.md section 4): outputs checked against SDPA before timing; inputs rotate over
+Method (BENCHMARKS.md): outputs checked against SDPA before timing; inputs rotate over
 sets larger than 4x L2 (cold cache); warm-up, then the median of many calls; times are taken
 both per call with CUDA events ("eager") and under CUDA Graph replay ("graph", the headline
 number: no host launch overhead).

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmark drivers (DESIGN.md section 4): CUDA-event and
+"""Timing helpers shared by the benchmark drivers (the method in BENCHMARKS.md): CUDA-event and
 CUDA-Graph timings, and the streaming bandwidth ceilings measured in the same run."""
 
 import torch

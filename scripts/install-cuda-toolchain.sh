@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the pinned CUDA 13.0 compiler (nvcc + nvvm + headers) from PyPI into
 # .cuda-toolchain/ at the repository root (git-ignored). No GPU is needed.
-# The set is pinned to the device machine's CUDA 13.0 (DESIGN.md §5): a newer
+# The set is pinned to the device machine's CUDA 13.0 (its driver runs 13.0 code): a newer
 # nvvm emits PTX that this ptxas and the 580 driver reject.
 # Prints the path of nvcc on its last line.
 set -euo pipefail
