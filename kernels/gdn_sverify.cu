@@ -138,7 +138,10 @@ __device__ void sverify_body(const StepParams& p) {
   float* bt = gt + T;
   int* mi = reinterpret_cast<int*>(sm + lay.ints);
   const int Lc = L > 0 ? L : 1;
-  const int row_bytes = VM ? DK * ES : R * ES + 16;
+  // Tile rows padded by 16 bytes (V-major too: the tensor-core fragments of 8 rows then hit
+  // different banks); q and k rows padded by 4 floats likewise.
+  const int row_bytes = VM ? DK * ES + 16 : R * ES + 16;
+  constexpr int QS = DK + 4;
   auto key = [&](int c) { return (c / VW) * (32 * VW) + lane * VW + c % VW; };
 
   const int it = blockIdx.x;
@@ -167,11 +170,10 @@ __device__ void sverify_body(const StepParams& p) {
   __syncthreads();
   if (warp == 0) {
     if constexpr (VM) {
-      if (lane == 0) {
-        const uint32_t bytes = R * DK * ES;
-        mbar_expect_tx(&bar, bytes);
-        bulk_copy(st, head + static_cast<int64_t>(v0) * DK * ES, bytes, &bar);
-      }
+      if (lane == 0) mbar_expect_tx(&bar, R * DK * ES);
+      __syncwarp();
+      for (int r = lane; r < R; r += 32)
+        bulk_copy(st + r * row_bytes, head + static_cast<int64_t>(v0 + r) * DK * ES, DK * ES, &bar);
     } else {
       if (lane == 0) mbar_expect_tx(&bar, DK * R * ES);
       __syncwarp();
@@ -182,8 +184,11 @@ __device__ void sverify_body(const StepParams& p) {
 #else
   if constexpr (VM) {
     const char* src = head + static_cast<int64_t>(v0) * DK * ES;
-    const int n16 = R * DK * ES / 16;
-    for (int i = tid; i < n16; i += kStreamThreads) cp_async_16(st + 16 * i, src + 16 * i, 16);
+    const int c16 = DK * ES / 16;
+    for (int i = tid; i < R * c16; i += kStreamThreads) {
+      const int r = i / c16, c = i - r * c16;
+      cp_async_16(st + r * row_bytes + 16 * c, src + static_cast<int64_t>(r) * DK * ES + 16 * c, 16);
+    }
   } else {
     const int c16 = R * ES / 16;
     for (int i = tid; i < DK * c16; i += kStreamThreads) {
@@ -247,8 +252,8 @@ __device__ void sverify_body(const StepParams& p) {
     const float* cc = pr + 2 * Tm * Lc;
     for (int i = tid; i < T * DK / 4; i += kStreamThreads) {
       const int s = i / (DK / 4), c = i - s * (DK / 4);
-      reinterpret_cast<float4*>(qs)[i] = __ldcg(reinterpret_cast<const float4*>(sc + s * DK) + c);
-      reinterpret_cast<float4*>(ks)[i] = __ldcg(reinterpret_cast<const float4*>(sc + (Tm + s) * DK) + c);
+      reinterpret_cast<float4*>(qs + s * QS)[c] = __ldcg(reinterpret_cast<const float4*>(sc + s * DK) + c);
+      reinterpret_cast<float4*>(ks + s * QS)[c] = __ldcg(reinterpret_cast<const float4*>(sc + (Tm + s) * DK) + c);
     }
     for (int i = tid; i < T * nbuf; i += kStreamThreads) {
       const int s = i / nbuf, j = i - s * nbuf;
@@ -286,49 +291,35 @@ __device__ void sverify_body(const StepParams& p) {
     if (s2 < s) cA[s * T + s2] *= bt[s] * e;
     if (s2 <= s) cB[s * T + s2] *= e;
   }
-  if constexpr (VM) {
-    const int rpw = R / kStreamWarps;
-    for (int r = 0; r < rpw; ++r) {
-      const int row = warp * rpw + r;
-      float s_[KL];
-#pragma unroll
-      for (int c = 0; c < KL; c += VW) ld_vec<SD, VW>(reinterpret_cast<const SD*>(st + row * row_bytes) + key(c), &s_[c]);
-      dots_2t<KL, VW, DK>(s_, qs, ks, T, lane, sq, sk, R, row);
-    }
-  } else {
-    // K-major: lane = (quad, ksub); a quad is 4 value columns, ksub steps over key rows; up
-    // to 2 drafts per pass (q and k of each: 16 accumulators).
-    const int nq = R / 32, ns = 32 / nq;
-    const int ql = lane / ns, ksub = lane - ql * ns;
-    const int c0 = warp * (R / kStreamWarps) + 4 * ql;
-    for (int s0 = 0; s0 < T; s0 += 2) {
-      const int s1 = min(s0 + 1, T - 1);
-      float acc[4][4] = {};
-      for (int k = ksub; k < DK; k += ns) {
-        float s_[4];
-        ld_vec<SD, 4>(reinterpret_cast<const SD*>(st + k * row_bytes) + c0, s_);
-        const float x0 = qs[s0 * DK + k], x1 = ks[s0 * DK + k], x2 = qs[s1 * DK + k], x3 = ks[s1 * DK + k];
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          acc[0][x] += s_[x] * x0;
-          acc[1][x] += s_[x] * x1;
-          acc[2][x] += s_[x] * x2;
-          acc[3][x] += s_[x] * x3;
-        }
+  {
+    // [R x DK] tile times [DK x 2T] (q_0..q_{T-1}, k_0..k_{T-1}) on tensor cores: m16n8k8 TF32
+    // with the operands split into high and low TF32 parts (f32 accuracy), a warp per 16 x 8
+    // output tile. S[m][k] is row m of a V-major tile, column m of a K-major one.
+    const int g = lane >> 2, t4 = lane & 3;
+    const int mtiles = R / 16, ntiles = (2 * T + 7) / 8;
+    auto S = [&](int m, int k) {
+      return to_float(*reinterpret_cast<const SD*>(st + (VM ? m * row_bytes + k * ES : k * row_bytes + m * ES)));
+    };
+    for (int tl = warp; tl < mtiles * ntiles; tl += kStreamWarps) {
+      const int m0 = (tl % mtiles) * 16, n0 = (tl / mtiles) * 8;
+      const int n = n0 + g;
+      const float* xr = n < T ? qs + n * QS : ks + (n < 2 * T ? n - T : 0) * QS;
+      const float xm = n < 2 * T ? 1.f : 0.f;
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int kk = 0; kk < DK; kk += 8) {
+        const float av[4] = {S(m0 + g, kk + t4), S(m0 + g + 8, kk + t4), S(m0 + g, kk + t4 + 4),
+                             S(m0 + g + 8, kk + t4 + 4)};
+        const float bv[2] = {xm * xr[kk + t4], xm * xr[kk + t4 + 4]};
+        mma_3xtf32(c, av, bv);
       }
-      for (int m = 1; m < ns; m <<= 1)
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int x = 0; x < 4; ++x) acc[a][x] += __shfl_xor_sync(0xffffffffu, acc[a][x], m);
-      if (ksub == 0) {
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          sq[s0 * R + c0 + x] = acc[0][x];
-          sk[s0 * R + c0 + x] = acc[1][x];
-          sq[s1 * R + c0 + x] = acc[2][x];
-          sk[s1 * R + c0 + x] = acc[3][x];
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + g + (e >= 2 ? 8 : 0), col = n0 + 2 * t4 + (e & 1);
+        if (col < T)
+          sq[col * R + row] = c[e];
+        else if (col < 2 * T)
+          sk[(col - T) * R + row] = c[e];
       }
     }
   }
@@ -407,7 +398,7 @@ __device__ void sverify_body(const StepParams& p) {
       for (int i = tid; i < T * DK; i += kStreamThreads) {
         const int s = i / DK, c = i - s * DK;
         char* kd = p.ring_k + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.hk + kh) * DK * ee;
-        stx(kd, p.entry_dtype, c, ks[i]);
+        stx(kd, p.entry_dtype, c, ks[s * QS + c]);
       }
     }
     if (tid < T) p.ring_g[(static_cast<int64_t>(seq) * Lc + (base + tid) % Lc) * p.hv + h] = gt[tid];

@@ -383,8 +383,8 @@ KVR_ABI_FN struct kvr_gdn_stream_smem kvr_gdn_stream_smem_layout(int32_t vmajor,
 }
 
 /* Dynamic shared memory of the streaming verify kernel (gdn_sverify.cu), bytes: the state
- * tile (as the stream kernel's), the ring's u rows of the tile [l][r] (entry dtype), then
- * floats qs, ks [t][dk]; sq, sk, vt [t][r]; aq, ak [t][max(l, 1)]; wg, gs [max(l, 1)]; the
+ * tile (rows padded by 16 bytes in both layouts), the ring's u rows of the tile [l][r] (entry
+ * dtype), then floats qs, ks [t][dk + 4]; sq, sk, vt [t][r]; aq, ak [t][max(l, 1)]; wg, gs [max(l, 1)]; the
  * drafts' coefficients [2][t][t] and gam, g, beta [t]; then 32 int words. */
 struct kvr_gdn_verify_smem {
   int32_t ut, qs, ks, sq, sk, vt, aq, ak, wg, gs, co, ints, total;
@@ -395,10 +395,10 @@ KVR_ABI_FN struct kvr_gdn_verify_smem kvr_gdn_verify_smem_layout(int32_t vmajor,
                                                                  int32_t t) {
   struct kvr_gdn_verify_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const int32_t lc = l > 0 ? l : 1;
-  s.ut = kvr_align16(vmajor ? r * dk * es : dk * (r * es + 16));
+  s.ut = kvr_align16(vmajor ? r * (dk * es + 16) : dk * (r * es + 16));
   s.qs = s.ut + kvr_align16(l * r * ee);
-  s.ks = s.qs + 4 * t * dk;
-  s.sq = s.ks + 4 * t * dk;
+  s.ks = s.qs + 4 * t * (dk + 4);
+  s.sq = s.ks + 4 * t * (dk + 4);
   s.sk = s.sq + 4 * t * r;
   s.vt = s.sk + 4 * t * r;
   s.aq = s.vt + 4 * t * r;

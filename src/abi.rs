@@ -459,8 +459,8 @@ pub(crate) fn gdn_stream_smem_bytes(
 }
 
 /// Dynamic shared memory of one streaming verify CTA at `t` drafts
-/// (`kvr_gdn_verify_smem_layout`, kernels/gdn_sverify.cu): the state tile, the tile's ring
-/// rows, then qs, ks [t][dk]; sq, sk, vt [t][rows]; aq, ak [t][L]; wg, gs [L]; two [t][t]
+/// (`kvr_gdn_verify_smem_layout`, kernels/gdn_sverify.cu): the state tile (padded rows), the
+/// tile's ring rows, then qs, ks [t][dk + 4]; sq, sk, vt [t][rows]; aq, ak [t][L]; wg, gs [L]; two [t][t]
 /// coefficient blocks and 3 [t]; 32 words.
 pub(crate) fn gdn_verify_smem_bytes(
     vmajor: bool,
@@ -473,14 +473,14 @@ pub(crate) fn gdn_verify_smem_bytes(
 ) -> usize {
     let align16 = |x: usize| x.div_ceil(16) * 16;
     let st = if vmajor {
-        rows * dk * state_es
+        rows * (dk * state_es + 16)
     } else {
         dk * (rows * state_es + 16)
     };
     let l = ring_len.max(1);
     align16(st)
         + align16(ring_len * rows * entry_es)
-        + 4 * (2 * t * dk + 3 * t * rows + 2 * t * l + 2 * l + 2 * t * t + 3 * t)
+        + 4 * (2 * t * (dk + 4) + 3 * t * rows + 2 * t * l + 2 * l + 2 * t * t + 3 * t)
         + 4 * 32
 }
 
