@@ -14,9 +14,16 @@
  * boundary). Out-parameters are written only on success, and a failed call leaves every
  * object as it was, except after KVR_STATUS_CUDA_ERROR (queued work may be half done).
  * Parameter structs start with uint32_t struct_size and are filled by their
- * kvr_*_params_default function. Handles are opaque: a freed or foreign handle gives
- * KVR_STATUS_INVALID_ARG; kvr_*_free(NULL) is a no-op and kvr_*_free of a dead handle is
- * ignored (and recorded); freeing a pool frees its sequences; a pool keeps its context alive.
+ * kvr_*_params_default function; a struct_size larger than this library's struct (a newer
+ * header) is accepted when every byte past it is zero (clear such a struct, padding
+ * included, before filling it), and refused with KVR_STATUS_INVALID_ARG otherwise (a field
+ * this library cannot honour). A layer argument outside the pool (negative, other than
+ * KVR_LAYER_ALL where a call takes it, or past the last layer) is KVR_STATUS_OUT_OF_RANGE
+ * in every call. Every float conversion that loses precision (to f16 or bf16: copies, pool
+ * writes, state import and export, ring entries, conv windows, outputs) rounds to nearest
+ * even. Handles are opaque: a freed or foreign handle gives KVR_STATUS_INVALID_ARG;
+ * kvr_*_free(NULL) is a no-op and kvr_*_free of a dead handle is ignored (and recorded);
+ * freeing a pool frees its sequences; a pool keeps its context alive.
  * SPDX-License-Identifier: MIT OR Apache-2.0
  */
 
@@ -226,7 +233,10 @@ typedef struct kvr_gdn_pool_params {
      */
     int32_t n_k_heads;
     /**
-     * Value heads Hv (required, a multiple of Hk).
+     * Value heads Hv (required, a multiple of Hk). Value head h reads q and k of key head
+     * h / (Hv / Hk): consecutive value heads share a key head, as `repeat_interleave` of q
+     * and k gives (Qwen3-Next); q/k tiled the other way (key head h % Hk) must be
+     * reordered first.
      */
     int32_t n_v_heads;
     /**
@@ -243,8 +253,14 @@ typedef struct kvr_gdn_pool_params {
      */
     int32_t ring_len;
     /**
-     * Sequences of at most this many tokens keep no state (KV-only);
-     * `KVR_GDN_THRESHOLD_DEFAULT` (default) = min(dk, capacity), `KVR_GDN_THRESHOLD_OFF` = off.
+     * KV-only mode for short sequences: a new sequence keeps no state, only its entries,
+     * until its state is materialized (for good) before a decode that would take it past
+     * this many tokens, before a verify of T drafts when its length + 2T exceeds this
+     * (whatever is accepted later: a verify can end KV-only mode at fewer tokens), or by
+     * an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) =
+     * min(dk, the entries one head's state memory holds) for a replay pool and 0 (off)
+     * for a recurrent pool (`ring_len` 0 has no KV-only mode: a value > 0 there is
+     * `KVR_STATUS_INVALID_ARG`); `KVR_GDN_THRESHOLD_OFF` = off.
      */
     kvr_gdn_threshold kv_only_threshold;
     /**
@@ -423,6 +439,8 @@ typedef struct kvr_gdn_step_params {
 /**
  * The `layer` argument of calls that can cover every layer at once (`kvr_kv_pool_write`,
  * `kvr_gdn_pool_commit`, `kvr_gdn_pool_flush`): a layer index >= 0, or `KVR_LAYER_ALL`.
+ * In these and in every call that takes one layer (`int32_t layer`), any other negative
+ * value or an index past the pool's last layer is `KVR_STATUS_OUT_OF_RANGE`.
  */
 typedef int32_t kvr_layer_select;
 
@@ -835,8 +853,9 @@ typedef struct kvr_model_sizing {
      */
     int64_t paged_kv_bytes_per_seq;
     /**
-     * Contiguous KV bytes per sequence (the context length, or `seq_len` if longer, plus
-     * the speculative window).
+     * Contiguous KV bytes per sequence: (max(context length, `seq_len`) + `spec_window`) *
+     * `kv_bytes_per_token` (the speculative window's draft tokens are reserved on top of
+     * the model's whole context).
      */
     int64_t contiguous_kv_bytes_per_seq;
     /**
@@ -983,8 +1002,8 @@ typedef int32_t kvr_model_layout;
 #define KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS ((kvr_model_layout)1)
 
 /**
- * Contiguous KV (the model's context, or `seq_len` if longer, reserved per sequence) + GDN
- * ring.
+ * Contiguous KV (the model's context, or `seq_len` if longer, plus the speculative window,
+ * reserved per sequence) + GDN ring.
  */
 #define KVR_MODEL_LAYOUT_CONTIGUOUS_RING ((kvr_model_layout)2)
 
@@ -1004,8 +1023,9 @@ typedef int32_t kvr_model_layout;
 #define KVR_STATUS_NULL_ARG ((kvr_status)-1)
 
 /**
- * An argument is malformed: unknown enum value, struct_size too small, bad shape or
- * strides, a handle that is not a live object of the expected kind.
+ * An argument is malformed: unknown enum value, struct_size too small (or larger than
+ * this library's struct with a non-zero byte past it), bad shape or strides, a handle
+ * that is not a live object of the expected kind.
  */
 #define KVR_STATUS_INVALID_ARG ((kvr_status)-2)
 
@@ -1124,11 +1144,11 @@ KVR_NODISCARD kvr_status kvr_context_params_default(struct kvr_context_params *p
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`out` is NULL);
  * `KVR_STATUS_INVALID_ARG` (an unknown backend, a negative device or thread count, a
- * `struct_size` smaller than the first published layout, a stream that is not of the
- * device's primary context); `KVR_STATUS_CUDA_UNAVAILABLE` (CUDA requested and no driver
- * library, no such device or too old a driver); `KVR_STATUS_NOT_COMPILED` (CUDA requested
- * from a library built without kernels); `KVR_STATUS_CUDA_ERROR` /
- * `KVR_STATUS_OUT_OF_MEMORY` (setup failed).
+ * `struct_size` smaller than the first published layout or larger with a non-zero byte
+ * past this library's struct, a stream that is not of the device's primary context);
+ * `KVR_STATUS_CUDA_UNAVAILABLE` (CUDA requested and no driver library, no such device or
+ * too old a driver); `KVR_STATUS_NOT_COMPILED` (CUDA requested from a library built
+ * without kernels); `KVR_STATUS_CUDA_ERROR` / `KVR_STATUS_OUT_OF_MEMORY` (setup failed).
  * Ownership: the caller owns the new context and frees it with `kvr_context_free`.
  * `params` is copied; a stream given in it stays the caller's and must outlive the
  * context.
@@ -1240,8 +1260,10 @@ KVR_NODISCARD kvr_status kvr_gdn_pool_params_default(struct kvr_gdn_pool_params 
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`);
  * `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
- * max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
- * (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+ * max_drafts, a KV-only threshold > 0 with ring_len 0, unknown layout or dtype,
+ * `struct_size` too small, or larger with a non-zero byte past this library's struct);
+ * `KVR_STATUS_OUT_OF_RANGE` (max_drafts > 8, threshold above the KV-only capacity, sizes
+ * that overflow);
  * `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
  * `KVR_STATUS_UNSUPPORTED` (CUDA: head dims outside {32, 64, 128, 256});
  * `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_CUDA_ERROR`.
@@ -1280,8 +1302,10 @@ void kvr_gdn_pool_free(struct kvr_gdn_pool *pool);
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `params` or `out`);
  * `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
- * max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
- * (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+ * max_drafts, a KV-only threshold > 0 with ring_len 0, unknown layout or dtype,
+ * `struct_size` too small, or larger with a non-zero byte past this library's struct);
+ * `KVR_STATUS_OUT_OF_RANGE` (max_drafts > 8, threshold above the KV-only capacity, sizes
+ * that overflow);
  * `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
  * `KVR_STATUS_INVALID_ARG` also for `out->struct_size` too small.
  * Ownership: `params` is read during the call; `*out` is the caller's.
@@ -1363,8 +1387,8 @@ kvr_status kvr_gdn_pool_seq_reset(struct kvr_gdn_pool *pool,
  * own stream (work queued on another stream must be finished or ordered before it by the
  * caller) and copies from the device: for diagnostics and tests, not the decode loop.
  *
- * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`;
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_OUT_OF_RANGE` (layer negative or past the pool's); `KVR_STATUS_UNKNOWN_ID`;
  * `KVR_STATUS_CUDA_ERROR`.
  * Ownership: `*out` is the caller's.
  * Thread safety: thread-safe.
@@ -1380,13 +1404,15 @@ kvr_status kvr_gdn_pool_get_cursor(const struct kvr_gdn_pool *pool,
  * Replaces a sequence's state in `layer` by `state` (the host's prefill result: shape
  * `[Hv, dk, dv]` for K-major pools or `[Hv, dv, dk]` for V-major, any float dtype, any
  * strides, in the context's memory) and, if `conv` is not NULL, its conv window
- * (`[conv_kernel - 1, conv_dim]`, oldest first). The ring empties and the sequence leaves
- * KV-only mode. On CUDA the copy is queued on `stream`.
+ * (`[conv_kernel - 1, conv_dim]`, oldest first), both converted to the pool's dtypes
+ * (round to nearest even). The ring empties and the sequence leaves KV-only mode. On CUDA
+ * the copy is queued on `stream`.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle or `state`);
- * `KVR_STATUS_INVALID_ARG` (handle, shape, memory kind, negative layer, pending drafts);
- * `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
- * `KVR_STATUS_CUDA_ERROR`.
+ * `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kind, `conv` given to a pool without
+ * conv windows, pending drafts in `layer`); `KVR_STATUS_OUT_OF_RANGE` (layer negative or
+ * past the pool's); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (a tensor that is
+ * not f32, f16 or bf16); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: `state`, `conv` and `stream` stay the caller's; device memory must stay valid
  * until the queued copy has run.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -1405,12 +1431,17 @@ kvr_status kvr_gdn_pool_import_state(struct kvr_gdn_pool *pool,
 /**
  * Writes a sequence's current state in `layer` (materialized from the checkpoint and the
  * ring, or from the KV-only entries) into `out` (shape as for import, any float dtype, in
- * the context's memory) and, if `conv_out` is not NULL, its conv window. The pool does not
- * change. On CUDA the work is queued on `stream`.
+ * the context's memory) and, if `conv_out` is not NULL, its conv window (converted to the
+ * tensors' dtypes, round to nearest even). Neither may hold two elements at one address.
+ * A sequence with verified drafts awaiting commit in `layer` has no single current state:
+ * commit first. The pool does not change. On CUDA the work is queued on `stream`.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * shape, memory kind, negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer);
- * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * shapes, memory kind, overlapping `out` or `conv_out` (a stride of 0), `conv_out` given
+ * to a pool without conv windows, pending drafts in `layer`); `KVR_STATUS_OUT_OF_RANGE`
+ * (layer negative or past the pool's); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH` (a tensor that is not f32, f16 or bf16);
+ * `KVR_STATUS_CUDA_ERROR`.
  * Ownership: `out`, `conv_out` and `stream` stay the caller's.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
  * calls on one pool must be ordered by the caller (one stream, or events).
@@ -1442,18 +1473,24 @@ KVR_NODISCARD kvr_status kvr_gdn_step_params_default(struct kvr_gdn_step_params 
  * zeros; device ids must be distinct and live, and discard any uncommitted drafts). q, k:
  * `[B, Hk, dk]` (or `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta
  * (post-sigmoid): `[B, Hv]`; conv_in (required when the pool keeps conv windows, else
- * NULL): `[B, conv_dim]`. Float dtypes f32/f16/bf16 (each tensor its own); on CUDA the
- * last dimension of q, k, v, out must be contiguous. `params` may be NULL for the
- * defaults. The output comes from the checkpoint and the ring; the state is written only
- * for sequences whose ring is full (decided on the device) or that leave KV-only mode.
+ * NULL): `[B, conv_dim]`. Value head h uses key head h / (Hv / Hk). Float dtypes
+ * f32/f16/bf16 (each tensor its own; k, v and the decay are stored in the ring as the
+ * pool's `entry_dtype`, round to nearest even); `out` must not hold two elements at one
+ * address; on CUDA the last dimension of q, k, v, out must be contiguous. `params` may be
+ * NULL for the defaults. A sequence with verified drafts awaiting commit in `layer` is
+ * refused (host ids). The output comes from the checkpoint and the ring; the state is
+ * written only for sequences whose ring is full (decided on the device) or that leave
+ * KV-only mode (see `kvr_gdn_pool_params.kv_only_threshold`).
  * CUDA: queued on `stream`; never synchronizes or allocates, and capturable in a CUDA
  * Graph (host ids travel in the launch parameters, 512 rows per launch).
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
  * the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
- * strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
- * windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch); `KVR_STATUS_UNKNOWN_ID`;
- * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * strides, overlapping `out`, a non-finite scale, pending drafts, `conv_in` given to a
+ * pool without conv windows, `params->struct_size` too small or larger with a non-zero
+ * byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE` (layer negative or past the
+ * pool's, batch above max_seqs); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (ids
+ * not i32, a float tensor of another type); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
  * valid until the queued launch has run.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -1479,19 +1516,24 @@ kvr_status kvr_gdn_pool_decode(struct kvr_gdn_pool *pool,
 /**
  * T draft tokens per sequence (1..=max_drafts, <= ring_len) in one launch: outputs for
  * every draft without any per-draft state (recurrent pools: one snapshot per draft). The
- * drafts stay pending until `kvr_gdn_pool_commit`; a sequence whose ring cannot take 2T
- * more entries flushes first.
+ * drafts stay pending until `kvr_gdn_pool_commit`, and a second verify (or a decode,
+ * export or flush) of a sequence in that layer before the commit is refused. A sequence
+ * whose ring cannot take 2T more entries flushes first; a KV-only sequence whose length +
+ * 2T exceeds the threshold gets its state first (see `kv_only_threshold`).
  *
  * Tensors as for `kvr_gdn_pool_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
  * `[B, T, Hv, dv]`; g, beta `[B, T, Hv]`; conv_in `[B, T, conv_dim]`. `seq_ids` must be in
- * host memory. CUDA: queued on `stream`, never synchronizes or allocates.
+ * host memory. `params` may be NULL for the defaults. CUDA: queued on `stream`, never
+ * synchronizes or allocates.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
  * the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
- * strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
- * windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch, T); `KVR_STATUS_UNSUPPORTED`
- * (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
- * `KVR_STATUS_CUDA_ERROR`.
+ * strides, overlapping `out`, a non-finite scale, pending drafts, `conv_in` given to a
+ * pool without conv windows, `params->struct_size` too small or larger with a non-zero
+ * byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE` (layer negative or past the
+ * pool's, batch above max_seqs, T outside 1..=max_drafts); `KVR_STATUS_UNSUPPORTED`
+ * (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (ids
+ * not i32, a float tensor of another type); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: as for `kvr_gdn_pool_decode`.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
  * calls on one pool must be ordered by the caller (one stream, or events).
@@ -1519,14 +1561,19 @@ kvr_status kvr_gdn_pool_verify(struct kvr_gdn_pool *pool,
  * verify put them; the rest vanish; recurrent pools adopt the last accepted draft's
  * snapshot. `accepted` is i32 `[B]` in host memory (checked: 0..=T) or device memory
  * (clamped to 0..=T on the device; the host never waits). `seq_ids` is host i32 `[B]`.
- * With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, one layer only), the conv window of
- * each accepted prefix is written there: the conv state the host's next step needs. CUDA:
- * queued on `stream`, never synchronizes or allocates.
+ * With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, any float dtype, no two elements at
+ * one address, one layer only), the conv window of each accepted prefix is written there:
+ * the conv state the host's next step needs. CUDA: queued on `stream`, never synchronizes
+ * or allocates.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, no
- * verified drafts, shapes, `conv_state` with `KVR_LAYER_ALL`); `KVR_STATUS_OUT_OF_RANGE`
- * (layer, host counts above T); `KVR_STATUS_UNSUPPORTED` (`seq_ids` in device memory);
- * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * verified drafts, shapes (`seq_ids` not 1-D, `accepted` not `[B]`, `conv_state`),
+ * overlapping `conv_state`, `conv_state` with `KVR_LAYER_ALL` or for a pool without conv
+ * windows, `accepted` in device memory of a CPU pool); `KVR_STATUS_OUT_OF_RANGE` (layer
+ * negative other than `KVR_LAYER_ALL` or past the pool's, host counts below 0 or above
+ * T); `KVR_STATUS_UNSUPPORTED` (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH` (`seq_ids` or `accepted` not i32, `conv_state` not f32, f16
+ * or bf16); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: all tensors and `stream` stay the caller's; device memory must stay valid
  * until the queued launch has run.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -1550,9 +1597,10 @@ kvr_status kvr_gdn_pool_commit(struct kvr_gdn_pool *pool,
  * on `stream`.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * shape, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNSUPPORTED`
- * (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
- * `KVR_STATUS_CUDA_ERROR`.
+ * `seq_ids` not 1-D, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer negative other
+ * than `KVR_LAYER_ALL` or past the pool's, batch above max_seqs); `KVR_STATUS_UNSUPPORTED`
+ * (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`
+ * (`seq_ids` not i32); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: `seq_ids` and `stream` stay the caller's.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
  * calls on one pool must be ordered by the caller (one stream, or events).
@@ -1595,8 +1643,9 @@ KVR_NODISCARD kvr_status kvr_kv_pool_params_default(struct kvr_kv_pool_params *p
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`, or a
  * NULL pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
- * neither capacity set, `struct_size` too small, overlapping or misaligned external
- * strides, not a live context); `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
+ * neither capacity set, `struct_size` too small or larger with a non-zero byte past this
+ * library's struct, overlapping or misaligned external strides, not a live context);
+ * `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
  * `KVR_STATUS_OUT_OF_RANGE` (sizes past the 32-bit device indices, a budget smaller than a
  * page); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_UNSUPPORTED` (CUDA shared memory too
  * small); `KVR_STATUS_CUDA_ERROR`.
@@ -1763,16 +1812,18 @@ kvr_status kvr_kv_pool_extend(struct kvr_kv_pool *pool,
  * layer (`layer` >= 0, `k`/`v` shaped `[tokens, n_kv_heads, head_dim]`) or all layers
  * (`layer = KVR_LAYER_ALL`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
  * the sequences' new tokens in list order (`tokens = sum(counts)`). `k` and `v` may be in
- * host memory or (CUDA) device memory, any float dtype (converted to the pool's) and any
- * strides. The positions must not be in a page shared with another sequence (extend
- * first). CUDA: the copy is queued on `stream`; K/V in host memory are first copied into
- * stream-ordered device memory (`cuMemAllocAsync`, freed on `stream` after the copy) and
- * read before the call returns, so that form allocates and cannot be captured in a CUDA
- * Graph (pass device memory there).
+ * host memory or (CUDA) device memory, any float dtype (converted to the pool's, round to
+ * nearest even) and any strides. The positions must not be in a page shared with another
+ * sequence (extend first). CUDA: the copy is queued on `stream`; K/V in host memory are
+ * first copied into stream-ordered device memory (`cuMemAllocAsync`, freed on `stream`
+ * after the copy) and read before the call returns, so that form allocates and cannot be
+ * captured in a CUDA Graph (pass device memory there).
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * shapes, shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
- * `KVR_STATUS_OUT_OF_RANGE` (layer, count past a length); `KVR_STATUS_DTYPE_MISMATCH`;
+ * shapes, negative `n` or count, a sequence listed twice, shared page, CUDA memory in a
+ * CPU pool); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (layer negative other than
+ * `KVR_LAYER_ALL` or past the pool's, count past a length, more sequences than one write
+ * takes); `KVR_STATUS_DTYPE_MISMATCH` (K/V not f32, f16 or bf16);
  * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
  * Ownership: `k`, `v`, `seqs`, `counts` and `stream` stay the caller's; device-memory
  * `k`/`v` must stay valid until the queued copy has run.
@@ -1792,15 +1843,15 @@ kvr_status kvr_kv_pool_write(struct kvr_kv_pool *pool,
                              void *stream);
 
 /**
- * Appends tokens to `seq` for all layers: `k`/`v` shaped
- * `[n_layers, n, n_kv_heads, head_dim]` (n new tokens; host or device memory, any float
- * dtype and strides). Equal to `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all
- * layers (host K/V allocate as there).
+ * Appends tokens to `seq` for all layers: `k`/`v` shaped `[n_layers, n, n_kv_heads,
+ * head_dim]` (n new tokens; host or device memory, any float dtype, converted to the
+ * pool's with round to nearest even, and any strides). Equal to `kvr_kv_pool_extend` by n
+ * plus `kvr_kv_pool_write` of all layers (host K/V allocate as there).
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
  * shapes, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`
- * (past `max_seq_len`); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_POOL_EXHAUSTED`;
- * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+ * (past `max_seq_len`); `KVR_STATUS_DTYPE_MISMATCH` (K/V not f32, f16 or bf16);
+ * `KVR_STATUS_POOL_EXHAUSTED`; `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
  * Ownership: as for `kvr_kv_pool_write`.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
  * calls on one pool must be ordered by the caller (one stream, or events).
@@ -1877,11 +1928,14 @@ KVR_NODISCARD kvr_status kvr_kv_decode_params_default(struct kvr_kv_decode_param
  * between replays).
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * shapes, memory kinds, strides, negative `window` or `max_ctas`);
- * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID` (an id in host `seq_ids` that is
- * not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8, group > 16, a sequence shorter than
- * T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or a head dim without a kernel on
- * CUDA); `KVR_STATUS_CUDA_ERROR`.
+ * shapes, memory kinds, strides, overlapping `out` or `lse`, an id listed twice, negative
+ * `window` or `max_ctas`, a scale or softcap out of range, `params->struct_size` too small
+ * or larger with a non-zero byte past this library's struct); `KVR_STATUS_DTYPE_MISMATCH`
+ * (ids not i32, q/out not f32, f16 or bf16, lse not f32); `KVR_STATUS_UNKNOWN_ID` (an id
+ * in host `seq_ids` that is not live); `KVR_STATUS_OUT_OF_RANGE` (layer negative or past
+ * the pool's, T > 8, group > 16, a sequence shorter than T, B > max_seqs);
+ * `KVR_STATUS_UNSUPPORTED` (f32 KV or a head dim without a kernel on CUDA);
+ * `KVR_STATUS_CUDA_ERROR`.
  * Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
  * valid until the queued launch has run.
  * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -2021,7 +2075,8 @@ KVR_NODISCARD kvr_status kvr_model_sizing_params_default(struct kvr_model_sizing
  * that fit, for each `kvr_model_layout`. Set `out->struct_size` first.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+ * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
  * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
  * do not store).
  * Ownership: `params` is read during the call; `*out` is the caller's.
@@ -2039,7 +2094,8 @@ kvr_status kvr_model_compute_sizing(const struct kvr_model *model,
  * dtype, capacity and sequence slots.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+ * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
  * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
  * do not store); `KVR_STATUS_UNSUPPORTED` (no attention layers, layers of different
  * shapes, or K and V head dims that differ); `KVR_STATUS_OUT_OF_RANGE` also when not one
@@ -2060,7 +2116,8 @@ kvr_status kvr_model_get_kv_pool_params(const struct kvr_model *model,
  * window, sequence slots; K-major state.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+ * negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+ * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
  * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
  * do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers); `KVR_STATUS_OUT_OF_RANGE` also
  * when not one sequence fits the budget.

@@ -4,6 +4,7 @@
 # shared library; strips them and writes gpu-bundle/ (git-ignored) with run-all.sh.
 #
 #   scripts/gpu-bundle.sh                      # then, on the device: bash gpu-bundle/run-all.sh
+#                                              # (--sanitize: under compute-sanitizer; --help)
 #
 # The bundle must stay under the device tool's 64 MiB carry limit; its size is printed.
 set -euo pipefail
@@ -61,59 +62,8 @@ for f in examples/*.c; do
 done
 strip --strip-debug "$out"/bin/* "$out"/lib/*.so
 
-cat >"$out/run-all.sh" <<'RUN'
-#!/usr/bin/env bash
-# Runs every GPU test in this bundle and prints a pass/fail table. GPU tests fail
-# (instead of skipping) when no GPU is usable. Logs go to $OUT (if set) or ./logs.
-cd "$(dirname "${BASH_SOURCE[0]}")"
-export KVR_REQUIRE_GPU=1
-export LD_LIBRARY_PATH="$PWD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-logs="${OUT:-$PWD/logs}"
-mkdir -p "$logs"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
-declare -a rows
-fail=0
-run() {
-  local name="$1"; shift
-  local start end status
-  start=$(date +%s.%N)
-  if "$@" >"$logs/$name.log" 2>&1; then status=PASS; else status=FAIL; fail=1; fi
-  end=$(date +%s.%N)
-  rows+=("$(printf '%-48s %-4s %7.1fs' "$name" "$status" "$(awk -v a="$start" -v b="$end" 'BEGIN{print b-a}')")")
-  if [ "$status" = FAIL ]; then tail -n 40 "$logs/$name.log"; fi
-}
-for t in bin/gpu_*; do
-  [ -x "$t" ] || continue
-  run "$(basename "$t")" "$t" --test-threads=1 --nocapture
-done
-# The GDN tests again with each decode kernel forced (the library picks one per layout,
-# mode and batch size; every one must match the CPU backend).
-for k in stream warp; do
-  run "gpu_gdn-$k" env KVR_GDN_DECODE=$k bin/gpu_gdn --test-threads=1 --nocapture
-done
-run "gpu_gdn-stream-persistent" env KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1 bin/gpu_gdn --test-threads=1 --nocapture
-# and with verify on the general kernel instead of gdn_sverify.cu.
-run "gpu_gdn-verify-general" env KVR_GDN_VERIFY=general bin/gpu_gdn --test-threads=1 --nocapture
-run test_cuda_stream bin/test_cuda_stream
-for e in bin/example_*; do
-  [ -x "$e" ] || continue
-  case "$(basename "$e")" in
-    example_gguf_plan) run example_gguf_plan "$e" data/tiny-qwen3next.gguf 1 128 4 ;;
-    # The tiny model's head dims have no CUDA kernels (it runs on the CPU); the 80B
-    # configuration runs on CUDA at full-scale shapes.
-    example_demo)
-      run example_demo "$e" data/tiny-qwen3next.gguf
-      run example_demo-80b-cuda "$e" data/qwen3next-80b-a3b-header.gguf cuda ;;
-    *) run "$(basename "$e")" "$e" ;;
-  esac
-done
-echo
-echo "GPU test results"
-printf '%s\n' "${rows[@]}"
-# Lines the tests print about accuracy (max relative error) and sizes.
-grep -h -E "max relative error|checked|device " "$logs"/*.log 2>/dev/null | sed 's/^/  /' | head -n 60
-exit $fail
-RUN
+# run-all.sh: every job plainly, or under compute-sanitizer with --sanitize (see its --help).
+cp scripts/gpu-run-all.sh "$out/run-all.sh"
 chmod +x "$out/run-all.sh"
 
 cat >"$out/run-bench.sh" <<'RUN'

@@ -5,8 +5,9 @@
 #   1. cargo test (unit + integration tests; GPU tests skip themselves with a message)
 #   2. the release static and shared libraries, and a check that the system libraries
 #      documented for static linking still match what rustc prints
-#   3. ffi-tests: C and C++ against the header and both libraries, an ASan+UBSan build,
-#      and valgrind over the static-library test
+#   3. ffi-tests: C and C++ against the header and both libraries, the pools from C
+#      (test_pools: every pool function and error path; test_threads: pools used from
+#      several threads), ASan+UBSan builds, and valgrind over the static-library tests
 #   4. examples: built with Make (static and shared) and with CMake; the demo (`make -C
 #      examples run`: the tiny Qwen3-Next; also every tiny model, the 80B header file, and
 #      a missing and a malformed file, which must fail), info, the paged KV and GDN
@@ -41,18 +42,22 @@ fi
 grep -qF -- "$documented" README.md || { echo "README.md lacks '$documented'" >&2; exit 1; }
 echo "static link: $printed"
 
-step "ffi-tests (static, shared, ASan+UBSan, C++)"
+step "ffi-tests (static, shared, ASan+UBSan, C++; the pools from C and from threads)"
 make -C ffi-tests check
-if nm ffi-tests/build/test_api_asan | grep -c __asan_init >/dev/null; then
-  echo "ASan build is instrumented"
-else
-  echo "ffi-tests/build/test_api_asan is not instrumented" >&2
-  exit 1
-fi
+for t in test_api test_pools test_threads; do
+  if nm "ffi-tests/build/${t}_asan" | grep -c __asan_init >/dev/null; then
+    echo "ffi-tests/build/${t}_asan is instrumented"
+  else
+    echo "ffi-tests/build/${t}_asan is not instrumented" >&2
+    exit 1
+  fi
+done
 if command -v valgrind >/dev/null 2>&1; then
-  step "valgrind ffi-tests/build/test_api_static"
-  valgrind --quiet --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite \
-    ffi-tests/build/test_api_static
+  for t in test_api test_pools test_threads; do
+    step "valgrind ffi-tests/build/${t}_static"
+    valgrind --quiet --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite \
+      "ffi-tests/build/${t}_static"
+  done
 else
   echo "valgrind not installed: skipping the valgrind run"
 fi

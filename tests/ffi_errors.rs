@@ -82,7 +82,8 @@ fn params_default_and_struct_size() {
         assert_eq!(out, sentinel, "out written on failure");
         assert!(last_error().contains("struct_size"), "{}", last_error());
     }
-    // A caller compiled against a newer, larger struct: the known prefix is read.
+    // A caller compiled against a newer, larger struct: the known prefix is read when the
+    // fields this library does not know are zero, and the call is refused otherwise.
     #[repr(C)]
     struct Bigger {
         p: kvr_context_params,
@@ -90,14 +91,22 @@ fn params_default_and_struct_size() {
     }
     let mut big = Bigger {
         p: defaults(),
-        extra: [0xff; 8],
+        extra: [0; 8],
     };
     big.p.struct_size = size_of::<Bigger>() as u32;
     big.p.backend = KVR_BACKEND_CPU;
     let mut out = null_mut();
-    ok(kvr_context_new(&big.p, &mut out));
+    ok(kvr_context_new(&big as *const Bigger as *const _, &mut out));
     assert_eq!(kvr_context_get_backend(out), KVR_BACKEND_CPU);
     kvr_context_free(out);
+    big.extra[3] = 0xff;
+    let mut out = sentinel;
+    assert_eq!(
+        kvr_context_new(&big as *const Bigger as *const _, &mut out),
+        KVR_STATUS_INVALID_ARG
+    );
+    assert_eq!(out, sentinel);
+    assert!(last_error().contains("cannot honour"), "{}", last_error());
 }
 
 #[test]

@@ -361,7 +361,7 @@ fn bad_input_is_a_status_and_changes_nothing() {
     );
     assert_eq!(
         verify(pool, -1, &id, &mut Step::new(&mut rng, 1, 2)),
-        KVR_STATUS_INVALID_ARG
+        KVR_STATUS_OUT_OF_RANGE
     );
     assert_eq!(
         verify(pool, 0, &id, &mut Step::new(&mut rng, 1, 5)),

@@ -124,11 +124,11 @@ fn options_from_c(p: &kvr_context_params) -> Result<ContextOptions> {
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`out` is NULL);
 /// `KVR_STATUS_INVALID_ARG` (an unknown backend, a negative device or thread count, a
-/// `struct_size` smaller than the first published layout, a stream that is not of the
-/// device's primary context); `KVR_STATUS_CUDA_UNAVAILABLE` (CUDA requested and no driver
-/// library, no such device or too old a driver); `KVR_STATUS_NOT_COMPILED` (CUDA requested
-/// from a library built without kernels); `KVR_STATUS_CUDA_ERROR` /
-/// `KVR_STATUS_OUT_OF_MEMORY` (setup failed).
+/// `struct_size` smaller than the first published layout or larger with a non-zero byte
+/// past this library's struct, a stream that is not of the device's primary context);
+/// `KVR_STATUS_CUDA_UNAVAILABLE` (CUDA requested and no driver library, no such device or
+/// too old a driver); `KVR_STATUS_NOT_COMPILED` (CUDA requested from a library built
+/// without kernels); `KVR_STATUS_CUDA_ERROR` / `KVR_STATUS_OUT_OF_MEMORY` (setup failed).
 /// Ownership: the caller owns the new context and frees it with `kvr_context_free`.
 /// `params` is copied; a stream given in it stays the caller's and must outlive the
 /// context.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::context::{context_from, kvr_context};
 use super::guard::{guard, non_null, read_versioned, write_versioned};
 use super::handles::Registry;
-use super::kv_pool::{kvr_layer_select, kvr_seq_id, KVR_LAYER_ALL};
+use super::kv_pool::{kvr_layer_select, kvr_seq_id, layer_arg, one_layer};
 use super::status::kvr_status;
 use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_F32};
 use crate::backend::Stream;
@@ -73,7 +73,10 @@ pub struct kvr_gdn_pool_params {
     pub n_layers: i32,
     /// Key heads Hk (required).
     pub n_k_heads: i32,
-    /// Value heads Hv (required, a multiple of Hk).
+    /// Value heads Hv (required, a multiple of Hk). Value head h reads q and k of key head
+    /// h / (Hv / Hk): consecutive value heads share a key head, as `repeat_interleave` of q
+    /// and k gives (Qwen3-Next); q/k tiled the other way (key head h % Hk) must be
+    /// reordered first.
     pub n_v_heads: i32,
     /// Key head dim (required; CUDA: 32, 64, 128 or 256).
     pub dk: i32,
@@ -82,8 +85,14 @@ pub struct kvr_gdn_pool_params {
     /// Ring length L, the inputs kept beside the checkpoint (default 16); 0 = recurrent
     /// mode (state read and written every step, one state snapshot per draft).
     pub ring_len: i32,
-    /// Sequences of at most this many tokens keep no state (KV-only);
-    /// `KVR_GDN_THRESHOLD_DEFAULT` (default) = min(dk, capacity), `KVR_GDN_THRESHOLD_OFF` = off.
+    /// KV-only mode for short sequences: a new sequence keeps no state, only its entries,
+    /// until its state is materialized (for good) before a decode that would take it past
+    /// this many tokens, before a verify of T drafts when its length + 2T exceeds this
+    /// (whatever is accepted later: a verify can end KV-only mode at fewer tokens), or by
+    /// an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) =
+    /// min(dk, the entries one head's state memory holds) for a replay pool and 0 (off)
+    /// for a recurrent pool (`ring_len` 0 has no KV-only mode: a value > 0 there is
+    /// `KVR_STATUS_INVALID_ARG`); `KVR_GDN_THRESHOLD_OFF` = off.
     pub kv_only_threshold: kvr_gdn_threshold,
     /// Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
     pub max_drafts: i32,
@@ -223,8 +232,10 @@ pub extern "C" fn kvr_gdn_pool_params_default(params: *mut kvr_gdn_pool_params) 
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`);
 /// `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
-/// max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
-/// (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+/// max_drafts, a KV-only threshold > 0 with ring_len 0, unknown layout or dtype,
+/// `struct_size` too small, or larger with a non-zero byte past this library's struct);
+/// `KVR_STATUS_OUT_OF_RANGE` (max_drafts > 8, threshold above the KV-only capacity, sizes
+/// that overflow);
 /// `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
 /// `KVR_STATUS_UNSUPPORTED` (CUDA: head dims outside {32, 64, 128, 256});
 /// `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_CUDA_ERROR`.
@@ -327,8 +338,10 @@ fn memory_to_c(m: GdnMemory, threshold: usize) -> kvr_gdn_pool_memory {
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `params` or `out`);
 /// `KVR_STATUS_INVALID_ARG` (zero or negative sizes, Hv not a multiple of Hk, ring_len <
-/// max_drafts, unknown layout or dtype, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
-/// (max_drafts > 8, threshold above the KV-only capacity, sizes that overflow);
+/// max_drafts, a KV-only threshold > 0 with ring_len 0, unknown layout or dtype,
+/// `struct_size` too small, or larger with a non-zero byte past this library's struct);
+/// `KVR_STATUS_OUT_OF_RANGE` (max_drafts > 8, threshold above the KV-only capacity, sizes
+/// that overflow);
 /// `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or conv dtype other than f32 or bf16);
 /// `KVR_STATUS_INVALID_ARG` also for `out->struct_size` too small.
 /// Ownership: `params` is read during the call; `*out` is the caller's.
@@ -486,8 +499,8 @@ pub struct kvr_gdn_cursor {
 /// own stream (work queued on another stream must be finished or ordered before it by the
 /// caller) and copies from the device: for diagnostics and tests, not the decode loop.
 ///
-/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`;
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+/// `KVR_STATUS_OUT_OF_RANGE` (layer negative or past the pool's); `KVR_STATUS_UNKNOWN_ID`;
 /// `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: `*out` is the caller's.
 /// Thread safety: thread-safe.
@@ -503,7 +516,7 @@ pub extern "C" fn kvr_gdn_pool_get_cursor(
     guard("kvr_gdn_pool_get_cursor", || {
         let pool = pool_from(pool)?;
         non_null(out, "out")?;
-        let layer = non_negative("layer", layer)?;
+        let layer = one_layer(layer)?;
         let m = pool.debug_meta(layer, seq)?;
         let mode = match m[META_MODE] {
             MODE_KV_ONLY => KVR_GDN_MODE_KV_ONLY,
@@ -539,13 +552,15 @@ fn optional_view(t: *const kvr_tensor, name: &str) -> Result<Option<TensorView>>
 /// Replaces a sequence's state in `layer` by `state` (the host's prefill result: shape
 /// `[Hv, dk, dv]` for K-major pools or `[Hv, dv, dk]` for V-major, any float dtype, any
 /// strides, in the context's memory) and, if `conv` is not NULL, its conv window
-/// (`[conv_kernel - 1, conv_dim]`, oldest first). The ring empties and the sequence leaves
-/// KV-only mode. On CUDA the copy is queued on `stream`.
+/// (`[conv_kernel - 1, conv_dim]`, oldest first), both converted to the pool's dtypes
+/// (round to nearest even). The ring empties and the sequence leaves KV-only mode. On CUDA
+/// the copy is queued on `stream`.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle or `state`);
-/// `KVR_STATUS_INVALID_ARG` (handle, shape, memory kind, negative layer, pending drafts);
-/// `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
-/// `KVR_STATUS_CUDA_ERROR`.
+/// `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kind, `conv` given to a pool without
+/// conv windows, pending drafts in `layer`); `KVR_STATUS_OUT_OF_RANGE` (layer negative or
+/// past the pool's); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (a tensor that is
+/// not f32, f16 or bf16); `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: `state`, `conv` and `stream` stay the caller's; device memory must stay valid
 /// until the queued copy has run.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -564,7 +579,7 @@ pub extern "C" fn kvr_gdn_pool_import_state(
 ) -> kvr_status {
     guard("kvr_gdn_pool_import_state", || {
         let pool = pool_from(pool)?;
-        let layer = non_negative("layer", layer)?;
+        let layer = one_layer(layer)?;
         // SAFETY: NULL-checked descriptor.
         let state = unsafe { view_from_c(state, "state")? };
         let conv = optional_view(conv, "conv")?;
@@ -574,12 +589,17 @@ pub extern "C" fn kvr_gdn_pool_import_state(
 
 /// Writes a sequence's current state in `layer` (materialized from the checkpoint and the
 /// ring, or from the KV-only entries) into `out` (shape as for import, any float dtype, in
-/// the context's memory) and, if `conv_out` is not NULL, its conv window. The pool does not
-/// change. On CUDA the work is queued on `stream`.
+/// the context's memory) and, if `conv_out` is not NULL, its conv window (converted to the
+/// tensors' dtypes, round to nearest even). Neither may hold two elements at one address.
+/// A sequence with verified drafts awaiting commit in `layer` has no single current state:
+/// commit first. The pool does not change. On CUDA the work is queued on `stream`.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// shape, memory kind, negative layer); `KVR_STATUS_OUT_OF_RANGE` (layer);
-/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+/// shapes, memory kind, overlapping `out` or `conv_out` (a stride of 0), `conv_out` given
+/// to a pool without conv windows, pending drafts in `layer`); `KVR_STATUS_OUT_OF_RANGE`
+/// (layer negative or past the pool's); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_DTYPE_MISMATCH` (a tensor that is not f32, f16 or bf16);
+/// `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: `out`, `conv_out` and `stream` stay the caller's.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
 /// calls on one pool must be ordered by the caller (one stream, or events).
@@ -597,7 +617,7 @@ pub extern "C" fn kvr_gdn_pool_export_state(
 ) -> kvr_status {
     guard("kvr_gdn_pool_export_state", || {
         let pool = pool_from(pool)?;
-        let layer = non_negative("layer", layer)?;
+        let layer = one_layer(layer)?;
         // SAFETY: NULL-checked descriptor.
         let out = unsafe { view_from_c(out, "out")? };
         let conv_out = optional_view(conv_out, "conv_out")?;
@@ -665,7 +685,7 @@ fn step(
 ) -> kvr_status {
     guard(name, || {
         let pool = pool_from(pool)?;
-        let layer = non_negative("layer", layer)?;
+        let layer = one_layer(layer)?;
         let p = if params.is_null() {
             default_step_params()
         } else {
@@ -720,18 +740,24 @@ fn step(
 /// zeros; device ids must be distinct and live, and discard any uncommitted drafts). q, k:
 /// `[B, Hk, dk]` (or `[B, 1, Hk, dk]`); v, out: `[B, Hv, dv]`; g (log decay), beta
 /// (post-sigmoid): `[B, Hv]`; conv_in (required when the pool keeps conv windows, else
-/// NULL): `[B, conv_dim]`. Float dtypes f32/f16/bf16 (each tensor its own); on CUDA the
-/// last dimension of q, k, v, out must be contiguous. `params` may be NULL for the
-/// defaults. The output comes from the checkpoint and the ring; the state is written only
-/// for sequences whose ring is full (decided on the device) or that leave KV-only mode.
+/// NULL): `[B, conv_dim]`. Value head h uses key head h / (Hv / Hk). Float dtypes
+/// f32/f16/bf16 (each tensor its own; k, v and the decay are stored in the ring as the
+/// pool's `entry_dtype`, round to nearest even); `out` must not hold two elements at one
+/// address; on CUDA the last dimension of q, k, v, out must be contiguous. `params` may be
+/// NULL for the defaults. A sequence with verified drafts awaiting commit in `layer` is
+/// refused (host ids). The output comes from the checkpoint and the ring; the state is
+/// written only for sequences whose ring is full (decided on the device) or that leave
+/// KV-only mode (see `kvr_gdn_pool_params.kv_only_threshold`).
 /// CUDA: queued on `stream`; never synchronizes or allocates, and capturable in a CUDA
 /// Graph (host ids travel in the launch parameters, 512 rows per launch).
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
 /// the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
-/// strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
-/// windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch); `KVR_STATUS_UNKNOWN_ID`;
-/// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+/// strides, overlapping `out`, a non-finite scale, pending drafts, `conv_in` given to a
+/// pool without conv windows, `params->struct_size` too small or larger with a non-zero
+/// byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE` (layer negative or past the
+/// pool's, batch above max_seqs); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (ids
+/// not i32, a float tensor of another type); `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
 /// valid until the queued launch has run.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -776,19 +802,24 @@ pub extern "C" fn kvr_gdn_pool_decode(
 
 /// T draft tokens per sequence (1..=max_drafts, <= ring_len) in one launch: outputs for
 /// every draft without any per-draft state (recurrent pools: one snapshot per draft). The
-/// drafts stay pending until `kvr_gdn_pool_commit`; a sequence whose ring cannot take 2T
-/// more entries flushes first.
+/// drafts stay pending until `kvr_gdn_pool_commit`, and a second verify (or a decode,
+/// export or flush) of a sequence in that layer before the commit is refused. A sequence
+/// whose ring cannot take 2T more entries flushes first; a KV-only sequence whose length +
+/// 2T exceeds the threshold gets its state first (see `kv_only_threshold`).
 ///
 /// Tensors as for `kvr_gdn_pool_decode` with a T dimension: q, k `[B, T, Hk, dk]`; v, out
 /// `[B, T, Hv, dv]`; g, beta `[B, T, Hv]`; conv_in `[B, T, conv_dim]`. `seq_ids` must be in
-/// host memory. CUDA: queued on `stream`, never synchronizes or allocates.
+/// host memory. `params` may be NULL for the defaults. CUDA: queued on `stream`, never
+/// synchronizes or allocates.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (a required tensor, or `conv_in` when
 /// the pool keeps conv windows); `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kinds,
-/// strides, a non-finite scale, pending drafts, `conv_in` given to a pool without conv
-/// windows); `KVR_STATUS_OUT_OF_RANGE` (layer, batch, T); `KVR_STATUS_UNSUPPORTED`
-/// (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
-/// `KVR_STATUS_CUDA_ERROR`.
+/// strides, overlapping `out`, a non-finite scale, pending drafts, `conv_in` given to a
+/// pool without conv windows, `params->struct_size` too small or larger with a non-zero
+/// byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE` (layer negative or past the
+/// pool's, batch above max_seqs, T outside 1..=max_drafts); `KVR_STATUS_UNSUPPORTED`
+/// (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (ids
+/// not i32, a float tensor of another type); `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: as for `kvr_gdn_pool_decode`.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
 /// calls on one pool must be ordered by the caller (one stream, or events).
@@ -835,14 +866,19 @@ pub extern "C" fn kvr_gdn_pool_verify(
 /// verify put them; the rest vanish; recurrent pools adopt the last accepted draft's
 /// snapshot. `accepted` is i32 `[B]` in host memory (checked: 0..=T) or device memory
 /// (clamped to 0..=T on the device; the host never waits). `seq_ids` is host i32 `[B]`.
-/// With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, one layer only), the conv window of
-/// each accepted prefix is written there: the conv state the host's next step needs. CUDA:
-/// queued on `stream`, never synchronizes or allocates.
+/// With `conv_state` (`[B, conv_kernel - 1, conv_dim]`, any float dtype, no two elements at
+/// one address, one layer only), the conv window of each accepted prefix is written there:
+/// the conv state the host's next step needs. CUDA: queued on `stream`, never synchronizes
+/// or allocates.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle, no
-/// verified drafts, shapes, `conv_state` with `KVR_LAYER_ALL`); `KVR_STATUS_OUT_OF_RANGE`
-/// (layer, host counts above T); `KVR_STATUS_UNSUPPORTED` (`seq_ids` in device memory);
-/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+/// verified drafts, shapes (`seq_ids` not 1-D, `accepted` not `[B]`, `conv_state`),
+/// overlapping `conv_state`, `conv_state` with `KVR_LAYER_ALL` or for a pool without conv
+/// windows, `accepted` in device memory of a CPU pool); `KVR_STATUS_OUT_OF_RANGE` (layer
+/// negative other than `KVR_LAYER_ALL` or past the pool's, host counts below 0 or above
+/// T); `KVR_STATUS_UNSUPPORTED` (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_DTYPE_MISMATCH` (`seq_ids` or `accepted` not i32, `conv_state` not f32, f16
+/// or bf16); `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: all tensors and `stream` stay the caller's; device memory must stay valid
 /// until the queued launch has run.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -862,7 +898,7 @@ pub extern "C" fn kvr_gdn_pool_commit(
 ) -> kvr_status {
     guard("kvr_gdn_pool_commit", || {
         let pool = pool_from(pool)?;
-        let layer = layer_arg(layer)?;
+        let layer = layer_arg(layer, true)?;
         // SAFETY: NULL-checked descriptors.
         let (ids, acc) = unsafe {
             (
@@ -875,23 +911,16 @@ pub extern "C" fn kvr_gdn_pool_commit(
     })
 }
 
-fn layer_arg(layer: kvr_layer_select) -> Result<Option<usize>> {
-    match layer {
-        KVR_LAYER_ALL => Ok(None),
-        l if l >= 0 => Ok(Some(l as usize)),
-        l => Err(Error::OutOfRange(format!("layer {l} is negative"))),
-    }
-}
-
 /// Writes each listed sequence's current state into its checkpoint and empties its ring
 /// (before saving a checkpoint or preempting); KV-only sequences get their state
 /// materialized. `layer` may be `KVR_LAYER_ALL`; `seq_ids` is host i32 `[B]`. CUDA: queued
 /// on `stream`.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// shape, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNSUPPORTED`
-/// (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
-/// `KVR_STATUS_CUDA_ERROR`.
+/// `seq_ids` not 1-D, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer negative other
+/// than `KVR_LAYER_ALL` or past the pool's, batch above max_seqs); `KVR_STATUS_UNSUPPORTED`
+/// (`seq_ids` in device memory); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`
+/// (`seq_ids` not i32); `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: `seq_ids` and `stream` stay the caller's.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
 /// calls on one pool must be ordered by the caller (one stream, or events).
@@ -907,7 +936,7 @@ pub extern "C" fn kvr_gdn_pool_flush(
 ) -> kvr_status {
     guard("kvr_gdn_pool_flush", || {
         let pool = pool_from(pool)?;
-        let layer = layer_arg(layer)?;
+        let layer = layer_arg(layer, true)?;
         // SAFETY: NULL-checked descriptor.
         let ids = unsafe { view_from_c(seq_ids, "seq_ids")? };
         pool.flush(layer, &ids, Stream(stream as usize))

@@ -87,9 +87,17 @@ pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Largest `struct_size` an input struct may declare: a larger value is not a struct of
+/// any kvreplay version (most likely an uninitialized field), and reading that far could
+/// run past the caller's memory.
+pub(crate) const MAX_STRUCT_SIZE: usize = 4096;
+
 /// Reads a versioned parameter struct whose first field is `uint32_t struct_size`:
 /// fields past `struct_size` keep their values from `defaults`; a `struct_size` smaller
-/// than `min_size` (the first published layout) is an error.
+/// than `min_size` (the first published layout) is an error. A `struct_size` larger than
+/// this library's layout (a caller built against a newer header) is accepted only when
+/// every byte past our layout is zero: a non-zero byte there sets a field this library
+/// does not know, a request it cannot honour, so it is refused rather than ignored.
 ///
 /// # Safety
 /// `p` must be non-NULL and point at `struct_size` readable bytes.
@@ -105,6 +113,27 @@ pub(crate) unsafe fn read_versioned<T: Copy>(
             "{what}.struct_size is {declared} but must be at least {min_size}; \
              initialize it with the matching _params_default function"
         )));
+    }
+    if declared > MAX_STRUCT_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "{what}.struct_size is {declared}, more than any kvreplay struct \
+             ({MAX_STRUCT_SIZE} at most); initialize it with the matching _params_default function"
+        )));
+    }
+    if declared > size_of::<T>() {
+        let tail = std::slice::from_raw_parts(
+            (p as *const u8).add(size_of::<T>()),
+            declared - size_of::<T>(),
+        );
+        if let Some(i) = tail.iter().position(|&b| b != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}.struct_size is {declared} but this library knows {} bytes, and byte {} \
+                 past them is not zero: it sets a field of a newer kvreplay that this library \
+                 cannot honour (link the matching library, or leave the new fields zero)",
+                size_of::<T>(),
+                size_of::<T>() + i
+            )));
+        }
     }
     let mut out = defaults;
     let n = declared.min(size_of::<T>());
@@ -162,7 +191,7 @@ mod tests {
 
     #[test]
     fn versioned_reads_and_writes() {
-        #[derive(Clone, Copy)]
+        #[derive(Clone, Copy, Debug)]
         #[repr(C)]
         struct P {
             struct_size: u32,
@@ -187,6 +216,33 @@ mod tests {
             b: 20,
         };
         assert!(unsafe { read_versioned(&tiny, d, 8, "P") }.is_err());
+        // A newer caller's larger struct: accepted with a zero tail, refused otherwise.
+        #[derive(Clone, Copy)]
+        #[repr(C)]
+        struct Newer {
+            p: P,
+            extra: [u8; 8],
+        }
+        let mut newer = Newer {
+            p: P {
+                struct_size: size_of::<Newer>() as u32,
+                a: 7,
+                b: 8,
+            },
+            extra: [0; 8],
+        };
+        let r = unsafe { read_versioned(&newer as *const Newer as *const P, d, 8, "P") }.unwrap();
+        assert_eq!((r.struct_size, r.a, r.b), (12, 7, 8));
+        newer.extra[5] = 1;
+        let e =
+            unsafe { read_versioned(&newer as *const Newer as *const P, d, 8, "P") }.unwrap_err();
+        assert!(e.to_string().contains("byte 17"), "{e}");
+        let huge = P {
+            struct_size: MAX_STRUCT_SIZE as u32 + 1,
+            a: 0,
+            b: 0,
+        };
+        assert!(unsafe { read_versioned(&huge, d, 8, "P") }.is_err());
         let mut out = P {
             struct_size: 8,
             a: 0,

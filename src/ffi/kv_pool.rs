@@ -28,6 +28,8 @@ pub(crate) static POOLS: Registry<KvPool> = Registry::new("kvr_kv_pool");
 
 /// The `layer` argument of calls that can cover every layer at once (`kvr_kv_pool_write`,
 /// `kvr_gdn_pool_commit`, `kvr_gdn_pool_flush`): a layer index >= 0, or `KVR_LAYER_ALL`.
+/// In these and in every call that takes one layer (`int32_t layer`), any other negative
+/// value or an index past the pool's last layer is `KVR_STATUS_OUT_OF_RANGE`.
 pub type kvr_layer_select = i32;
 /// Every layer of the pool, in one call.
 pub const KVR_LAYER_ALL: kvr_layer_select = -1 as kvr_layer_select;
@@ -214,8 +216,9 @@ fn config_from(p: &kvr_kv_pool_params) -> Result<(KvPoolConfig, KvStorage)> {
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`, or a
 /// NULL pointer in `layers`); `KVR_STATUS_INVALID_ARG` (a size < 1, unknown dtype, both or
-/// neither capacity set, `struct_size` too small, overlapping or misaligned external
-/// strides, not a live context); `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
+/// neither capacity set, `struct_size` too small or larger with a non-zero byte past this
+/// library's struct, overlapping or misaligned external strides, not a live context);
+/// `KVR_STATUS_DTYPE_MISMATCH` (i32 KV);
 /// `KVR_STATUS_OUT_OF_RANGE` (sizes past the 32-bit device indices, a budget smaller than a
 /// page); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_UNSUPPORTED` (CUDA shared memory too
 /// small); `KVR_STATUS_CUDA_ERROR`.
@@ -508,16 +511,18 @@ pub extern "C" fn kvr_kv_pool_extend(
 /// layer (`layer` >= 0, `k`/`v` shaped `[tokens, n_kv_heads, head_dim]`) or all layers
 /// (`layer = KVR_LAYER_ALL`, `[n_layers, tokens, n_kv_heads, head_dim]`), where tokens are
 /// the sequences' new tokens in list order (`tokens = sum(counts)`). `k` and `v` may be in
-/// host memory or (CUDA) device memory, any float dtype (converted to the pool's) and any
-/// strides. The positions must not be in a page shared with another sequence (extend
-/// first). CUDA: the copy is queued on `stream`; K/V in host memory are first copied into
-/// stream-ordered device memory (`cuMemAllocAsync`, freed on `stream` after the copy) and
-/// read before the call returns, so that form allocates and cannot be captured in a CUDA
-/// Graph (pass device memory there).
+/// host memory or (CUDA) device memory, any float dtype (converted to the pool's, round to
+/// nearest even) and any strides. The positions must not be in a page shared with another
+/// sequence (extend first). CUDA: the copy is queued on `stream`; K/V in host memory are
+/// first copied into stream-ordered device memory (`cuMemAllocAsync`, freed on `stream`
+/// after the copy) and read before the call returns, so that form allocates and cannot be
+/// captured in a CUDA Graph (pass device memory there).
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// shapes, shared page, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`;
-/// `KVR_STATUS_OUT_OF_RANGE` (layer, count past a length); `KVR_STATUS_DTYPE_MISMATCH`;
+/// shapes, negative `n` or count, a sequence listed twice, shared page, CUDA memory in a
+/// CPU pool); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (layer negative other than
+/// `KVR_LAYER_ALL` or past the pool's, count past a length, more sequences than one write
+/// takes); `KVR_STATUS_DTYPE_MISMATCH` (K/V not f32, f16 or bf16);
 /// `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: `k`, `v`, `seqs`, `counts` and `stream` stay the caller's; device-memory
 /// `k`/`v` must stay valid until the queued copy has run.
@@ -548,23 +553,36 @@ pub extern "C" fn kvr_kv_pool_write(
     })
 }
 
-fn layer_arg(layer: kvr_layer_select, all_allowed: bool) -> Result<Option<usize>> {
+/// A `layer` argument: an index (checked against the pool later) or, where `all_allowed`,
+/// `KVR_LAYER_ALL` (None). Any other negative value is a layer outside the pool:
+/// `OutOfRange`, like an index past the pool's layers, in every pool call.
+pub(crate) fn layer_arg(layer: kvr_layer_select, all_allowed: bool) -> Result<Option<usize>> {
     match layer {
         KVR_LAYER_ALL if all_allowed => Ok(None),
         l if l >= 0 => Ok(Some(l as usize)),
-        l => Err(Error::OutOfRange(format!("layer {l} is negative"))),
+        KVR_LAYER_ALL => Err(Error::OutOfRange(
+            "layer -1 (KVR_LAYER_ALL) is not accepted here: this call takes one layer".into(),
+        )),
+        l => Err(Error::OutOfRange(format!(
+            "layer {l} is negative (outside the pool)"
+        ))),
     }
 }
 
-/// Appends tokens to `seq` for all layers: `k`/`v` shaped
-/// `[n_layers, n, n_kv_heads, head_dim]` (n new tokens; host or device memory, any float
-/// dtype and strides). Equal to `kvr_kv_pool_extend` by n plus `kvr_kv_pool_write` of all
-/// layers (host K/V allocate as there).
+/// A `layer` argument of a call that takes one layer.
+pub(crate) fn one_layer(layer: i32) -> Result<usize> {
+    Ok(layer_arg(layer, false)?.expect("one layer"))
+}
+
+/// Appends tokens to `seq` for all layers: `k`/`v` shaped `[n_layers, n, n_kv_heads,
+/// head_dim]` (n new tokens; host or device memory, any float dtype, converted to the
+/// pool's with round to nearest even, and any strides). Equal to `kvr_kv_pool_extend` by n
+/// plus `kvr_kv_pool_write` of all layers (host K/V allocate as there).
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
 /// shapes, CUDA memory in a CPU pool); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`
-/// (past `max_seq_len`); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_POOL_EXHAUSTED`;
-/// `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+/// (past `max_seq_len`); `KVR_STATUS_DTYPE_MISMATCH` (K/V not f32, f16 or bf16);
+/// `KVR_STATUS_POOL_EXHAUSTED`; `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: as for `kvr_kv_pool_write`.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
 /// calls on one pool must be ordered by the caller (one stream, or events).
@@ -759,11 +777,14 @@ pub extern "C" fn kvr_kv_decode_params_default(params: *mut kvr_kv_decode_params
 /// between replays).
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// shapes, memory kinds, strides, negative `window` or `max_ctas`);
-/// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_UNKNOWN_ID` (an id in host `seq_ids` that is
-/// not live); `KVR_STATUS_OUT_OF_RANGE` (layer, T > 8, group > 16, a sequence shorter than
-/// T, B > max_seqs); `KVR_STATUS_UNSUPPORTED` (f32 KV or a head dim without a kernel on
-/// CUDA); `KVR_STATUS_CUDA_ERROR`.
+/// shapes, memory kinds, strides, overlapping `out` or `lse`, an id listed twice, negative
+/// `window` or `max_ctas`, a scale or softcap out of range, `params->struct_size` too small
+/// or larger with a non-zero byte past this library's struct); `KVR_STATUS_DTYPE_MISMATCH`
+/// (ids not i32, q/out not f32, f16 or bf16, lse not f32); `KVR_STATUS_UNKNOWN_ID` (an id
+/// in host `seq_ids` that is not live); `KVR_STATUS_OUT_OF_RANGE` (layer negative or past
+/// the pool's, T > 8, group > 16, a sequence shorter than T, B > max_seqs);
+/// `KVR_STATUS_UNSUPPORTED` (f32 KV or a head dim without a kernel on CUDA);
+/// `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: all tensors, `params` and `stream` stay the caller's; device memory must stay
 /// valid until the queued launch has run.
 /// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
@@ -787,7 +808,7 @@ pub extern "C" fn kvr_kv_pool_decode(
 ) -> kvr_status {
     guard("kvr_kv_pool_decode", || {
         let pool = pool_from(pool)?;
-        let layer = layer_arg(layer, false)?.expect("one layer");
+        let layer = one_layer(layer)?;
         let p = if params.is_null() {
             default_decode_params()
         } else {

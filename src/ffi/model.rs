@@ -478,8 +478,8 @@ pub type kvr_model_layout = i32;
 pub const KVR_MODEL_LAYOUT_PAGED_RING: kvr_model_layout = 0 as kvr_model_layout;
 /// Paged KV + per-draft state snapshots.
 pub const KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS: kvr_model_layout = 1 as kvr_model_layout;
-/// Contiguous KV (the model's context, or `seq_len` if longer, reserved per sequence) + GDN
-/// ring.
+/// Contiguous KV (the model's context, or `seq_len` if longer, plus the speculative window,
+/// reserved per sequence) + GDN ring.
 pub const KVR_MODEL_LAYOUT_CONTIGUOUS_RING: kvr_model_layout = 2 as kvr_model_layout;
 /// Contiguous KV + per-draft state snapshots.
 pub const KVR_MODEL_LAYOUT_CONTIGUOUS_SNAPSHOTS: kvr_model_layout = 3 as kvr_model_layout;
@@ -506,8 +506,9 @@ pub struct kvr_model_sizing {
     pub pages_per_seq: i64,
     /// Paged KV bytes per sequence (`pages_per_seq` pages).
     pub paged_kv_bytes_per_seq: i64,
-    /// Contiguous KV bytes per sequence (the context length, or `seq_len` if longer, plus
-    /// the speculative window).
+    /// Contiguous KV bytes per sequence: (max(context length, `seq_len`) + `spec_window`) *
+    /// `kv_bytes_per_token` (the speculative window's draft tokens are reserved on top of
+    /// the model's whole context).
     pub contiguous_kv_bytes_per_seq: i64,
     /// GDN and Mamba-2 states.
     pub state_bytes_per_seq: i64,
@@ -565,7 +566,8 @@ fn compute(
 /// that fit, for each `kvr_model_layout`. Set `out->struct_size` first.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+/// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
 /// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
 /// do not store).
 /// Ownership: `params` is read during the call; `*out` is the caller's.
@@ -608,7 +610,8 @@ pub extern "C" fn kvr_model_compute_sizing(
 /// dtype, capacity and sequence slots.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+/// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
 /// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
 /// do not store); `KVR_STATUS_UNSUPPORTED` (no attention layers, layers of different
 /// shapes, or K and V head dims that differ); `KVR_STATUS_OUT_OF_RANGE` also when not one
@@ -659,7 +662,8 @@ pub extern "C" fn kvr_model_get_kv_pool_params(
 /// window, sequence slots; K-major state.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// negative sizes or budget, `struct_size` too small); `KVR_STATUS_OUT_OF_RANGE`
+/// negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+/// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
 /// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
 /// do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers); `KVR_STATUS_OUT_OF_RANGE` also
 /// when not one sequence fits the budget.

@@ -12,8 +12,9 @@ pub type kvr_status = i32;
 pub const KVR_STATUS_OK: kvr_status = 0 as kvr_status;
 /// A required pointer argument was NULL.
 pub const KVR_STATUS_NULL_ARG: kvr_status = -1 as kvr_status;
-/// An argument is malformed: unknown enum value, struct_size too small, bad shape or
-/// strides, a handle that is not a live object of the expected kind.
+/// An argument is malformed: unknown enum value, struct_size too small (or larger than
+/// this library's struct with a non-zero byte past it), bad shape or strides, a handle
+/// that is not a live object of the expected kind.
 pub const KVR_STATUS_INVALID_ARG: kvr_status = -2 as kvr_status;
 /// Host or device memory could not be allocated.
 pub const KVR_STATUS_OUT_OF_MEMORY: kvr_status = -3 as kvr_status;

@@ -259,13 +259,37 @@ impl KvPool {
 
     /// Pages needed to grow `s` by `n` tokens, counting a copy-on-write page.
     fn pages_needed(&self, alloc: &BlockAllocator, s: &SeqState, n: usize) -> usize {
+        self.pages_needed_in_batch(alloc, s, n, &mut Vec::new())
+    }
+
+    /// As [`Self::pages_needed`] for one sequence of a batch, where `copied` counts the
+    /// copy-on-write copies the earlier sequences of the batch make of each page (each
+    /// drops one reference before this sequence's turn); records this sequence's copy.
+    fn pages_needed_in_batch(
+        &self,
+        alloc: &BlockAllocator,
+        s: &SeqState,
+        n: usize,
+        copied: &mut Vec<(u32, u32)>,
+    ) -> usize {
         if n == 0 {
             return 0;
         }
         let ps = self.cfg.page_size;
         let new_pages = (s.len + n).div_ceil(ps) - s.pages.len();
-        let cow = s.len % ps != 0 && alloc.refcount(*s.pages.last().expect("partial page")) > 1;
-        new_pages + usize::from(cow)
+        if s.len % ps == 0 {
+            return new_pages;
+        }
+        let last = *s.pages.last().expect("partial page");
+        let done = copied.iter().find(|c| c.0 == last).map_or(0, |c| c.1);
+        if alloc.refcount(last) - done <= 1 {
+            return new_pages;
+        }
+        match copied.iter_mut().find(|c| c.0 == last) {
+            Some(c) => c.1 += 1,
+            None => copied.push((last, 1)),
+        }
+        new_pages + 1
     }
 
     /// Whether a new sequence of `tokens` (`seq = None`) or growing `seq` by `tokens` fits.
@@ -303,6 +327,10 @@ impl KvPool {
 
     fn extend_locked(&self, st: &mut PoolState, grow: &[(SeqId, usize)]) -> Result<()> {
         let mut needed = 0usize;
+        // Copy-on-write pages already counted in this batch: (page, copies). A sequence
+        // that copies a shared page drops its reference, so a later sequence of the batch
+        // sharing that page may own it alone by its turn (as in sequential calls).
+        let mut copied: Vec<(u32, u32)> = Vec::new();
         for (i, &(seq, n)) in grow.iter().enumerate() {
             let s = self.live(st, seq)?;
             if grow[..i].iter().any(|&(q, _)| q == seq) {
@@ -317,7 +345,7 @@ impl KvPool {
                     self.cfg.max_seq_len
                 )));
             }
-            needed += self.pages_needed(&st.alloc, s, n);
+            needed += self.pages_needed_in_batch(&st.alloc, s, n, &mut copied);
         }
         if needed > st.alloc.free_count() {
             return Err(Error::PoolExhausted(format!(

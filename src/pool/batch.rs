@@ -35,11 +35,17 @@ impl BatchIds {
         slots: &SlotTable<T>,
         backend: BackendKind,
     ) -> Result<BatchIds> {
-        if ids.dtype() != DType::I32 || ids.ndim() != 1 {
+        if ids.dtype() != DType::I32 {
             return Err(Error::DTypeMismatch(format!(
-                "seq_ids must be a 1-D i32 tensor, not {}-D {}",
-                ids.ndim(),
+                "seq_ids must be an i32 tensor, not {}",
                 ids.dtype()
+            )));
+        }
+        if ids.ndim() != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "seq_ids must be 1-D [B], not {}-D {:?}",
+                ids.ndim(),
+                ids.shape()
             )));
         }
         let b = ids.shape()[0];

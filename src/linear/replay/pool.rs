@@ -12,7 +12,7 @@ use super::storage::{Layout, StateStorage, Storage};
 use crate::backend::{Backend, BackendKind, Context, Stream};
 use crate::error::{Error, Result};
 use crate::linear::math::StateLayout;
-use crate::pool::{check_layer, layer_range, read_host_i32, BatchIds, SlotTable};
+use crate::pool::{check_float, check_layer, layer_range, read_host_i32, BatchIds, SlotTable};
 use crate::tensor::{DType, MemoryKind, TensorView};
 
 #[derive(Clone, Debug)]
@@ -202,6 +202,14 @@ impl<F: Family> ReplayPool<F> {
         let seqs = self.lock();
         let conv = conv_out.map(|c| (c, "conv_out"));
         let s = self.check_state_io(&seqs, layer, seq, (out, "out"), conv)?;
+        for (t, name) in std::iter::once((out, "out")).chain(conv) {
+            if !t.is_non_overlapping() {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} has overlapping elements (a stride of 0, or strides that make two \
+                     elements share an address)"
+                )));
+            }
+        }
         self.exec.export_state(layer, s, out, conv_out, stream)
     }
 
@@ -329,10 +337,15 @@ impl<F: Family> ReplayPool<F> {
         let mut seqs = self.lock();
         let (ids, layers) = self.host_ids_and_layers(&seqs, layer, seq_ids, "commit")?;
         let b = ids.len();
-        if accepted.dtype() != DType::I32 || accepted.shape() != [b] {
+        if accepted.dtype() != DType::I32 {
             return Err(Error::DTypeMismatch(format!(
-                "accepted must be i32 [{b}], not {} {:?}",
-                accepted.dtype(),
+                "accepted must be an i32 tensor, not {}",
+                accepted.dtype()
+            )));
+        }
+        if accepted.shape() != [b] {
+            return Err(Error::InvalidArgument(format!(
+                "accepted has shape {:?}; expected [{b}] (one count per seq_ids row)",
                 accepted.shape()
             )));
         }
@@ -377,12 +390,13 @@ impl<F: Family> ReplayPool<F> {
                 ));
             }
             let want = [b, self.cfg.conv_kernel - 1, self.cfg.conv_dim];
-            if cs.shape() != want || !cs.dtype().is_float() {
+            if cs.shape() != want {
                 return Err(Error::InvalidArgument(format!(
-                    "conv_state must be a float tensor of shape {want:?}, not {:?}",
+                    "conv_state has shape {:?}; expected {want:?}",
                     cs.shape()
                 )));
             }
+            check_float(cs, "conv_state")?;
             cs.expect_memory(self.ctx.memory(), "conv_state")?;
             if layers.len() > 1 {
                 return Err(Error::InvalidArgument(

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# run-all.sh of the GPU bundle (scripts/gpu-bundle.sh copies this file into gpu-bundle/).
+# Runs every GPU test in the bundle and prints a table. GPU tests fail (instead of skipping)
+# when no GPU is usable. Logs go to $OUT (if set) or ./logs.
+#
+#   bash run-all.sh                  every job once: the GPU test binaries, gpu_gdn again with
+#                                    each decode kernel forced and with the general verify
+#                                    kernel, the C GPU test and every example
+#   bash run-all.sh --sanitize       every job under compute-sanitizer, once per tool
+#                                    (memcheck, racecheck, synccheck, initcheck), with
+#                                    --error-exitcode 1 --print-limit 20; the table gives
+#                                    the error count of each (job, tool)
+#   bash run-all.sh --list           the job names
+#
+# Options (sanitize mode; --only works in both modes):
+#   --tools memcheck,racecheck   the tools to run (env KVR_SANITIZE_TOOLS, space or comma
+#                                separated; default: memcheck racecheck synccheck initcheck)
+#   --only REGEX                 only the jobs whose name matches (env KVR_RUN_ONLY), e.g.
+#                                --only '^gpu_kv$' or --only 'gpu_gdn|test_cuda'
+# Environment (sanitize mode):
+#   KVR_SANITIZE=1               same as --sanitize
+#   KVR_SANITIZE_TIMEOUT=900     seconds per (job, tool); a job past it is TIMEOUT, with the
+#                                errors its log shows so far
+#   KVR_SANITIZE_BUDGET=540      seconds for the whole run: (job, tool) pairs that would
+#                                start later are listed as SKIPPED (budget) and the next run
+#                                can pick them up with --only / --tools (default: no limit)
+#   KVR_SANITIZE_SKIP_<TOOL>     libtest --skip filters (test-name substrings, space
+#                                separated) for the GPU test binaries under that tool;
+#                                default for racecheck: "large" (its largest cases take
+#                                hours under racecheck); e.g. KVR_SANITIZE_SKIP_MEMCHECK=qwen3
+#   KVR_SANITIZE_FILTER=name     a libtest filter for the GPU test binaries (only the tests
+#                                whose name contains it)
+#   KVR_SANITIZE_LEAKS=1         memcheck also reports device memory leaks (--leak-check full)
+#   KVR_SANITIZER=/path          compute-sanitizer to use (default: on PATH, else
+#                                /usr/local/cuda/bin, /usr/local/cuda-*/bin, $CUDA_HOME/bin)
+# Exit status: 0 when every row passed (budget skips do not fail the run), 1 otherwise, 2 for
+# bad arguments or no compute-sanitizer.
+cd "$(dirname "${BASH_SOURCE[0]}")" || exit 2
+export KVR_REQUIRE_GPU=1
+export LD_LIBRARY_PATH="$PWD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+logs="${OUT:-$PWD/logs}"
+mkdir -p "$logs"
+
+sanitize="${KVR_SANITIZE:-0}"
+tools="${KVR_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}"
+only="${KVR_RUN_ONLY:-}"
+list=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sanitize) sanitize=1 ;;
+    --tools) tools="${2:-}"; shift ;;
+    --tools=*) tools="${1#--tools=}" ;;
+    --only) only="${2:-}"; shift ;;
+    --only=*) only="${1#--only=}" ;;
+    --list) list=1 ;;
+    -h | --help) sed -n '2,/^cd /p' "${BASH_SOURCE[0]}" | sed '$d'; exit 0 ;;
+    *) echo "run-all.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+tools="${tools//,/ }"
+[ "$sanitize" = 1 ] || [ "$sanitize" = 0 ] || sanitize=1
+
+# ---- the jobs: name, kind (test: a libtest binary; prog: a program), environment, argv ----
+names=() kinds=() envs=() argvs=()
+job() { # name kind "VAR=value ..." argv...
+  local name="$1" kind="$2" env="$3"
+  shift 3
+  names+=("$name")
+  kinds+=("$kind")
+  envs+=("$env")
+  argvs+=("$(printf '%q ' "$@")")
+}
+for t in bin/gpu_*; do
+  [ -x "$t" ] || continue
+  job "$(basename "$t")" test "" "$t" --test-threads=1 --nocapture
+done
+# The GDN tests again with each decode kernel forced (the library picks one per layout,
+# mode and batch size; every one must match the CPU backend) and with verify on the
+# general kernel instead of gdn_sverify.cu.
+if [ -x bin/gpu_gdn ]; then
+  for k in stream warp; do
+    job "gpu_gdn-$k" test "KVR_GDN_DECODE=$k" bin/gpu_gdn --test-threads=1 --nocapture
+  done
+  job gpu_gdn-stream-persistent test "KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1" \
+    bin/gpu_gdn --test-threads=1 --nocapture
+  job gpu_gdn-verify-general test "KVR_GDN_VERIFY=general" bin/gpu_gdn --test-threads=1 --nocapture
+fi
+[ -x bin/test_cuda_stream ] && job test_cuda_stream prog "" bin/test_cuda_stream
+for e in bin/example_*; do
+  [ -x "$e" ] || continue
+  case "$(basename "$e")" in
+    example_gguf_plan) job example_gguf_plan prog "" "$e" data/tiny-qwen3next.gguf 1 128 4 ;;
+    # The tiny model's head dims have no CUDA kernels (it runs on the CPU); the 80B
+    # configuration runs on CUDA at full-scale shapes.
+    example_demo)
+      job example_demo prog "" "$e" data/tiny-qwen3next.gguf
+      job example_demo-80b-cuda prog "" "$e" data/qwen3next-80b-a3b-header.gguf cuda ;;
+    *) job "$(basename "$e")" prog "" "$e" ;;
+  esac
+done
+selected=()
+for i in "${!names[@]}"; do
+  if [ -z "$only" ] || [[ "${names[$i]}" =~ $only ]]; then selected+=("$i"); fi
+done
+if [ "$list" = 1 ]; then
+  for i in "${selected[@]}"; do printf '%-36s %s\n' "${names[$i]}" "${kinds[$i]}"; done
+  exit 0
+fi
+if [ ${#selected[@]} -eq 0 ]; then
+  echo "run-all.sh: no job matches '$only' (see --list)" >&2
+  exit 2
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+declare -a rows
+fail=0
+secs() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}'; }
+
+# ---- plain mode ----
+if [ "$sanitize" = 0 ]; then
+  for i in "${selected[@]}"; do
+    name="${names[$i]}"
+    eval "argv=(${argvs[$i]})"
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086 # envs[] holds VAR=value words
+    if env ${envs[$i]} "${argv[@]}" >"$logs/$name.log" 2>&1; then status=PASS; else status=FAIL; fail=1; fi
+    rows+=("$(printf '%-48s %-4s %7ss' "$name" "$status" "$(secs "$start")")")
+    if [ "$status" = FAIL ]; then tail -n 40 "$logs/$name.log"; fi
+  done
+  echo
+  echo "GPU test results"
+  printf '%s\n' "${rows[@]}"
+  # Lines the tests print about accuracy (max relative error) and sizes.
+  grep -h -E "max relative error|checked|device " "$logs"/*.log 2>/dev/null | sed 's/^/  /' | head -n 60
+  exit $fail
+fi
+
+# ---- sanitize mode ----
+find_sanitizer() {
+  if [ -n "${KVR_SANITIZER:-}" ]; then
+    [ -x "$KVR_SANITIZER" ] && { echo "$KVR_SANITIZER"; return 0; }
+    return 1
+  fi
+  command -v compute-sanitizer 2>/dev/null && return 0
+  local d
+  # shellcheck disable=SC2012 # version-sorted directory names
+  for d in /usr/local/cuda/bin $(ls -d /usr/local/cuda-*/bin 2>/dev/null | sort -rV) \
+    ${CUDA_HOME:+"$CUDA_HOME/bin"} ${CUDA_PATH:+"$CUDA_PATH/bin"} /opt/cuda/bin; do
+    [ -x "$d/compute-sanitizer" ] && { echo "$d/compute-sanitizer"; return 0; }
+  done
+  return 1
+}
+for tool in $tools; do
+  case "$tool" in
+    memcheck | racecheck | synccheck | initcheck) ;;
+    *) echo "run-all.sh: unknown tool '$tool' (memcheck, racecheck, synccheck, initcheck)" >&2; exit 2 ;;
+  esac
+done
+if ! sanitizer="$(find_sanitizer)"; then
+  echo "run-all.sh --sanitize: no compute-sanitizer (not on PATH, not in /usr/local/cuda*/bin," \
+    "\$CUDA_HOME/bin; set KVR_SANITIZER=/path/to/compute-sanitizer)" >&2
+  exit 2
+fi
+echo "sanitizer: $sanitizer ($("$sanitizer" --version 2>/dev/null | grep -m1 -i version))"
+echo "tools: $tools; jobs: ${#selected[@]}; timeout ${KVR_SANITIZE_TIMEOUT:-900}s per (job, tool)" \
+  "${KVR_SANITIZE_BUDGET:+; budget ${KVR_SANITIZE_BUDGET}s}"
+tsv="$logs/sanitize.tsv"
+printf 'job\ttool\tstatus\terrors\tseconds\n' >"$tsv"
+run_start=$(date +%s)
+skipped=0
+
+# Errors a compute-sanitizer log reports: its ERROR SUMMARY, or (a run cut short) the
+# error records printed so far, marked with "+".
+count_errors() {
+  local n
+  n=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$1" | tail -n 1 | grep -Eo '[0-9]+')
+  if [ -n "$n" ]; then echo "$n"; return; fi
+  n=$(grep -cE '^========= +(Invalid|Uninitialized|Race|Barrier|Misaligned|Out-of-range|Program hit|Malloc|Free|Leaked|Unused|Warning|Error|.*[Hh]azard)' "$1")
+  echo "${n}+"
+}
+
+for tool in $tools; do
+  skip_var="KVR_SANITIZE_SKIP_$(echo "$tool" | tr '[:lower:]' '[:upper:]')"
+  if [ -n "${!skip_var+set}" ]; then skips="${!skip_var}"
+  elif [ "$tool" = racecheck ]; then skips="large"
+  else skips=""; fi
+  for i in "${selected[@]}"; do
+    name="${names[$i]}"
+    row() { # status errors seconds
+      rows+=("$(printf '%-36s %-10s %-8s %7s %8ss' "$name" "$tool" "$1" "$2" "$3")")
+      printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$tool" "$1" "$2" "$3" >>"$tsv"
+    }
+    limit="${KVR_SANITIZE_TIMEOUT:-900}"
+    if [ -n "${KVR_SANITIZE_BUDGET:-}" ]; then
+      left=$((KVR_SANITIZE_BUDGET - ($(date +%s) - run_start)))
+      if [ "$left" -le 5 ]; then row "SKIPPED" "-" "0.0"; skipped=$((skipped + 1)); continue; fi
+      [ "$left" -lt "$limit" ] && limit="$left"
+    fi
+    eval "argv=(${argvs[$i]})"
+    note=""
+    if [ "${kinds[$i]}" = test ]; then
+      [ -n "${KVR_SANITIZE_FILTER:-}" ] && argv+=("$KVR_SANITIZE_FILTER")
+      for s in $skips; do argv+=(--skip "$s"); done
+      [ -n "$skips" ] && note=" (skipping tests named *${skips// /*, *}*)"
+    fi
+    pre=("$sanitizer" --tool "$tool" --error-exitcode 1 --print-limit 20)
+    if [ "$tool" = memcheck ] && [ "${KVR_SANITIZE_LEAKS:-0}" = 1 ]; then pre+=(--leak-check full); fi
+    log="$logs/$name.$tool.log"
+    echo "== $name under $tool$note"
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086 # envs[] holds VAR=value words
+    env ${envs[$i]} timeout --kill-after=30 "$limit" "${pre[@]}" "${argv[@]}" >"$log" 2>&1
+    rc=$?
+    errors=$(count_errors "$log")
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=TIMEOUT
+    elif [ "${errors%+}" != 0 ]; then status=ERRORS
+    elif [ "$rc" != 0 ]; then status=FAIL
+    else status=PASS; fi
+    row "$status" "$errors" "$(secs "$start")"
+    if [ "$status" != PASS ]; then
+      fail=1
+      grep -E '^=========' "$log" | head -n 30
+      [ "$status" = FAIL ] && tail -n 20 "$log"
+    fi
+  done
+done
+echo
+echo "compute-sanitizer results (errors: the tool's ERROR SUMMARY; N+ = a run cut short)"
+printf '%-36s %-10s %-8s %7s %9s\n' job tool status errors time
+printf '%s\n' "${rows[@]}"
+echo "table: $tsv; logs: $logs/<job>.<tool>.log; $(($(date +%s) - run_start))s in all"
+if [ "$skipped" -gt 0 ]; then
+  echo "$skipped (job, tool) pairs skipped for the budget: run them with --only / --tools"
+fi
+exit $fail
