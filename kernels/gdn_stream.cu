@@ -500,7 +500,8 @@ __device__ void sdecode_body(const StepParams& p) {
     it = nxt;
     cur = next;
   }
-  // The last item's tail.
+  // The last item's tail (after every thread has read the flag above: racecheck).
+  __syncthreads();
   if (tid == 0) mi[7] = prev_arr == per_seq - 1;
   __syncthreads();
   if (mi[7]) run_tail(mi + kTailAt + (iter & 1) * kTailInts);
