@@ -176,6 +176,10 @@ count_errors() {
   local n
   n=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$1" | tail -n 1 | grep -Eo '[0-9]+')
   if [ -n "$n" ]; then echo "$n"; return; fi
+  # racecheck: "RACECHECK SUMMARY: H hazards displayed (E errors, W warnings)"
+  n=$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazards displayed \([0-9]+ error' "$1" | tail -n 1 |
+    grep -Eo '\([0-9]+' | tr -d '(')
+  if [ -n "$n" ]; then echo "$n"; return; fi
   n=$(grep -cE '^========= +(Invalid|Uninitialized|Race|Barrier|Misaligned|Out-of-range|Program hit|Malloc|Free|Leaked|Unused|Warning|Error|.*[Hh]azard)' "$1")
   echo "${n}+"
 }
