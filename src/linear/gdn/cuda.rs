@@ -417,20 +417,40 @@ impl GdnCuda {
             .map(|(r, _)| r)
     }
 
+    /// One launch of a GDN kernel with `p` as its parameters: `grid` CTAs of `threads`.
+    fn run(
+        &self,
+        kernel: Kernel,
+        grid: usize,
+        threads: u32,
+        smem: u32,
+        p: &mut StepParams,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (threads, 1, 1),
+            smem,
+            stream,
+            &mut args,
+        )
+    }
+
+    /// `kvr_gdn_finish`: metadata, ring keys and decays, after every CTA of a step has read
+    /// them.
+    fn finish(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+        self.run(Kernel::GdnFinish, rows, FINISH_THREADS, 0, p, stream)
+    }
+
     /// The streaming verify kernels (`p.tv` value rows per CTA): the drafts' products per
     /// (row, key head), then the verify, which finishes the step itself.
     fn launch_verify(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
         let cfg = &self.lay.cfg;
         p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
-        let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch(
-            Kernel::GdnVprep { dk: cfg.dk },
-            ((rows * cfg.k_heads) as u32, 1, 1),
-            (STREAM_THREADS, 1, 1),
-            0,
-            stream,
-            &mut args,
-        )?;
+        let vprep = Kernel::GdnVprep { dk: cfg.dk };
+        self.run(vprep, rows * cfg.k_heads, STREAM_THREADS, 0, p, stream)?;
         let kernel = Kernel::GdnVerify {
             state: cfg.state_dtype,
             vmajor: cfg.layout == StateLayout::VMajor,
@@ -438,14 +458,7 @@ impl GdnCuda {
         };
         let smem = sverify_smem_bytes(cfg, p.tv as usize, p.t as usize) as u32;
         let grid = rows * cfg.v_heads * p.tiles as usize;
-        self.cuda.launch(
-            kernel,
-            (grid as u32, 1, 1),
-            (STREAM_THREADS, 1, 1),
-            smem,
-            stream,
-            &mut args,
-        )
+        self.run(kernel, grid, STREAM_THREADS, smem, p, stream)
     }
 
     /// The streaming decode launch for a batch of `rows` sequences, or `None` where the
@@ -560,25 +573,9 @@ impl GdnCuda {
         let smem = smem_bytes(cfg.dk, p.tv as usize, t, p.hmax as usize);
         debug_assert!(smem <= STEP_SMEM_LIMIT);
         let grid = rows * cfg.v_heads * p.tiles as usize;
-        let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch(
-            kernel,
-            (grid as u32, 1, 1),
-            (THREADS, 1, 1),
-            smem,
-            stream,
-            &mut args,
-        )?;
+        self.run(kernel, grid, THREADS, smem, p, stream)?;
         if p.op != OP_EXPORT {
-            // Metadata, ring keys and decays, after every CTA of the step has read them.
-            self.cuda.launch(
-                Kernel::GdnFinish,
-                (rows as u32, 1, 1),
-                (FINISH_THREADS, 1, 1),
-                0,
-                stream,
-                &mut args,
-            )?;
+            self.finish(p, rows, stream)?;
         }
         Ok(())
     }
@@ -598,15 +595,7 @@ impl GdnCuda {
             dk: cfg.dk,
         };
         let smem = stream_smem_bytes(cfg, launch.rows, launch.stages) as u32;
-        let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch(
-            kernel,
-            (launch.grid as u32, 1, 1),
-            (STREAM_THREADS, 1, 1),
-            smem,
-            stream,
-            &mut args,
-        )
+        self.run(kernel, launch.grid, STREAM_THREADS, smem, p, stream)
     }
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
@@ -621,23 +610,8 @@ impl GdnCuda {
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let threads = 4 * p.tv as u32;
         let smem = gdn_decode_smem_bytes(p.hmax as usize);
-        let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch(
-            kernel,
-            (grid as u32, 1, 1),
-            (threads, 1, 1),
-            smem,
-            stream,
-            &mut args,
-        )?;
-        self.cuda.launch(
-            Kernel::GdnFinish,
-            (rows as u32, 1, 1),
-            (FINISH_THREADS, 1, 1),
-            0,
-            stream,
-            &mut args,
-        )
+        self.run(kernel, grid, threads, smem, p, stream)?;
+        self.finish(p, rows, stream)
     }
 
     /// Commits layers `layers` for the listed sequences in one launch per 256 rows.
