@@ -60,36 +60,39 @@ fn dev_tensor(t: &TensorView, row0: usize) -> DevTensor {
     }
 }
 
-/// Shared memory of one streaming decode CTA (`kvr_gdn_stream_smem_layout`).
-fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
-    crate::abi::gdn_stream_smem_bytes(
+/// A streaming kernel's shared memory for this pool: `formula` (one of kvr_abi.h's layouts,
+/// ported in src/abi.rs) at `rows` value rows per CTA and its last argument `x`.
+fn pool_smem(
+    cfg: &ReplayConfig,
+    rows: usize,
+    x: usize,
+    formula: fn(bool, usize, usize, usize, usize, usize, usize) -> usize,
+) -> usize {
+    formula(
         cfg.layout == StateLayout::VMajor,
         cfg.dk,
         rows,
         cfg.state_dtype.size(),
         cfg.ring_len,
         cfg.entry_dtype.size(),
-        stages,
+        x,
     )
 }
 
-/// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
+/// Shared memory of one streaming decode CTA (`kvr_gdn_stream_smem_layout`).
+fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
+    pool_smem(cfg, rows, stages, crate::abi::gdn_stream_smem_bytes)
+}
+
 /// Shared memory of one streaming verify CTA at `t` drafts (`kvr_gdn_verify_smem_layout`).
 fn sverify_smem_bytes(cfg: &ReplayConfig, rows: usize, t: usize) -> usize {
-    crate::abi::gdn_verify_smem_bytes(
-        cfg.layout == StateLayout::VMajor,
-        cfg.dk,
-        rows,
-        cfg.state_dtype.size(),
-        cfg.ring_len,
-        cfg.entry_dtype.size(),
-        t,
-    )
+    pool_smem(cfg, rows, t, crate::abi::gdn_verify_smem_bytes)
 }
 
 /// Scratch of the verify kernels: at most this many bytes, in launches of fewer rows.
 const VERIFY_SCRATCH_MAX: usize = 64 << 20;
 
+/// Value rows per CTA the kernels accept for these head dims: every thread holds 1..=8
 /// float4 vectors and V-major rows have at most 32 threads.
 fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
     let lo = 8usize.max(1024 / dk);
