@@ -252,14 +252,26 @@ __device__ void step_body(const StepParams& p) {
     return;
   }
   const int es = sizeof(SD);
-  char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * dk * dv) * es;
+  // An export of all layers has one grid row per layer (p.layers; p's parts are layer 0's).
+  const int layer = blockIdx.y;
+  char* const state = p.layers ? p.layers[layer].state : p.state;
+  const int64_t seq_stride = p.layers ? p.layers[layer].seq_stride : p.seq_stride;
+  char* const ring_u = p.ring_u + layer * p.ring_u_lb;
+  const char* const ring_k = p.ring_k + layer * p.ring_k_lb;
+  const float* const ring_g = reinterpret_cast<const float*>(reinterpret_cast<const char*>(p.ring_g) + layer * p.ring_g_lb);
+  int32_t* const meta_l = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(p.meta) + layer * p.meta_lb);
+  char* head = state + (static_cast<int64_t>(seq) * seq_stride + static_cast<int64_t>(h) * dk * dv) * es;
   const Geo geo = make_geo<VM>(dk, dv, tv, v0, tid);
-  int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  int32_t* meta = meta_l + static_cast<int64_t>(seq) * kMetaInts;
   const int mode = __ldcg(meta + kMetaMode), start = __ldcg(meta + kMetaStart);
-  const int hcnt = __ldcg(meta + kMetaH), conv_end = __ldcg(meta + kMetaConvEnd);
+  const int conv_end = __ldcg(meta + kMetaConvEnd);
+  // An export folds the first export_prefix entries (all when negative).
+  const int hcnt_all = __ldcg(meta + kMetaH);
+  const int hcnt = p.op == kOpExport && p.export_prefix >= 0 ? min(hcnt_all, p.export_prefix) : hcnt_all;
   const bool recurrent = mode == kModeRecurrent, kvonly = mode == kModeKvOnly;
-  const Place pl = placement(p, mode, start, hcnt);
+  const Place pl = placement(p, mode, start, hcnt_all);
   const bool flush = pl.flush, kv_store = pl.kv_store;
+  const bool additive = p.rule == KVR_GDN_RULE_ADDITIVE;
   const int base = pl.base;
   if (p.op == kOpFlush && !flush) return;  // nothing to write
   const bool materialize = !recurrent && (flush || p.op == kOpExport);
@@ -268,16 +280,16 @@ __device__ void step_body(const StepParams& p) {
   auto ring_pos = [&](int j) { return (start + j) % L; };
   auto entry_u = [&](int j) -> const char* {
     if (kvonly) return head + static_cast<int64_t>(j) * dv * ee;
-    return p.ring_u + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hv + h) * dv * ee;
+    return ring_u + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hv + h) * dv * ee;
   };
   auto entry_k = [&](int j) -> const char* {
     if (kvonly) return head + (static_cast<int64_t>(p.kv_cap) * dv + static_cast<int64_t>(j) * dk) * ee;
-    return p.ring_k + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hk + kh) * dk * ee;
+    return ring_k + ((static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hk + kh) * dk * ee;
   };
   auto entry_g = [&](int j) -> float {
     if (kvonly)
       return *reinterpret_cast<const float*>(head + static_cast<int64_t>(p.kv_cap) * (dv + dk) * ee + 4 * j);
-    return p.ring_g[(static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hv + h];
+    return ring_g[(static_cast<int64_t>(seq) * L + ring_pos(j)) * p.hv + h];
   };
 
   Smem sm = carve(reinterpret_cast<float*>(smem4), dk, tv, p.op == kOpStep ? T : 1, p.hmax);
@@ -344,8 +356,9 @@ __device__ void step_body(const StepParams& p) {
       sm.vrow[i] = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + s * p.v.s[1] + h * p.v.s[2] + (v0 + r) * p.v.s[3]);
     }
     if (tid < T) {
-      sm.gd[tid] = ldx(p.g.p, p.g.dtype, b * p.g.s[0] + tid * p.g.s[1] + h * p.g.s[2]);
-      sm.betas[tid] = ldx(p.beta.p, p.beta.dtype, b * p.beta.s[0] + tid * p.beta.s[1] + h * p.beta.s[2]);
+      const float2 gb = token_gb(p, b, tid, h);
+      sm.gd[tid] = gb.x;
+      sm.betas[tid] = gb.y;
     }
     __syncthreads();
     if (tid == 0) {
@@ -359,7 +372,7 @@ __device__ void step_body(const StepParams& p) {
     // A[s][s'] = beta_s e^{Gam_s - Gam_s'} (k_s . k_s'), B[s][s'] = e^{Gam_s - Gam_s'} (k_s' . q_s).
     for (int pr = warp; pr < 2 * T * T; pr += kWarps) {  // one warp per pair
       const int which = pr / (T * T), s = (pr % (T * T)) / T, s2 = pr % T;
-      if (s2 > s || (which == 0 && s2 == s)) continue;
+      if (s2 > s || (which == 0 && (s2 == s || additive))) continue;
       const float* a = sm.xs + (2 * s + (which == 0 ? 1 : 0)) * dk;  // k_s (A) or q_s (B)
       const float* c = sm.xs + (2 * s2 + 1) * dk;                     // k_s'
       float d = 0.f;
@@ -446,9 +459,10 @@ __device__ void step_body(const StepParams& p) {
       state_dot<VM, NV>(sv, geo, sm.xs + 2 * s * dk, dk, 0, 2, sm.hist, tv, 1.f, sm.red);
       __syncthreads();
       if (tid < tv) {
-        const float u = sm.betas[s] * (sm.vrow[s * tv + tid] - sm.hist[tv + tid]);
+        const float x = sm.vrow[s * tv + tid];
+        const float u = sm.betas[s] * (additive ? x : x - sm.hist[tv + tid]);
         const float y = sm.hist[tid] + sm.coefB[s * kMaxT + s] * u;
-        stx(out.p, out.dtype, out_index(s, tid), y);
+        stx(out.p, out.dtype, out_index(s, tid), epilogue(p, b, s, h, v0 + tid, x, y));
         sm.urow[tid] = u;
       }
       __syncthreads();
@@ -525,9 +539,9 @@ __device__ void step_body(const StepParams& p) {
         for (int e = 0; e < 4; ++e) {
           int64_t o;
           if (!VM)
-            o = h * out.s[0] + (geo.line0 + i * geo.lstep) * out.s[1] + (v0 + 4 * geo.c + e) * out.s[2];
+            o = layer * out.s[3] + h * out.s[0] + (geo.line0 + i * geo.lstep) * out.s[1] + (v0 + 4 * geo.c + e) * out.s[2];
           else
-            o = h * out.s[0] + (v0 + geo.row) * out.s[1] + (4 * (geo.gi + geo.G * i) + e) * out.s[2];
+            o = layer * out.s[3] + h * out.s[0] + (v0 + geo.row) * out.s[1] + (4 * (geo.gi + geo.G * i) + e) * out.s[2];
           stx(out.p, out.dtype, o, vals[e]);
         }
       }
@@ -540,6 +554,10 @@ __device__ void step_body(const StepParams& p) {
     if (tid < tv) {
       const int r = tid;
       for (int s = 0; s < T; ++s) {
+        if (additive) {
+          sm.urow[s * tv + r] = sm.betas[s] * sm.vrow[s * tv + r];
+          continue;
+        }
         float R = sm.betas[s] * (sm.vrow[s * tv + r] - sm.egam[s] * sm.hist[(2 * s + 1) * tv + r]);
         for (int s2 = 0; s2 < s; ++s2) R -= sm.coefA[s * kMaxT + s2] * sm.urow[s2 * tv + r];
         sm.urow[s * tv + r] = R;
@@ -547,13 +565,13 @@ __device__ void step_body(const StepParams& p) {
       for (int s = 0; s < T; ++s) {
         float y = sm.egam[s] * sm.hist[2 * s * tv + r];
         for (int s2 = 0; s2 <= s; ++s2) y += sm.coefB[s * kMaxT + s2] * sm.urow[s2 * tv + r];
-        stx(out.p, out.dtype, out_index(s, r), y);
+        stx(out.p, out.dtype, out_index(s, r), epilogue(p, b, s, h, v0 + r, sm.vrow[s * tv + r], y));
         const float u = sm.urow[s * tv + r];
         if (kv_store) {
           stx(head + static_cast<int64_t>(base + s) * dv * ee, p.entry_dtype, v0 + r, u);
         } else {
           const int pos = (base + s) % L;
-          stx(p.ring_u + ((static_cast<int64_t>(seq) * L + pos) * p.hv + h) * dv * ee, p.entry_dtype, v0 + r, u);
+          stx(ring_u + ((static_cast<int64_t>(seq) * L + pos) * p.hv + h) * dv * ee, p.entry_dtype, v0 + r, u);
         }
       }
     }
@@ -641,7 +659,7 @@ __device__ void commit_body(const CommitParams& p) {
     for (int i = tid; i < p.conv_k1 * p.conv_dim; i += blockDim.x) {
       const int ii = i / p.conv_dim, c = i % p.conv_dim;
       const int slot = (conv_end + a - p.conv_k1 + ii) % p.conv_slots;
-      stx(o.p, o.dtype, b * o.s[0] + ii * o.s[1] + c * o.s[2],
+      stx(o.p, o.dtype, (l - p.layer0) * o.s[3] + b * o.s[0] + ii * o.s[1] + c * o.s[2],
           ldx(cw + static_cast<int64_t>(slot) * p.conv_dim * ce, p.conv_dtype, c));
     }
   }

@@ -277,6 +277,34 @@ __device__ __forceinline__ void head_barrier(uint32_t* ctr, int n) {
 // Where a step's new entries go, from the sequence's metadata before the step: whether it
 // flushes (or leaves KV-only mode) first, whether the entries stay in the KV-only store,
 // and the first position. The step and finish kernels must agree, so both use this.
+// (log decay g, input weight beta) of (row b, token s, value head h): the g and beta tensors
+// (absent: 0 and 1), or Mamba-2's discretization of the raw dt in `beta` (kvr_abi.h,
+// KVR_GDN_DT_*; softplus as mamba_ssm and llama.cpp: identity above 20).
+__device__ __forceinline__ float2 token_gb(const StepParams& p, int b, int s, int h) {
+  if (p.dt_mode == KVR_GDN_DT_NONE) {
+    const float g = p.g.p ? ldx(p.g.p, p.g.dtype, b * p.g.s[0] + s * p.g.s[1] + h * p.g.s[2]) : 0.f;
+    const float beta =
+        p.beta.p ? ldx(p.beta.p, p.beta.dtype, b * p.beta.s[0] + s * p.beta.s[1] + h * p.beta.s[2]) : 1.f;
+    return make_float2(g, beta);
+  }
+  float dt = ldx(p.beta.p, p.beta.dtype, b * p.beta.s[0] + s * p.beta.s[1] + h * p.beta.s[2]);
+  if (p.dt_bias.p) dt += ldx(p.dt_bias.p, p.dt_bias.dtype, h * p.dt_bias.s[0]);
+  if (p.dt_mode == KVR_GDN_DT_SOFTPLUS) dt = dt <= 20.f ? log1pf(expf(dt)) : dt;
+  dt = fminf(fmaxf(dt, p.dt_min), p.dt_max);
+  return make_float2(ldx(p.a.p, p.a.dtype, h * p.a.s[0]) * dt, dt);
+}
+
+// The output of (row b, token s, value head h, value row r) after the skip and the gate:
+// (y + skip[h] v) * silu(z).
+__device__ __forceinline__ float epilogue(const StepParams& p, int b, int s, int h, int r, float v, float y) {
+  if (p.skip.p) y += ldx(p.skip.p, p.skip.dtype, h * p.skip.s[0]) * v;
+  if (p.gate.p) {
+    const float z = ldx(p.gate.p, p.gate.dtype, b * p.gate.s[0] + s * p.gate.s[1] + h * p.gate.s[2] + r * p.gate.s[3]);
+    y *= z / (1.f + expf(-z));
+  }
+  return y;
+}
+
 struct Place {
   bool flush, kv_store;
   int base;
@@ -324,8 +352,7 @@ __device__ __forceinline__ void ring_keys_and_decays(const StepParams& p, int b,
   for (int i = tid; i < T * p.hv; i += nthreads) {
     const int s = i / p.hv, hh = i % p.hv;
     const int pos = (base + s) % L;
-    p.ring_g[(static_cast<int64_t>(seq) * L + pos) * p.hv + hh] =
-        ldx(p.g.p, p.g.dtype, b * p.g.s[0] + s * p.g.s[1] + hh * p.g.s[2]);
+    p.ring_g[(static_cast<int64_t>(seq) * L + pos) * p.hv + hh] = token_gb(p, b, s, hh).x;
   }
 }
 

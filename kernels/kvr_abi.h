@@ -239,6 +239,15 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_OP_FLUSH 1
 #define KVR_GDN_OP_EXPORT 2
 
+/* kvr_gdn_step_args.rule: how a token's entry is formed (src/linear/replay/plan.rs). */
+#define KVR_GDN_RULE_DELTA 0    /* u = beta (v - S k) (Gated DeltaNet) */
+#define KVR_GDN_RULE_ADDITIVE 1 /* u = beta v (linear attention, Mamba-2) */
+
+/* kvr_gdn_step_args.dt_mode: where beta and g come from. */
+#define KVR_GDN_DT_NONE 0     /* beta and g tensors (p 0: 1 and 0) */
+#define KVR_GDN_DT_GATE 1     /* Mamba-2: dt' = clamp(dt + bias, min, max) from the beta tensor; */
+#define KVR_GDN_DT_SOFTPLUS 2 /*   ... softplus before the clamp; beta = dt', g = A[h] dt' */
+
 /* A strided tensor argument (up to 4 dims, strides in elements). */
 typedef struct {
   KVR_PTR(void) p;
@@ -246,6 +255,12 @@ typedef struct {
   int32_t dtype; /* KVR_DT_* */
   int32_t pad;
 } kvr_gdn_tensor;
+
+/* One layer's state (kvr_gdn_commit, exports of all layers). */
+typedef struct {
+  KVR_PTR(char) state;
+  int64_t seq_stride;
+} kvr_gdn_layer_state;
 
 /* kvr_gdn_step_*, kvr_gdn_finish, kvr_gdn_decode_*, kvr_gdn_sdecode_*: one layer. */
 typedef struct {
@@ -259,8 +274,12 @@ typedef struct {
   KVR_PTR(uint32_t) sync;       /* per-(seq, value head) arrival counters (all layers) */
   KVR_PTR(const int32_t) ids;   /* device sequence ids, or 0: ids_inline */
   KVR_PTR(float) scratch;       /* verify: per-(row, key head) records of kvr_gdn_vprep_* */
+  KVR_PTR(const kvr_gdn_layer_state) layers; /* export of all layers (gridDim.y > 1) */
   int64_t seq_stride;           /* state elements between sequence slots */
+  int64_t ring_u_lb, ring_k_lb, ring_g_lb, meta_lb; /* bytes between layers of each part */
   kvr_gdn_tensor q, k, v, g, beta, out, conv_in;
+  kvr_gdn_tensor skip, gate;    /* y += skip[h] v (p 0: none); y *= silu(gate) (p 0: none) */
+  kvr_gdn_tensor a, dt_bias;    /* KVR_GDN_DT_GATE*: A [hv], bias [hv] (p 0: 0) */
   int32_t op;                   /* KVR_GDN_OP_* */
   int32_t b, t, hk, hv, dk, dv; /* batch rows, tokens, key / value heads, head dims */
   int32_t l;                    /* ring length L (0: recurrent pool) */
@@ -268,15 +287,12 @@ typedef struct {
   int32_t tiles, auto_commit, l2norm, hmax, export_seq;
   int32_t stages;               /* gdn_stream.cu: state tiles per CTA (2: persistent CTAs) */
   float scale;
-  int32_t pad1;
+  int32_t rule;                 /* KVR_GDN_RULE_* */
+  int32_t dt_mode;              /* KVR_GDN_DT_* */
+  float dt_min, dt_max;
+  int32_t export_prefix;        /* export: entries folded into the state (-1: all) */
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_step_args;
-
-/* One layer's state (kvr_gdn_commit). */
-typedef struct {
-  KVR_PTR(char) state;
-  int64_t seq_stride;
-} kvr_gdn_layer_state;
 
 /* kvr_gdn_commit: layers [layer0, layer0 + gridDim.z). */
 typedef struct {
@@ -285,7 +301,7 @@ typedef struct {
   KVR_PTR(int32_t) meta;             /* all layers */
   KVR_PTR(char) conv;                /* all layers */
   KVR_PTR(const int32_t) accepted;   /* device counts, or 0: acc_inline */
-  kvr_gdn_tensor conv_out;           /* [B, conv_kernel - 1, conv_dim], p 0 when not wanted */
+  kvr_gdn_tensor conv_out;           /* [B, conv_kernel - 1, conv_dim] (s[3]: between layers), p 0 when not wanted */
   int64_t snap_layer_bytes, state_bytes, conv_layer_bytes;
   int32_t layer0, max_seqs, max_drafts, recurrent, conv_dim, conv_slots, conv_k1, conv_dtype;
   int32_t chunks, acc_stride, state_es, pad;

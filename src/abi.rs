@@ -141,6 +141,13 @@ abi_consts! {
     KVR_GDN_OP_STEP: i32 = 0;
     KVR_GDN_OP_FLUSH: i32 = 1;
     KVR_GDN_OP_EXPORT: i32 = 2;
+    /// `GdnStepArgs::rule`.
+    KVR_GDN_RULE_DELTA: i32 = 0;
+    KVR_GDN_RULE_ADDITIVE: i32 = 1;
+    /// `GdnStepArgs::dt_mode`.
+    KVR_GDN_DT_NONE: i32 = 0;
+    KVR_GDN_DT_GATE: i32 = 1;
+    KVR_GDN_DT_SOFTPLUS: i32 = 2;
 }
 
 const _: () = assert!(KVR_COPY_MAX_DIMS == crate::tensor::MAX_DIMS);
@@ -299,7 +306,12 @@ abi_structs! {
         sync: u64,
         ids: u64,
         scratch: u64,
+        layers: u64,
         seq_stride: i64,
+        ring_u_lb: i64,
+        ring_k_lb: i64,
+        ring_g_lb: i64,
+        meta_lb: i64,
         q: GdnTensor,
         k: GdnTensor,
         v: GdnTensor,
@@ -307,6 +319,10 @@ abi_structs! {
         beta: GdnTensor,
         out: GdnTensor,
         conv_in: GdnTensor,
+        skip: GdnTensor,
+        gate: GdnTensor,
+        a: GdnTensor,
+        dt_bias: GdnTensor,
         op: i32,
         b: i32,
         t: i32,
@@ -332,7 +348,11 @@ abi_structs! {
         /// or 2 (persistent CTAs, the next item's tile in flight).
         stages: i32,
         scale: f32,
-        pad1: i32,
+        rule: i32,
+        dt_mode: i32,
+        dt_min: f32,
+        dt_max: f32,
+        export_prefix: i32,
         ids_inline: [i32; KVR_GDN_MAX_INLINE],
     }
 

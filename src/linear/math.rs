@@ -1,8 +1,9 @@
-//! The Gated DeltaNet step math, per (sequence, layer, value head), on plain f32 slices.
-//! The CPU backend runs it directly; the CUDA kernels (kernels/gdn.cu) implement the same
-//! formulas and are tested against it.
+//! The replay step math, per (sequence, layer, value head), on plain f32 slices. The CPU
+//! backend runs it directly; the CUDA kernels (kernels/gdn*.cu) implement the same formulas
+//! and are tested against it.
 //!
-//! Recurrence (one token): S <- e^g S; u = beta (v - S k); S <- S + u k^T; y = S q, with S a
+//! Recurrence (one token): S <- e^g S; u = beta (v - S k) (the delta rule, Gated DeltaNet)
+//! or u = beta v (additive: linear attention, Mamba-2); S <- S + u k^T; y = S q, with S a
 //! `dv x dk` matrix (stored K-major `[dk][dv]` or V-major `[dv][dk]`).
 //!
 //! Replay: a checkpoint S0 plus h buffered entries (u_j, k_j, g_j) stand for
@@ -13,7 +14,8 @@
 //!   (I + A) U = R, A[s][s'] = beta_s e^{Gam_s - Gam_s'} (k_s . k_s') for s' < s,
 //!   R_s = beta_s (v_s - e^{Gam_s} S_h k_s),
 //!   y_s = e^{Gam_s} S_h q_s + sum_{s' <= s} e^{Gam_s - Gam_s'} (k_s' . q_s) U_s'.
-//! A is strictly lower triangular: forward substitution, no per-draft state.
+//! A is strictly lower triangular: forward substitution, no per-draft state. The additive
+//! rule has A = 0 and R_s = beta_s v_s.
 
 #![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
 
@@ -135,10 +137,12 @@ pub struct Draft<'a> {
     pub beta: f32,
 }
 
-/// Outputs `y[s]` and corrected values `u[s]` for T drafts on top of the history
-/// (`s0`, `entries`), without materializing any state.
+/// Outputs `y[s]` and entry values `u[s]` for T drafts on top of the history
+/// (`s0`, `entries`), without materializing any state (`delta`: the delta rule, else
+/// additive).
 #[allow(clippy::too_many_arguments)]
 pub fn verify_head(
+    delta: bool,
     s0: Option<&[f32]>,
     layout: StateLayout,
     dk: usize,
@@ -159,8 +163,14 @@ pub fn verify_head(
     let mut hq = vec![vec![0f32; dv]; t];
     // R_s and the history readouts.
     for s in 0..t {
-        history_apply(s0, layout, dk, dv, entries, drafts[s].k, &mut hk);
         history_apply(s0, layout, dk, dv, entries, drafts[s].q, &mut hq[s]);
+        if !delta {
+            for iv in 0..dv {
+                u[s][iv] = drafts[s].beta * drafts[s].v[iv];
+            }
+            continue;
+        }
+        history_apply(s0, layout, dk, dv, entries, drafts[s].k, &mut hk);
         let e = gam[s].exp();
         for iv in 0..dv {
             u[s][iv] = drafts[s].beta * (drafts[s].v[iv] - e * hk[iv]);
@@ -190,6 +200,7 @@ pub fn verify_head(
 
 /// The plain recurrence for one token, in place: returns y and leaves S updated.
 pub fn recurrent_step(
+    delta: bool,
     s: &mut [f32],
     layout: StateLayout,
     dk: usize,
@@ -203,8 +214,10 @@ pub fn recurrent_step(
     }
     for iv in 0..dv {
         let mut sk = 0f32;
-        for ik in 0..dk {
-            sk += s[layout.index(dk, dv, iv, ik)] * d.k[ik];
+        if delta {
+            for ik in 0..dk {
+                sk += s[layout.index(dk, dv, iv, ik)] * d.k[ik];
+            }
         }
         let u = d.beta * (d.v[iv] - sk);
         for ik in 0..dk {

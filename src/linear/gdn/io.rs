@@ -1,9 +1,9 @@
 //! The GDN family's call: its tensors, options and the checked plan its executors run.
 
-use crate::backend::{BackendKind, Context};
-use crate::error::{Error, Result};
+use crate::backend::Context;
+use crate::error::Result;
+use crate::linear::replay::plan::{Checker, Rule, StepPlan};
 use crate::linear::replay::ReplayConfig;
-use crate::pool::{as_batch_3d, as_batch_4d, check_float};
 use crate::tensor::TensorView;
 
 /// The GDN family (a marker type for `ReplayPool`).
@@ -35,21 +35,6 @@ pub struct GdnIo<'a> {
     pub conv_in: Option<&'a TensorView>,
 }
 
-/// A checked decode/verify call: every tensor normalized to `[B, T, H, D]` (g, beta,
-/// conv_in: `[B, T, X]`).
-#[derive(Clone, Debug)]
-pub struct GdnPlan {
-    pub(crate) q: TensorView,
-    pub(crate) k: TensorView,
-    pub(crate) v: TensorView,
-    pub(crate) g: TensorView,
-    pub(crate) beta: TensorView,
-    pub(crate) out: TensorView,
-    pub(crate) conv_in: Option<TensorView>,
-    pub(crate) scale: f32,
-    pub(crate) l2norm: bool,
-}
-
 /// Checks a decode/verify call of `b` rows and normalizes its tensors.
 pub(crate) fn plan(
     c: &ReplayConfig,
@@ -58,91 +43,34 @@ pub(crate) fn plan(
     opts: &GdnOptions,
     b: usize,
     decode: bool,
-) -> Result<(GdnPlan, usize)> {
-    let memory = ctx.memory();
-    let four = |t: &TensorView, name: &str, h: usize, d: usize| -> Result<TensorView> {
-        let v = as_batch_4d(t, name, decode)?;
-        let s = v.shape();
-        if s[0] != b || s[2] != h || s[3] != d {
-            return Err(Error::InvalidArgument(format!(
-                "{name} has shape {:?}; expected [{b}, T, {h}, {d}]",
-                t.shape()
-            )));
-        }
-        check_float(&v, name)?;
-        v.expect_memory(memory, name)?;
-        Ok(v)
+) -> Result<(StepPlan, usize)> {
+    let ck = Checker {
+        cfg: c,
+        ctx,
+        b,
+        decode,
     };
-    let q = four(io.q, "q", c.k_heads, c.dk)?;
-    let t = q.shape()[1];
-    let k = four(io.k, "k", c.k_heads, c.dk)?;
-    let v = four(io.v, "v", c.v_heads, c.dv)?;
-    let out = four(io.out, "out", c.v_heads, c.dv)?;
-    let three = |x: &TensorView, name: &str, last: usize| -> Result<TensorView> {
-        let v = as_batch_3d(x, name, decode)?;
-        if v.shape() != [b, t, last] {
-            return Err(Error::InvalidArgument(format!(
-                "{name} has shape {:?}; expected [{b}, {t}, {last}]",
-                x.shape()
-            )));
-        }
-        check_float(&v, name)?;
-        v.expect_memory(memory, name)?;
-        Ok(v)
-    };
-    let g = three(io.g, "g", c.v_heads)?;
-    let beta = three(io.beta, "beta", c.v_heads)?;
-    for (name, x) in [("k", &k), ("v", &v), ("out", &out)] {
-        if x.shape()[1] != t {
-            return Err(Error::InvalidArgument(format!(
-                "{name} has T = {} but q has {t}",
-                x.shape()[1]
-            )));
-        }
-    }
-    if !out.is_non_overlapping() {
-        return Err(Error::InvalidArgument(
-            "out has overlapping elements".into(),
-        ));
-    }
-    let conv_in = match (io.conv_in, c.conv_dim) {
-        (None, 0) => None,
-        (Some(_), 0) => {
-            return Err(Error::InvalidArgument(
-                "conv_in given but the pool keeps no conv window (conv_dim = 0)".into(),
-            ))
-        }
-        (None, _) => {
-            return Err(Error::NullArgument(
-                "conv_in is required: the pool keeps conv windows (conv_dim > 0)".into(),
-            ))
-        }
-        (Some(x), d) => Some(three(x, "conv_in", d)?),
-    };
-    if ctx.backend() == BackendKind::Cuda {
-        for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("out", &out)] {
-            if x.strides()[3] != 1 {
-                return Err(Error::InvalidArgument(format!(
-                    "on CUDA, {name}'s last dimension must be contiguous"
-                )));
-            }
-        }
-    }
-    let scale = opts.scale.unwrap_or(1.0 / (c.dk as f32).sqrt());
-    if !scale.is_finite() {
-        return Err(Error::InvalidArgument(format!(
-            "scale {scale} is not finite"
-        )));
-    }
-    let plan = GdnPlan {
+    let q = ck.four(io.q, "q", c.k_heads, c.dk)?;
+    let k = ck.four(io.k, "k", c.k_heads, c.dk)?;
+    let v = ck.four(io.v, "v", c.v_heads, c.dv)?;
+    let out = ck.four(io.out, "out", c.v_heads, c.dv)?;
+    let t = ck.same_t(&[("q", &q), ("k", &k), ("v", &v), ("out", &out)])?;
+    let g = ck.three(io.g, "g", t, c.v_heads)?;
+    let beta = ck.three(io.beta, "beta", t, c.v_heads)?;
+    ck.out(&out)?;
+    let plan = StepPlan {
+        rule: Rule::Delta,
         q,
         k,
         v,
-        g,
-        beta,
         out,
-        conv_in,
-        scale,
+        g: Some(g),
+        beta: Some(beta),
+        dt: None,
+        skip: None,
+        gate: None,
+        conv_in: ck.conv_in(io.conv_in, t)?,
+        scale: ck.scale(opts.scale)?,
         l2norm: opts.l2norm_qk,
     };
     Ok((plan, t))

@@ -3,19 +3,13 @@
 //! L2-normalized key and its log decay; verify solves the drafts' corrections in parallel
 //! (`math::verify_head`). Kernels: kernels/gdn*.cu.
 
-mod cpu;
-mod cuda;
 mod io;
 
-use std::sync::Arc;
+pub use io::{Gdn, GdnIo, GdnOptions};
 
-pub use io::{Gdn, GdnIo, GdnOptions, GdnPlan};
-
-use crate::backend::cpu::ThreadPool;
-use crate::backend::cuda::CudaBackend;
 use crate::backend::Context;
 use crate::error::Result;
-use crate::linear::replay::{Executor, Family, Layout, ReplayConfig, ReplayPool, Step};
+use crate::linear::replay::{Family, ReplayConfig, ReplayPool, StepPlan};
 use crate::tensor::TensorView;
 
 /// A Gated DeltaNet replay pool.
@@ -26,7 +20,6 @@ pub type GdnConfig = ReplayConfig;
 impl Family for Gdn {
     type Io<'a> = GdnIo<'a>;
     type Options = GdnOptions;
-    type Plan = GdnPlan;
 
     fn seq_ids<'a>(io: &Self::Io<'a>) -> &'a TensorView {
         io.seq_ids
@@ -39,15 +32,7 @@ impl Family for Gdn {
         opts: &GdnOptions,
         b: usize,
         decode: bool,
-    ) -> Result<(GdnPlan, usize)> {
+    ) -> Result<(StepPlan, usize)> {
         io::plan(c, ctx, io, opts, b, decode)
-    }
-
-    fn cpu_step(layout: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool) {
-        cpu::step(layout, step, threads)
-    }
-
-    fn cuda_executor(cuda: Arc<CudaBackend>, layout: &Layout) -> Result<Box<dyn Executor<Gdn>>> {
-        Ok(Box::new(cuda::GdnCuda::new(cuda, layout)?))
     }
 }

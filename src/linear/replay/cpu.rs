@@ -3,13 +3,12 @@
 
 #![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use half::{bf16, f16};
 
 use super::config::ReplayConfig;
-use super::exec::{Commit, Executor, Family, Step};
+use super::exec::{Commit, Executor, Step};
 use super::meta::{
     self, Meta, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING, META_START,
     MODE_KV_ONLY, MODE_RECURRENT, MODE_REPLAY,
@@ -274,11 +273,17 @@ fn import_state(
 
 /// The current state of head `h` (checkpoint and ring, or the entries alone).
 pub fn current_state(s: &Slot<'_>, meta: &Meta, h: usize) -> Vec<f32> {
+    state_after(s, meta, h, meta[META_H] as usize)
+}
+
+/// The state of head `h` after the checkpoint and the first `keep` entries.
+fn state_after(s: &Slot<'_>, meta: &Meta, h: usize, keep: usize) -> Vec<f32> {
     let c = s.cfg;
     if meta[META_MODE] == MODE_RECURRENT {
         return s.read_state(s.state(h));
     }
-    let ents = s.entries(meta, h);
+    let mut ents = s.entries(meta, h);
+    ents.truncate(keep);
     let s0 = (meta[META_MODE] == MODE_REPLAY).then(|| s.read_state(s.state(h)));
     let mut out = vec![0f32; c.dk * c.dv];
     math::materialize(
@@ -306,28 +311,36 @@ fn conv_window_out(s: &Slot<'_>, end: i32, dst: &TensorView, idx_prefix: &[usize
     }
 }
 
+/// Writes the state of (layer, seq) after `keep` entries (None: all) into `out` at index
+/// `lead` (`[]`, or `[layer]` for a materialize), and the conv window at that point.
 fn export_state(
     lay: &Layout,
     layer: usize,
     seq: usize,
+    keep: Option<usize>,
+    lead: &[usize],
     out: &TensorView,
     conv_out: Option<&TensorView>,
 ) {
     let cfg = &lay.cfg;
     let s = Slot::new(lay, layer, seq);
     let meta = s.read_meta();
+    let fill = meta[META_H] as usize;
+    let keep = keep.unwrap_or(fill).min(fill);
     let inner = match cfg.layout {
         StateLayout::KMajor => (cfg.dk, cfg.dv),
         StateLayout::VMajor => (cfg.dv, cfg.dk),
     };
     for h in 0..cfg.v_heads {
-        let cur = current_state(&s, &meta, h);
+        let cur = state_after(&s, &meta, h, keep);
         for r in 0..inner.0 {
-            write_vec(out, &[h, r, 0], &cur[r * inner.1..(r + 1) * inner.1]);
+            let idx: Vec<usize> = lead.iter().copied().chain([h, r, 0]).collect();
+            write_vec(out, &idx, &cur[r * inner.1..(r + 1) * inner.1]);
         }
     }
     if let Some(cw) = conv_out {
-        conv_window_out(&s, meta[META_CONV_END], cw, &[]);
+        let end = meta[META_CONV_END] - (fill - keep) as i32;
+        conv_window_out(&s, end, cw, lead);
     }
 }
 
@@ -392,9 +405,9 @@ fn commit(
 /// metadata and entries: the new ring keys (`ring_key(row, token, key head)`, as the
 /// family forms them), the flush's metadata, the conv inputs `[B, T, conv_dim]`, then the
 /// committed (decode) or pending (verify) count.
-pub fn finish_step<P>(
+pub fn finish_step(
     lay: &Layout,
-    step: &Step<'_, P>,
+    step: &Step<'_>,
     ring_key: impl Fn(usize, usize, usize) -> Vec<f32>,
     conv_in: Option<&TensorView>,
 ) {
@@ -439,26 +452,24 @@ pub fn finish_step<P>(
     }
 }
 
-/// The CPU executor of a family: the generic slot operations above plus the family's step
-/// (`Family::cpu_step`) on the context's thread pool.
-pub struct CpuExecutor<F> {
+/// The CPU executor: the slot operations above plus the step (`step.rs`) on the context's
+/// thread pool.
+pub struct CpuExecutor {
     cpu: Arc<CpuBackend>,
     lay: Layout,
-    _family: PhantomData<fn() -> F>,
 }
 
-impl<F: Family> CpuExecutor<F> {
+impl CpuExecutor {
     /// The executor of a pool laid out as `lay` in host memory.
     pub fn new(cpu: Arc<CpuBackend>, lay: &Layout) -> Self {
         CpuExecutor {
             cpu,
             lay: lay.clone(),
-            _family: PhantomData,
         }
     }
 }
 
-impl<F: Family> Executor<F> for CpuExecutor<F> {
+impl Executor for CpuExecutor {
     fn reset_slot(&self, slot: usize, meta: &Meta, _stream: Stream) -> Result<()> {
         reset_slot(&self.lay, slot, meta);
         Ok(())
@@ -482,11 +493,24 @@ impl<F: Family> Executor<F> for CpuExecutor<F> {
         conv_out: Option<&TensorView>,
         _stream: Stream,
     ) -> Result<()> {
-        export_state(&self.lay, layer, slot, out, conv_out);
+        export_state(&self.lay, layer, slot, None, &[], out, conv_out);
         Ok(())
     }
-    fn step(&self, step: &Step<'_, F::Plan>, _stream: Stream) -> Result<()> {
-        F::cpu_step(&self.lay, step, self.cpu.pool());
+    fn materialize(
+        &self,
+        slot: usize,
+        keep: usize,
+        out: &TensorView,
+        conv_out: Option<&TensorView>,
+        _stream: Stream,
+    ) -> Result<()> {
+        for l in 0..self.lay.cfg.layers {
+            export_state(&self.lay, l, slot, Some(keep), &[l], out, conv_out);
+        }
+        Ok(())
+    }
+    fn step(&self, step: &Step<'_>, _stream: Stream) -> Result<()> {
+        super::step::step(&self.lay, step, self.cpu.pool());
         Ok(())
     }
     fn commit(&self, c: &Commit<'_>, _stream: Stream) -> Result<()> {

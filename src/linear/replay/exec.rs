@@ -1,14 +1,12 @@
-//! The interface between the replay core and a family: the family's calls and plans, and
-//! the executor each backend provides (chosen once, when a pool is created).
+//! The interface between the replay core and a family (its calls, checked into a
+//! `StepPlan`), and the executor each backend provides (chosen once, when a pool is
+//! created; it runs every family's plans).
 
 use std::ops::Range;
-use std::sync::Arc;
 
 use super::config::ReplayConfig;
 use super::meta::Meta;
-use super::storage::Layout;
-use crate::backend::cpu::ThreadPool;
-use crate::backend::cuda::CudaBackend;
+use super::plan::StepPlan;
 use crate::backend::{Context, Stream};
 use crate::error::Result;
 use crate::pool::BatchIds;
@@ -20,8 +18,6 @@ pub trait Family: Sized + Send + Sync + 'static {
     type Io<'a>: Copy;
     /// Options of one decode or verify call.
     type Options;
-    /// A checked call: the family's tensors normalized for its executors.
-    type Plan;
     /// The i32 `[B]` sequence ids of a call.
     fn seq_ids<'a>(io: &Self::Io<'a>) -> &'a TensorView;
     /// Checks a call of `b` rows against the pool (the ids are checked by the core) and
@@ -33,17 +29,11 @@ pub trait Family: Sized + Send + Sync + 'static {
         opts: &Self::Options,
         b: usize,
         decode: bool,
-    ) -> Result<(Self::Plan, usize)>;
-    /// The family's decode/verify on the CPU, for every (row, head) of `step` on `threads`,
-    /// then the per-sequence bookkeeping (the rest of the CPU executor is the core's).
-    fn cpu_step(layout: &Layout, step: &Step<'_, Self::Plan>, threads: &ThreadPool);
-    /// The CUDA executor of a new pool laid out as `layout` in device memory (or
-    /// `Unsupported`).
-    fn cuda_executor(cuda: Arc<CudaBackend>, layout: &Layout) -> Result<Box<dyn Executor<Self>>>;
+    ) -> Result<(StepPlan, usize)>;
 }
 
 /// One decode (`auto_commit`, T = 1) or verify (T drafts, pending until `commit`) launch.
-pub struct Step<'a, P> {
+pub struct Step<'a> {
     /// Layer.
     pub layer: usize,
     /// Batch rows.
@@ -54,8 +44,8 @@ pub struct Step<'a, P> {
     pub auto_commit: bool,
     /// Sequence ids (-1: unused row, outputs zeros).
     pub ids: &'a BatchIds,
-    /// The family's tensors.
-    pub plan: &'a P,
+    /// The checked call.
+    pub plan: &'a StepPlan,
 }
 
 /// A commit of the pending drafts of `ids` in `layers`.
@@ -72,10 +62,10 @@ pub struct Commit<'a> {
     pub conv_state: Option<&'a TensorView>,
 }
 
-/// What a backend does for a pool of family `F`; chosen once, when the pool is created.
-/// Every call has been checked by the core: ids are live, shapes match, no pending drafts
-/// where none may be.
-pub trait Executor<F: Family>: Send + Sync {
+/// What a backend does for a pool; chosen once, when the pool is created. Every call has
+/// been checked by the core: ids are live, shapes match, no pending drafts where none may
+/// be.
+pub trait Executor: Send + Sync {
     /// Zero state, empty ring, zero conv window, metadata `meta`, in every layer of `slot`.
     fn reset_slot(&self, slot: usize, meta: &Meta, stream: Stream) -> Result<()>;
     /// Replaces the state of (layer, slot) (and its conv window); the ring empties.
@@ -96,8 +86,20 @@ pub trait Executor<F: Family>: Send + Sync {
         conv_out: Option<&TensorView>,
         stream: Stream,
     ) -> Result<()>;
+    /// Writes the state of every layer of `slot` after its checkpoint and the first `keep`
+    /// ring entries into `out` (`[layers, ...]`), and the conv windows at that point into
+    /// `conv_out` (`[layers, conv_kernel - 1, conv_dim]`); changes nothing. The core has
+    /// checked `keep` against every layer's ring fill.
+    fn materialize(
+        &self,
+        slot: usize,
+        keep: usize,
+        out: &TensorView,
+        conv_out: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()>;
     /// A decode or verify step.
-    fn step(&self, step: &Step<'_, F::Plan>, stream: Stream) -> Result<()>;
+    fn step(&self, step: &Step<'_>, stream: Stream) -> Result<()>;
     /// Commits pending drafts.
     fn commit(&self, commit: &Commit<'_>, stream: Stream) -> Result<()>;
     /// Writes the current state of each listed sequence into its checkpoint, empties the ring.

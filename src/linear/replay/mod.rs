@@ -37,12 +37,16 @@
 
 pub mod config;
 pub mod cpu;
+mod cuda;
 pub mod exec;
 pub mod meta;
+pub mod plan;
 mod pool;
+mod step;
 pub mod storage;
 
 pub use config::{ReplayConfig, ReplayMemory, MAX_DRAFTS};
 pub use exec::{Commit, Executor, Family, Step};
+pub use plan::{DtGate, Rule, StepPlan};
 pub use pool::ReplayPool;
 pub use storage::{Layout, Part, StateStorage};

@@ -1,11 +1,13 @@
 //! The replay pool: sequence slots, pending drafts, and the checks of every operation
 //! before its executor runs it (an error changes nothing).
 
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::config::{ReplayConfig, ReplayMemory};
 use super::cpu::CpuExecutor;
+use super::cuda::ReplayCuda;
 use super::exec::{Commit, Executor, Family, Step};
 use super::meta::{self, META_INTS};
 use super::storage::{Layout, StateStorage, Storage};
@@ -28,7 +30,8 @@ pub struct ReplayPool<F: Family> {
     cfg: ReplayConfig,
     storage: Storage,
     seqs: Mutex<SlotTable<SeqHost>>,
-    exec: Box<dyn Executor<F>>,
+    exec: Box<dyn Executor>,
+    _family: PhantomData<fn() -> F>,
 }
 
 impl<F: Family> ReplayPool<F> {
@@ -40,9 +43,9 @@ impl<F: Family> ReplayPool<F> {
     ) -> Result<Self> {
         cfg.validate()?;
         let storage = Storage::new(&ctx, &cfg, external)?;
-        let exec: Box<dyn Executor<F>> = match ctx.handle() {
-            Backend::Cpu(cpu) => Box::new(CpuExecutor::<F>::new(cpu, &storage.layout)),
-            Backend::Cuda(cuda) => F::cuda_executor(cuda, &storage.layout)?,
+        let exec: Box<dyn Executor> = match ctx.handle() {
+            Backend::Cpu(cpu) => Box::new(CpuExecutor::new(cpu, &storage.layout)),
+            Backend::Cuda(cuda) => Box::new(ReplayCuda::new(cuda, &storage.layout)?),
         };
         Ok(ReplayPool {
             seqs: Mutex::new(SlotTable::new(cfg.max_seqs)),
@@ -50,6 +53,7 @@ impl<F: Family> ReplayPool<F> {
             cfg,
             storage,
             exec,
+            _family: PhantomData,
         })
     }
 
@@ -99,11 +103,17 @@ impl<F: Family> ReplayPool<F> {
     }
 
     fn check_state_tensor(&self, t: &TensorView, name: &str) -> Result<()> {
+        self.check_state_tensor_in(t, name, &[])
+    }
+
+    /// A state tensor with leading dimensions `lead`.
+    fn check_state_tensor_in(&self, t: &TensorView, name: &str, lead: &[usize]) -> Result<()> {
         let c = &self.cfg;
-        let want = match c.layout {
+        let inner = match c.layout {
             StateLayout::KMajor => [c.v_heads, c.dk, c.dv],
             StateLayout::VMajor => [c.v_heads, c.dv, c.dk],
         };
+        let want: Vec<usize> = lead.iter().chain(&inner).copied().collect();
         if t.shape() != want {
             return Err(Error::InvalidArgument(format!(
                 "{name} has shape {:?}; expected {want:?} (the pool's {:?} layout)",
@@ -120,7 +130,16 @@ impl<F: Family> ReplayPool<F> {
     }
 
     fn check_conv_tensor(&self, t: &TensorView, name: &str) -> Result<()> {
-        let want = [self.cfg.conv_kernel - 1, self.cfg.conv_dim];
+        self.check_conv_tensor_in(t, name, &[])
+    }
+
+    /// A conv window tensor with leading dimensions `lead`.
+    fn check_conv_tensor_in(&self, t: &TensorView, name: &str, lead: &[usize]) -> Result<()> {
+        let want: Vec<usize> = lead
+            .iter()
+            .copied()
+            .chain([self.cfg.conv_kernel - 1, self.cfg.conv_dim])
+            .collect();
         if self.cfg.conv_dim == 0 {
             return Err(Error::InvalidArgument(format!(
                 "{name} given but the pool keeps no conv window (conv_dim = 0)"
@@ -211,6 +230,61 @@ impl<F: Family> ReplayPool<F> {
             }
         }
         self.exec.export_state(layer, s, out, conv_out, stream)
+    }
+
+    /// Writes the state every layer of `seq` had `keep` tokens past its checkpoint (0 <=
+    /// keep <= the layer's ring fill, the tokens buffered since its last flush) into `out`
+    /// (`[layers, ...]`, the pool's layout, any float dtype) and, if given, the conv windows
+    /// into `conv_out` (`[layers, conv_kernel - 1, conv_dim]`; only at the newest token,
+    /// `keep` = fill: the window ring's older slots may hold rejected drafts). The pool does
+    /// not change. Reads every layer's metadata first (on CUDA this synchronizes with the
+    /// device, so it cannot be captured in a CUDA Graph).
+    pub fn materialize(
+        &self,
+        seq: i32,
+        keep: usize,
+        out: &TensorView,
+        conv_out: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let seqs = self.lock();
+        let s = seqs.slot(seq)?;
+        let layers = [c.layers];
+        self.check_state_tensor_in(out, "out", &layers)?;
+        if let Some(cw) = conv_out {
+            self.check_conv_tensor_in(cw, "conv_out", &layers)?;
+        }
+        for (t, name) in std::iter::once((out, "out")).chain(conv_out.map(|c| (c, "conv_out"))) {
+            if !t.is_non_overlapping() {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} has overlapping elements"
+                )));
+            }
+        }
+        for l in 0..c.layers {
+            Self::check_no_pending(&seqs, seq, l)?;
+        }
+        if self.ctx.backend() == BackendKind::Cuda {
+            self.ctx.synchronize(stream)?;
+        }
+        for l in 0..c.layers {
+            let fill = self.exec.read_meta(l, s)?[meta::META_H] as usize;
+            if keep > fill {
+                return Err(Error::OutOfRange(format!(
+                    "keep {keep} exceeds the {fill} tokens layer {l} of sequence {seq} buffers \
+                     past its checkpoint"
+                )));
+            }
+            if conv_out.is_some() && keep != fill {
+                return Err(Error::InvalidArgument(format!(
+                    "conv_out is kept only at the newest token (keep = {fill} in layer {l}), \
+                     not {} tokens back",
+                    fill - keep
+                )));
+            }
+        }
+        self.exec.materialize(s, keep, out, conv_out, stream)
     }
 
     fn run_step(

@@ -1,4 +1,5 @@
-//! The GDN family's CUDA executor: device state and launches (kernels/gdn.cu, gdn_decode.cu, gdn_stream.cu).
+//! The CUDA executor of every replay pool: device state and launches (kernels/gdn.cu,
+//! gdn_decode.cu, gdn_stream.cu, gdn_sverify.cu; every rule of `plan.rs`).
 //!
 //! Everything a launch needs travels in its parameters (sequence ids and host accepted
 //! counts inline, in chunks), so decode, verify, commit and flush are asynchronous, need
@@ -8,16 +9,16 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::io::{Gdn, GdnPlan};
 use crate::abi::{
     dtype_code as code, gdn_decode_smem_bytes, gdn_step_smem_bytes as smem_bytes,
     GdnCommitArgs as CommitParams, GdnLayerState as LayerState, GdnStepArgs as StepParams,
     GdnTensor as DevTensor, KVR_GDN_COMMIT_THREADS, KVR_GDN_DECODE_MAX_WARPS,
-    KVR_GDN_DECODE_ROWS_PER_WARP, KVR_GDN_FINISH_THREADS as FINISH_THREADS,
-    KVR_GDN_MAX_COMMIT_INLINE as MAX_COMMIT_INLINE, KVR_GDN_MAX_INLINE as MAX_INLINE,
-    KVR_GDN_MAX_NV as MAX_NV, KVR_GDN_NARROW_NV as NARROW_NV, KVR_GDN_OP_EXPORT as OP_EXPORT,
-    KVR_GDN_OP_FLUSH as OP_FLUSH, KVR_GDN_OP_STEP as OP_STEP,
-    KVR_GDN_STREAM_THREADS as STREAM_THREADS, KVR_GDN_THREADS as THREADS,
+    KVR_GDN_DECODE_ROWS_PER_WARP, KVR_GDN_DT_GATE, KVR_GDN_DT_NONE, KVR_GDN_DT_SOFTPLUS,
+    KVR_GDN_FINISH_THREADS as FINISH_THREADS, KVR_GDN_MAX_COMMIT_INLINE as MAX_COMMIT_INLINE,
+    KVR_GDN_MAX_INLINE as MAX_INLINE, KVR_GDN_MAX_NV as MAX_NV, KVR_GDN_NARROW_NV as NARROW_NV,
+    KVR_GDN_OP_EXPORT as OP_EXPORT, KVR_GDN_OP_FLUSH as OP_FLUSH, KVR_GDN_OP_STEP as OP_STEP,
+    KVR_GDN_RULE_ADDITIVE, KVR_GDN_RULE_DELTA, KVR_GDN_STREAM_THREADS as STREAM_THREADS,
+    KVR_GDN_THREADS as THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
@@ -29,6 +30,7 @@ use crate::linear::math::StateLayout;
 use crate::linear::replay::meta::{
     self, Meta, META_CONV_END, META_H, META_INTS, META_MODE, META_PENDING, META_START,
 };
+use crate::linear::replay::plan::{Rule, StepPlan};
 use crate::linear::replay::{Commit, Executor, Layout, ReplayConfig, Step, MAX_DRAFTS};
 use crate::pool::BatchIds;
 use crate::tensor::{DType, MemoryKind, TensorView};
@@ -57,6 +59,33 @@ fn dev_tensor(t: &TensorView, row0: usize) -> DevTensor {
         s,
         dtype: code(t.dtype()),
         pad: 0,
+    }
+}
+
+/// The plan's per-token scalars, skip, gate and rule, rows from `b0` on.
+fn plan_args(p: &mut StepParams, plan: &StepPlan, b0: usize) {
+    let opt = |t: &Option<TensorView>, shift: usize| {
+        t.as_ref()
+            .map_or(DevTensor::default(), |t| dev_tensor(t, shift))
+    };
+    p.g = opt(&plan.g, b0);
+    p.beta = opt(&plan.beta, b0);
+    p.gate = opt(&plan.gate, b0);
+    p.skip = opt(&plan.skip, 0);
+    p.rule = match plan.rule {
+        Rule::Delta => KVR_GDN_RULE_DELTA,
+        Rule::Additive => KVR_GDN_RULE_ADDITIVE,
+    };
+    if let Some(dt) = &plan.dt {
+        p.dt_mode = if dt.softplus {
+            KVR_GDN_DT_SOFTPLUS
+        } else {
+            KVR_GDN_DT_GATE
+        };
+        p.a = dev_tensor(&dt.a, 0);
+        p.dt_bias = opt(&dt.bias, 0);
+        p.dt_min = dt.min;
+        p.dt_max = dt.max;
     }
 }
 
@@ -101,8 +130,8 @@ fn tile_range(dk: usize, dv: usize) -> Option<(usize, usize)> {
     (lo <= hi).then_some((lo, hi))
 }
 
-/// The CUDA executor of a GDN pool.
-pub(crate) struct GdnCuda {
+/// The CUDA executor of a replay pool.
+pub(crate) struct ReplayCuda {
     cuda: Arc<CudaBackend>,
     lay: Layout,
     /// Per-(sequence, value head) arrival counters for the KV-only transition.
@@ -154,7 +183,7 @@ struct StreamLaunch {
     stages: usize,
 }
 
-impl GdnCuda {
+impl ReplayCuda {
     pub(crate) fn new(cuda_arc: Arc<CudaBackend>, lay: &Layout) -> Result<Self> {
         let cuda = &*cuda_arc;
         let cfg = &lay.cfg;
@@ -372,7 +401,7 @@ impl GdnCuda {
             .collect();
         let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerState>())?;
         layers.upload(&descs)?;
-        Ok(GdnCuda {
+        Ok(ReplayCuda {
             cuda: cuda_arc.clone(),
             lay: lay.clone(),
             sync,
@@ -529,7 +558,12 @@ impl GdnCuda {
             sync: self.sync.addr() as u64,
             ids: 0,
             scratch: 0,
+            layers: 0,
             seq_stride: lay.states[layer].seq_stride as i64,
+            ring_u_lb: lay.ring_u.layer_bytes() as i64,
+            ring_k_lb: lay.ring_k.layer_bytes() as i64,
+            ring_g_lb: lay.ring_g.layer_bytes() as i64,
+            meta_lb: lay.meta.layer_bytes() as i64,
             q: DevTensor::default(),
             k: DevTensor::default(),
             v: DevTensor::default(),
@@ -537,6 +571,10 @@ impl GdnCuda {
             beta: DevTensor::default(),
             out: DevTensor::default(),
             conv_in: DevTensor::default(),
+            skip: DevTensor::default(),
+            gate: DevTensor::default(),
+            a: DevTensor::default(),
+            dt_bias: DevTensor::default(),
             op,
             b: 0,
             t: t as i32,
@@ -560,18 +598,28 @@ impl GdnCuda {
             export_seq: -1,
             stages: 1,
             scale: 1.0,
-            pad1: 0,
+            rule: KVR_GDN_RULE_DELTA,
+            dt_mode: KVR_GDN_DT_NONE,
+            dt_min: 0.0,
+            dt_max: f32::INFINITY,
+            export_prefix: -1,
             ids_inline: [0; MAX_INLINE],
         })
     }
 
-    fn launch_step(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+    /// The step kernel (gdn.cu) for `tv` value rows per CTA.
+    fn step_kernel(&self, tv: usize) -> Kernel {
         let cfg = &self.lay.cfg;
-        let kernel = Kernel::GdnStep {
+        Kernel::GdnStep {
             state: cfg.state_dtype,
             vmajor: cfg.layout == StateLayout::VMajor,
-            wide: p.tv as usize * cfg.dk > NARROW_NV * 4 * THREADS as usize,
-        };
+            wide: tv * cfg.dk > NARROW_NV * 4 * THREADS as usize,
+        }
+    }
+
+    fn launch_step(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        let kernel = self.step_kernel(p.tv as usize);
         let t = if p.op == OP_STEP { p.t as usize } else { 1 };
         let smem = smem_bytes(cfg.dk, p.tv as usize, t, p.hmax as usize);
         debug_assert!(smem <= STEP_SMEM_LIMIT);
@@ -624,11 +672,25 @@ impl GdnCuda {
         ids: &[i32],
         host: Option<&[i32]>,
         acc: Option<&TensorView>,
-        conv: Option<&TensorView>,
+        (conv, all_layers): (Option<&TensorView>, bool),
         stream: Stream,
     ) -> Result<()> {
         let (cfg, lay) = (&self.lay.cfg, &self.lay);
         let recurrent = cfg.ring_len == 0;
+        // A materialize's windows are [layers, conv_kernel - 1, conv_dim]: the layer stride
+        // goes last (the kernel's row stride is unused with one row).
+        let conv_arg = |t: &TensorView, b0: usize| match all_layers {
+            true => {
+                let st = t.strides();
+                DevTensor {
+                    p: t.addr() as u64,
+                    s: [0, st[1] as i64, st[2] as i64, st[0] as i64],
+                    dtype: code(t.dtype()),
+                    pad: 0,
+                }
+            }
+            false => dev_tensor(t, b0),
+        };
         let chunks = if recurrent {
             cfg.state_bytes().div_ceil(64 * 1024).clamp(1, 64)
         } else {
@@ -643,7 +705,7 @@ impl GdnCuda {
                 meta: lay.meta.base as u64,
                 conv: lay.conv.base as u64,
                 accepted: 0,
-                conv_out: conv.map_or(DevTensor::default(), |t| dev_tensor(t, b0)),
+                conv_out: conv.map_or(DevTensor::default(), |t| conv_arg(t, b0)),
                 snap_layer_bytes: lay.snaps.layer_bytes() as i64,
                 state_bytes: cfg.state_bytes() as i64,
                 conv_layer_bytes: lay.conv.layer_bytes() as i64,
@@ -686,7 +748,7 @@ impl GdnCuda {
     }
 }
 
-impl Executor<Gdn> for GdnCuda {
+impl Executor for ReplayCuda {
     fn reset_slot(&self, s: usize, m: &Meta, stream: Stream) -> Result<()> {
         let (cfg, lay, c) = (&self.lay.cfg, &self.lay, &*self.cuda);
         let mut patches = Vec::with_capacity(cfg.layers * META_INTS);
@@ -767,21 +829,73 @@ impl Executor<Gdn> for GdnCuda {
                 &[s as i32],
                 Some(&zero),
                 None,
-                Some(&view),
+                (Some(&view), false),
                 stream,
             )?;
         }
         Ok(())
     }
 
-    fn step(&self, step: &Step<'_, GdnPlan>, stream: Stream) -> Result<()> {
+    fn materialize(
+        &self,
+        s: usize,
+        keep: usize,
+        out: &TensorView,
+        conv: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        let tv = self.tile(cfg, 1);
+        let mut p = self.base_params(0, OP_EXPORT, 0, tv);
+        p.b = 1;
+        p.export_seq = s as i32;
+        p.export_prefix = keep as i32;
+        p.layers = self.layers.addr() as u64;
+        // out: [layers, Hv, a, b] -> the kernel's [Hv, a, b] strides, the layer stride last.
+        let st = out.strides();
+        p.out = DevTensor {
+            p: out.addr() as u64,
+            s: [st[1] as i64, st[2] as i64, st[3] as i64, st[0] as i64],
+            dtype: code(out.dtype()),
+            pad: 0,
+        };
+        let kernel = self.step_kernel(p.tv as usize);
+        let smem = smem_bytes(cfg.dk, p.tv as usize, 1, p.hmax as usize);
+        let grid = cfg.v_heads * p.tiles as usize;
+        let mut args = [&mut *p as *mut StepParams as *mut c_void];
+        self.cuda.launch(
+            kernel,
+            (grid as u32, cfg.layers as u32, 1),
+            (THREADS, 1, 1),
+            smem,
+            stream,
+            &mut args,
+        )?;
+        if let Some(cw) = conv {
+            let zero = [0i32];
+            self.commit_launch(
+                0..cfg.layers,
+                &[s as i32],
+                Some(&zero),
+                None,
+                (Some(cw), true),
+                stream,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn step(&self, step: &Step<'_>, stream: Stream) -> Result<()> {
         let cfg = &self.lay.cfg;
         let plan = step.plan;
         if step.b == 0 {
             return Ok(());
         }
-        // One token per sequence with auto-commit: a decode kernel where one applies.
-        let single = step.t == 1 && step.auto_commit;
+        // One token per sequence with auto-commit: a decode kernel where one applies. The
+        // streaming and single-token kernels implement the delta rule only (the additive
+        // rule runs on gdn.cu).
+        let fast = plan.rule == Rule::Delta;
+        let single = step.t == 1 && step.auto_commit && fast;
         let decode = self.decode_rows.filter(|_| single);
         let chunk_rows = match step.ids {
             BatchIds::Host(_) if !step.auto_commit && !self.verify_rows.is_empty() => {
@@ -798,7 +912,7 @@ impl Executor<Gdn> for GdnCuda {
             } else {
                 None
             };
-            let verified = if step.auto_commit {
+            let verified = if step.auto_commit || !fast {
                 None
             } else {
                 self.verify_launch(cfg, rows, step.t)
@@ -816,9 +930,8 @@ impl Executor<Gdn> for GdnCuda {
             p.q = dev_tensor(&plan.q, b0);
             p.k = dev_tensor(&plan.k, b0);
             p.v = dev_tensor(&plan.v, b0);
-            p.g = dev_tensor(&plan.g, b0);
-            p.beta = dev_tensor(&plan.beta, b0);
             p.out = dev_tensor(&plan.out, b0);
+            plan_args(&mut p, plan, b0);
             if let Some(ci) = &plan.conv_in {
                 p.conv_in = dev_tensor(ci, b0);
             }
@@ -846,7 +959,7 @@ impl Executor<Gdn> for GdnCuda {
             c.ids,
             c.host_accepted,
             Some(c.accepted),
-            c.conv_state,
+            (c.conv_state, false),
             stream,
         )
     }

@@ -1,22 +1,20 @@
-//! The GDN step on host memory (CPU backend): decode and verify through `math`, on the
-//! replay core's slot operations.
+//! The step on host memory (CPU backend), for every rule of `plan.rs`: decode and verify
+//! through `math`, on the slot operations of `cpu.rs`.
 
 #![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
 
-use super::io::GdnPlan;
+use super::cpu::{current_state, entry_refs, finish_step, read_vec, round, write_vec, Slot};
+use super::meta::{self, META_MODE, MODE_RECURRENT};
+use super::plan::{Rule, StepPlan};
+use super::{Layout, ReplayConfig, Step};
 use crate::backend::cpu::ThreadPool;
 use crate::linear::math::{self, Draft};
-use crate::linear::replay::cpu::{
-    current_state, entry_refs, finish_step, read_vec, round, write_vec, Slot,
-};
-use crate::linear::replay::meta::{self, META_MODE, MODE_RECURRENT};
-use crate::linear::replay::{Layout, ReplayConfig, Step};
 
 /// q and k of (row b, draft t, key head kh) as the step uses them: optionally
 /// L2-normalized, q scaled; k rounded to the entry dtype when it will be buffered.
 fn prep_qk(
     cfg: &ReplayConfig,
-    plan: &GdnPlan,
+    plan: &StepPlan,
     b: usize,
     t: usize,
     kh: usize,
@@ -35,8 +33,41 @@ fn prep_qk(
     (q, k)
 }
 
+/// (log decay, input weight) of (row b, draft t, value head h).
+fn token_gb(plan: &StepPlan, b: usize, t: usize, h: usize) -> (f32, f32) {
+    let at = |x: &Option<_>, default: f32| {
+        x.as_ref()
+            .map_or(default, |x| read_vec(x, &[b, t, h], 1)[0])
+    };
+    match &plan.dt {
+        Some(dt) => {
+            let a = read_vec(&dt.a, &[h], 1)[0];
+            let bias = dt.bias.as_ref().map_or(0.0, |x| read_vec(x, &[h], 1)[0]);
+            let (beta, g) = dt.apply(at(&plan.beta, 0.0), a, bias);
+            (g, beta)
+        }
+        None => (at(&plan.g, 0.0), at(&plan.beta, 1.0)),
+    }
+}
+
+/// The skip and gate of (row b, draft t, value head h) applied to y.
+fn epilogue(plan: &StepPlan, b: usize, t: usize, h: usize, v: &[f32], y: &mut [f32]) {
+    if let Some(d) = &plan.skip {
+        let d = read_vec(d, &[h], 1)[0];
+        for (y, x) in y.iter_mut().zip(v) {
+            *y += d * x;
+        }
+    }
+    if let Some(z) = &plan.gate {
+        let z = read_vec(z, &[b, t, h, 0], y.len());
+        for (y, z) in y.iter_mut().zip(z) {
+            *y *= z / (1.0 + (-z).exp());
+        }
+    }
+}
+
 /// Decode or verify for every (batch row, value head), then the per-sequence bookkeeping.
-pub(crate) fn step(lay: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool) {
+pub(crate) fn step(lay: &Layout, step: &Step<'_>, threads: &ThreadPool) {
     let cfg = &lay.cfg;
     let plan = step.plan;
     let ids = step.ids.host().expect("CPU steps take host ids");
@@ -66,8 +97,9 @@ pub(crate) fn step(lay: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool)
             qs.push(q);
             ks.push(k);
             vs.push(read_vec(&plan.v, &[b, t, h, 0], cfg.dv));
-            gs.push(read_vec(&plan.g, &[b, t, h], 1)[0]);
-            betas.push(read_vec(&plan.beta, &[b, t, h], 1)[0]);
+            let (g, beta) = token_gb(plan, b, t, h);
+            gs.push(g);
+            betas.push(beta);
         }
         let drafts: Vec<Draft<'_>> = (0..t_count)
             .map(|t| Draft {
@@ -79,11 +111,12 @@ pub(crate) fn step(lay: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool)
             })
             .collect();
         let mut y = vec![vec![0f32; cfg.dv]; t_count];
+        let delta = plan.rule == Rule::Delta;
         if recurrent {
             let mut state = s.read_state(s.state(h));
             for t in 0..t_count {
                 math::recurrent_step(
-                    &mut state, cfg.layout, cfg.dk, cfg.dv, &drafts[t], &mut y[t],
+                    delta, &mut state, cfg.layout, cfg.dk, cfg.dv, &drafts[t], &mut y[t],
                 );
                 let rounded: Vec<f32> = state.iter().map(|&x| round(cfg.state_dtype, x)).collect();
                 if step.auto_commit {
@@ -107,6 +140,7 @@ pub(crate) fn step(lay: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool)
             };
             let mut u = vec![vec![0f32; cfg.dv]; t_count];
             math::verify_head(
+                delta,
                 s0.as_deref(),
                 cfg.layout,
                 cfg.dk,
@@ -127,6 +161,7 @@ pub(crate) fn step(lay: &Layout, step: &Step<'_, GdnPlan>, threads: &ThreadPool)
             }
         }
         for t in 0..t_count {
+            epilogue(plan, b, t, h, &vs[t], &mut y[t]);
             write_vec(&plan.out, &[b, t, h, 0], &y[t]);
         }
     });
