@@ -82,6 +82,12 @@ typedef struct kvr_gdn_pool kvr_gdn_pool;
 typedef struct kvr_kv_pool kvr_kv_pool;
 
 /**
+ * A Mamba-2 replay pool (opaque). Created by `kvr_mamba2_pool_new`, freed by
+ * `kvr_mamba2_pool_free`.
+ */
+typedef struct kvr_mamba2_pool kvr_mamba2_pool;
+
+/**
  * An opened GGUF model (opaque): its plan, and views into its mapped weights. Created by
  * `kvr_model_open`, freed by `kvr_model_free`.
  */
@@ -620,6 +626,164 @@ typedef struct kvr_kv_decode_params {
      */
     int32_t max_ctas;
 } kvr_kv_decode_params;
+
+/**
+ * Options for `kvr_mamba2_pool_new`; fill with `kvr_mamba2_pool_params_default`. The state
+ * of a head is `[head_dim, d_state]` (`KVR_STATE_V_MAJOR`, as mamba_ssm and llama.cpp
+ * keep it) or `[d_state, head_dim]` (`KVR_STATE_K_MAJOR`).
+ */
+typedef struct kvr_mamba2_pool_params {
+    /**
+     * `sizeof(kvr_mamba2_pool_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Mamba-2 layers (required, >= 1).
+     */
+    int32_t n_layers;
+    /**
+     * Heads (`nheads`, required, a multiple of `n_groups`). Head h reads B and C of group
+     * h / (n_heads / n_groups), as mamba_ssm's `repeat` does.
+     */
+    int32_t n_heads;
+    /**
+     * Head dim P (required; CUDA: <= 256).
+     */
+    int32_t head_dim;
+    /**
+     * Groups of B and C (`ngroups`, required).
+     */
+    int32_t n_groups;
+    /**
+     * State dim N (`d_state`, required; CUDA: <= 256).
+     */
+    int32_t d_state;
+    /**
+     * Ring length L (default 16); 0 = recurrent mode (one state snapshot per draft).
+     */
+    int32_t ring_len;
+    /**
+     * KV-only mode for short sequences, as `kvr_gdn_pool_params.kv_only_threshold`
+     * (default `KVR_GDN_THRESHOLD_DEFAULT`: min(d_state, what one head's state memory
+     * holds) for a replay pool, off for a recurrent pool).
+     */
+    kvr_gdn_threshold kv_only_threshold;
+    /**
+     * Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
+     */
+    int32_t max_drafts;
+    /**
+     * State element type: `KVR_DTYPE_F32` (default) or `_BF16`.
+     */
+    kvr_dtype state_dtype;
+    /**
+     * Ring element type (default `KVR_DTYPE_F32`).
+     */
+    kvr_dtype entry_dtype;
+    /**
+     * `KVR_STATE_V_MAJOR` (default) or `KVR_STATE_K_MAJOR`.
+     */
+    kvr_state_layout layout;
+    /**
+     * Sequence slots (default 256).
+     */
+    int32_t max_seqs;
+    /**
+     * Channels of the causal-conv input (xBC: n_heads * head_dim + 2 * n_groups * d_state)
+     * whose window the pool keeps (0 = none, default).
+     */
+    int32_t conv_dim;
+    /**
+     * Conv kernel width (default 4).
+     */
+    int32_t conv_kernel;
+    /**
+     * Conv window element type (default `KVR_DTYPE_F32`).
+     */
+    kvr_dtype conv_dtype;
+    /**
+     * NULL (default): the pool allocates the states; otherwise `n_layers` entries of
+     * caller-owned state memory, as `kvr_gdn_pool_params.states`.
+     */
+    const struct kvr_gdn_state_storage *states;
+} kvr_mamba2_pool_params;
+
+/**
+ * Options of `kvr_mamba2_pool_decode` / `_verify`; fill with
+ * `kvr_mamba2_step_params_default`.
+ */
+typedef struct kvr_mamba2_step_params {
+    /**
+     * `sizeof(kvr_mamba2_step_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Non-zero (default): softplus of dt + dt_bias (mamba_ssm's `dt_softplus`; llama.cpp's
+     * `ggml_ssm_scan` always applies it).
+     */
+    int32_t dt_softplus;
+    /**
+     * Lower clamp of dt after softplus (default 0).
+     */
+    float dt_min;
+    /**
+     * Upper clamp of dt after softplus (default infinity).
+     */
+    float dt_max;
+} kvr_mamba2_step_params;
+
+/**
+ * The tensors of a Mamba-2 decode or verify (B rows, T tokens each; decode also takes them
+ * without the T dimension). Every tensor is f32, f16 or bf16 in the context's memory; on
+ * CUDA the last dimension of x, B, C, z and out is contiguous.
+ */
+typedef struct kvr_mamba2_tensors {
+    /**
+     * i32 `[B]` sequence ids (`KVR_SEQ_NONE`: an unused row, output zeros).
+     */
+    const struct kvr_tensor *seq_ids;
+    /**
+     * `[B, T, n_heads, head_dim]` (required).
+     */
+    const struct kvr_tensor *x;
+    /**
+     * Raw dt `[B, T, n_heads]` (before bias and softplus; required).
+     */
+    const struct kvr_tensor *dt;
+    /**
+     * A `[n_heads]` (required; negative).
+     */
+    const struct kvr_tensor *a;
+    /**
+     * B `[B, T, n_groups, d_state]` (required).
+     */
+    const struct kvr_tensor *b;
+    /**
+     * C `[B, T, n_groups, d_state]` (required).
+     */
+    const struct kvr_tensor *c;
+    /**
+     * D `[n_heads]` skip (NULL: none).
+     */
+    const struct kvr_tensor *d;
+    /**
+     * z `[B, T, n_heads, head_dim]` gate, `y *= silu(z)` (NULL: none; models that apply a
+     * gated RMSNorm pass NULL and gate there).
+     */
+    const struct kvr_tensor *z;
+    /**
+     * dt bias `[n_heads]` (NULL: none).
+     */
+    const struct kvr_tensor *dt_bias;
+    /**
+     * Conv input `[B, T, conv_dim]` (required exactly when the pool keeps conv windows).
+     */
+    const struct kvr_tensor *conv_in;
+    /**
+     * Output y `[B, T, n_heads, head_dim]` (required).
+     */
+    const struct kvr_tensor *out;
+} kvr_mamba2_tensors;
 
 /**
  * Counts from a model's plan, filled by `kvr_model_get_info`.
@@ -1614,6 +1778,38 @@ kvr_status kvr_gdn_pool_flush(struct kvr_gdn_pool *pool,
                               void *stream);
 
 /**
+ * Writes the state every layer of `seq` had `keep` tokens past its checkpoint into `out`
+ * (`[n_layers, Hv, dk, dv]` for K-major pools, `[n_layers, Hv, dv, dk]` for V-major; any
+ * float dtype and strides, in the context's memory): 0 <= keep <= the tokens the layer
+ * buffers since its last flush (`kvr_gdn_cursor.buffered`; KV-only sequences: their
+ * length), so an engine can cache a hybrid model's prefix at any token its rings hold.
+ * `conv_out` (`[n_layers, conv_kernel - 1, conv_dim]`, or NULL) receives the conv windows,
+ * only when `keep` is every layer's full ring fill (the newest token). The pool does not
+ * change. The state export of all layers is one launch on `stream`; the call first reads
+ * every layer's cursor, so on CUDA it synchronizes with the context's stream and cannot be
+ * captured in a CUDA Graph.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle or `out`);
+ * `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kind, overlapping `out` or `conv_out`,
+ * `conv_out` given to a pool without conv windows or with `keep` short of the ring fill,
+ * pending drafts in any layer); `KVR_STATUS_OUT_OF_RANGE` (`keep` negative or past a
+ * layer's ring fill); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (a tensor that
+ * is not f32, f16 or bf16); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `out`, `conv_out` and `stream` stay the caller's.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+ * calls on one pool must be ordered by the caller (one stream, or events).
+ * On failure: `out` and `conv_out` are not written (after `KVR_STATUS_CUDA_ERROR`:
+ * unspecified).
+ */
+KVR_NODISCARD
+kvr_status kvr_gdn_pool_materialize(const struct kvr_gdn_pool *pool,
+                                    kvr_seq_id seq,
+                                    int32_t keep,
+                                    const struct kvr_tensor *out,
+                                    const struct kvr_tensor *conv_out,
+                                    void *stream);
+
+/**
  * Returns the message of the last failure on the calling thread.
  *
  * Returns: a NUL-terminated message naming the function and the reason, or "" if no call
@@ -1954,6 +2150,295 @@ kvr_status kvr_kv_pool_decode(struct kvr_kv_pool *pool,
                               const struct kvr_tensor *lse,
                               const struct kvr_kv_decode_params *params,
                               void *stream);
+
+/**
+ * Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
+ * and ring, V-major, 256 sequences, no conv window, owned memory); the caller still sets
+ * `n_layers`, `n_heads`, `head_dim`, `n_groups` and `d_state`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
+ */
+KVR_NODISCARD kvr_status kvr_mamba2_pool_params_default(struct kvr_mamba2_pool_params *params);
+
+/**
+ * Creates a Mamba-2 pool on `ctx` and stores it in `*out`; as `kvr_gdn_pool_new`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx`, `params` or `out`);
+ * `KVR_STATUS_INVALID_ARG` (zero or negative sizes, heads not a multiple of groups,
+ * ring_len < max_drafts, a KV-only threshold > 0 with ring_len 0, unknown layout or dtype,
+ * `struct_size` too small, or larger with a non-zero byte past this library's struct);
+ * `KVR_STATUS_OUT_OF_RANGE` (max_drafts > 8, head_dim or d_state > 256, threshold above
+ * the KV-only capacity, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a state, ring or
+ * conv dtype other than f32 or bf16); `KVR_STATUS_UNSUPPORTED`; `KVR_STATUS_OUT_OF_MEMORY`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the caller owns the new pool and frees it with `kvr_mamba2_pool_free`; the
+ * pool keeps `ctx` alive. `params` is copied; state memory given in `states` stays the
+ * caller's and must outlive the pool.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written and nothing is left allocated.
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_new(const struct kvr_context *ctx,
+                               const struct kvr_mamba2_pool_params *params,
+                               struct kvr_mamba2_pool **out);
+
+/**
+ * Frees a pool and everything it allocated; NULL is a no-op. As `kvr_gdn_pool_free`.
+ *
+ * Returns: nothing.
+ * Ownership: ends the caller's ownership of `pool`.
+ * Thread safety: thread-safe; a call already running on another thread keeps the pool
+ * alive until it returns.
+ * On failure: a handle that is not a live pool is ignored and recorded in
+ * `kvr_error_last_message`; nothing changes.
+ */
+void kvr_mamba2_pool_free(struct kvr_mamba2_pool *pool);
+
+/**
+ * Per-sequence memory of the pool, and the KV-only threshold it uses. Set
+ * `out->struct_size` first.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `struct_size` too small).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_get_memory(const struct kvr_mamba2_pool *pool,
+                                      struct kvr_gdn_pool_memory *out);
+
+/**
+ * Adds a sequence (zero state, empty ring, zero conv window) and stores its id in
+ * `*out_seq`; on CUDA the reset is queued on `stream`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_POOL_EXHAUSTED`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the pool owns the sequence until `kvr_mamba2_pool_seq_free`.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: `*out_seq` is not written and the pool is unchanged (after
+ * `KVR_STATUS_CUDA_ERROR`: queued work may be half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_seq_add(struct kvr_mamba2_pool *pool,
+                                   void *stream,
+                                   kvr_seq_id *out_seq);
+
+/**
+ * Frees a sequence's slot (every layer, pending drafts included). `stream` is unused.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`.
+ * Ownership: the slot returns to the pool.
+ * Thread safety: thread-safe.
+ * On failure: the pool is unchanged.
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_seq_free(struct kvr_mamba2_pool *pool,
+                                    kvr_seq_id seq,
+                                    void *stream);
+
+/**
+ * Resets a sequence to the empty state in every layer, discarding pending drafts.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: nothing changes hands.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the pool is unchanged (after `KVR_STATUS_CUDA_ERROR`: queued work may be
+ * half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_seq_reset(struct kvr_mamba2_pool *pool,
+                                     kvr_seq_id seq,
+                                     void *stream);
+
+/**
+ * Reads a sequence's cursor for `layer` (as `kvr_gdn_pool_get_cursor`; synchronizes on
+ * CUDA: diagnostics and tests).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_get_cursor(const struct kvr_mamba2_pool *pool,
+                                      int32_t layer,
+                                      kvr_seq_id seq,
+                                      struct kvr_gdn_cursor *out);
+
+/**
+ * Replaces a sequence's state in `layer` (`[n_heads, head_dim, d_state]` for V-major
+ * pools, `[n_heads, d_state, head_dim]` for K-major; any float dtype and strides) and, if
+ * `conv` is not NULL, its conv window (`[conv_kernel - 1, conv_dim]`); the ring empties.
+ * As `kvr_gdn_pool_import_state`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, memory kind, `conv` without conv windows, pending drafts);
+ * `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `state`, `conv` and `stream` stay the caller's; device memory must stay valid
+ * until the queued copy has run.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the sequence is unchanged (after `KVR_STATUS_CUDA_ERROR`: queued work may
+ * be half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_import_state(struct kvr_mamba2_pool *pool,
+                                        int32_t layer,
+                                        kvr_seq_id seq,
+                                        const struct kvr_tensor *state,
+                                        const struct kvr_tensor *conv,
+                                        void *stream);
+
+/**
+ * Writes a sequence's current state in `layer` (shape as for import) and, if `conv_out`
+ * is not NULL, its conv window. As `kvr_gdn_pool_export_state`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, memory kind, overlapping outputs, `conv_out` without conv windows, pending
+ * drafts); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `out`, `conv_out` and `stream` stay the caller's.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the outputs are not written (after `KVR_STATUS_CUDA_ERROR`: unspecified).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_export_state(const struct kvr_mamba2_pool *pool,
+                                        int32_t layer,
+                                        kvr_seq_id seq,
+                                        const struct kvr_tensor *out,
+                                        const struct kvr_tensor *conv_out,
+                                        void *stream);
+
+/**
+ * Writes the state every layer of `seq` had `keep` tokens past its checkpoint into `out`
+ * (`[n_layers, ...]`, shape as for import per layer) and, at the newest token only, the
+ * conv windows into `conv_out` (`[n_layers, conv_kernel - 1, conv_dim]` or NULL). As
+ * `kvr_gdn_pool_materialize` (synchronizes on CUDA; not capturable).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, memory kind, overlapping outputs, `conv_out` without conv windows or short of the
+ * ring fill, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (`keep` negative or past a layer's
+ * ring fill); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: `out`, `conv_out` and `stream` stay the caller's.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the outputs are not written (after `KVR_STATUS_CUDA_ERROR`: unspecified).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_materialize(const struct kvr_mamba2_pool *pool,
+                                       kvr_seq_id seq,
+                                       int32_t keep,
+                                       const struct kvr_tensor *out,
+                                       const struct kvr_tensor *conv_out,
+                                       void *stream);
+
+/**
+ * Fills `*params` with the defaults (softplus on, no clamp).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
+ */
+KVR_NODISCARD kvr_status kvr_mamba2_step_params_default(struct kvr_mamba2_step_params *params);
+
+/**
+ * One token per sequence (T = 1): y from the checkpoint and the ring, the state written
+ * only where a sequence's ring is full; the token is committed at once. `params` NULL:
+ * defaults. Graph-capturable on CUDA (no host synchronization).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle, `tensors` or a required
+ * tensor); `KVR_STATUS_INVALID_ARG` (handle, shapes, T != 1, memory kind, strides,
+ * overlapping `out`, conv_in missing or unexpected, dt limits that are not an interval,
+ * pending drafts, duplicate ids); `KVR_STATUS_OUT_OF_RANGE` (layer);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the tensors and `stream` stay the caller's.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the pool is unchanged (after `KVR_STATUS_CUDA_ERROR`: queued work may be
+ * half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_decode(struct kvr_mamba2_pool *pool,
+                                  int32_t layer,
+                                  const struct kvr_mamba2_tensors *tensors,
+                                  const struct kvr_mamba2_step_params *params,
+                                  void *stream);
+
+/**
+ * T = 1..=max_drafts draft tokens per sequence: y of every draft from the checkpoint, the
+ * ring and the drafts before it, with no per-draft state; the drafts stay pending until
+ * `kvr_mamba2_pool_commit`. Graph-capturable on CUDA.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (as decode,
+ * T outside 1..=max_drafts, drafts already pending); `KVR_STATUS_OUT_OF_RANGE` (layer);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the tensors and `stream` stay the caller's.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the pool is unchanged (after `KVR_STATUS_CUDA_ERROR`: queued work may be
+ * half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_verify(struct kvr_mamba2_pool *pool,
+                                  int32_t layer,
+                                  const struct kvr_mamba2_tensors *tensors,
+                                  const struct kvr_mamba2_step_params *params,
+                                  void *stream);
+
+/**
+ * Commits the first `accepted[i]` pending drafts of `seq_ids[i]` in `layer` (or every
+ * layer, `KVR_LAYER_ALL`): host or device i32 counts, the cursor moves where the kernels
+ * run. `conv_state` (one layer only; `[B, conv_kernel - 1, conv_dim]` or NULL) receives the
+ * conv window of the accepted prefix. As `kvr_gdn_pool_commit`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, device ids, host counts outside 0..=pending, `conv_state` with
+ * `KVR_LAYER_ALL`); `KVR_STATUS_OUT_OF_RANGE` (layer); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the tensors and `stream` stay the caller's.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the pool is unchanged (after `KVR_STATUS_CUDA_ERROR`: queued work may be
+ * half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_commit(struct kvr_mamba2_pool *pool,
+                                  kvr_layer_select layer,
+                                  const struct kvr_tensor *seq_ids,
+                                  const struct kvr_tensor *accepted,
+                                  const struct kvr_tensor *conv_state,
+                                  void *stream);
+
+/**
+ * Writes the current state of each listed sequence into its checkpoint in `layer` (or
+ * every layer) and empties the ring. As `kvr_gdn_pool_flush`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, device ids, pending drafts); `KVR_STATUS_OUT_OF_RANGE` (layer);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the tensors and `stream` stay the caller's.
+ * Thread safety: thread-safe; on CUDA the device work of calls on one pool must be
+ * ordered by the caller.
+ * On failure: the pool is unchanged (after `KVR_STATUS_CUDA_ERROR`: queued work may be
+ * half done).
+ */
+KVR_NODISCARD
+kvr_status kvr_mamba2_pool_flush(struct kvr_mamba2_pool *pool,
+                                 kvr_layer_select layer,
+                                 const struct kvr_tensor *seq_ids,
+                                 void *stream);
 
 /**
  * Opens a GGUF file (memory-mapped, not read into memory), validates it and plans its

@@ -7,16 +7,13 @@ use std::sync::Arc;
 use super::context::{context_from, kvr_context};
 use super::guard::{guard, non_null, read_versioned, write_versioned};
 use super::handles::Registry;
-use super::kv_pool::{kvr_layer_select, kvr_seq_id, layer_arg, one_layer};
+use super::kv_pool::{kvr_layer_select, kvr_seq_id, one_layer};
+use super::replay;
 use super::status::kvr_status;
 use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_F32};
 use crate::backend::Stream;
 use crate::error::{Error, Result};
-use crate::linear::replay::meta::{
-    META_H, META_MODE, META_PENDING, META_START, MODE_KV_ONLY, MODE_RECURRENT, MODE_REPLAY,
-};
-use crate::linear::{GdnConfig, GdnIo, GdnMemory, GdnOptions, GdnPool, StateLayout, StateStorage};
-use crate::tensor::TensorView;
+use crate::linear::{GdnConfig, GdnIo, GdnOptions, GdnPool, StateLayout, StateStorage};
 
 /// A Gated DeltaNet replay pool (opaque). Created by `kvr_gdn_pool_new`, freed by
 /// `kvr_gdn_pool_free`.
@@ -144,7 +141,9 @@ fn non_negative(name: &str, v: i32) -> Result<usize> {
     usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{name} = {v} is negative")))
 }
 
-fn config_from(p: &kvr_gdn_pool_params) -> Result<(GdnConfig, Option<Vec<StateStorage>>)> {
+pub(crate) fn config_from(
+    p: &kvr_gdn_pool_params,
+) -> Result<(GdnConfig, Option<Vec<StateStorage>>)> {
     let layout = match p.layout {
         KVR_STATE_K_MAJOR => StateLayout::KMajor,
         KVR_STATE_V_MAJOR => StateLayout::VMajor,
@@ -318,19 +317,6 @@ pub struct kvr_gdn_pool_memory {
     pub kv_only_threshold: i64,
 }
 
-fn memory_to_c(m: GdnMemory, threshold: usize) -> kvr_gdn_pool_memory {
-    kvr_gdn_pool_memory {
-        struct_size: size_of::<kvr_gdn_pool_memory>() as u32,
-        reserved: 0,
-        state_bytes: m.state_bytes as i64,
-        ring_bytes: m.ring_bytes as i64,
-        conv_bytes: m.conv_bytes as i64,
-        snapshot_bytes: m.snapshot_bytes as i64,
-        total_bytes: m.total() as i64,
-        kv_only_threshold: threshold as i64,
-    }
-}
-
 /// Per-sequence memory of the pool `params` describes, without creating it (for sizing:
 /// e.g. "T drafts with snapshots" (`ring_len` 0, `max_drafts` T) against a ring). The
 /// configuration is validated as `kvr_gdn_pool_new` would (except backend limits). Set
@@ -371,7 +357,7 @@ pub extern "C" fn kvr_gdn_pool_params_memory(
         unsafe {
             write_versioned(
                 out,
-                memory_to_c(cfg.memory(), cfg.kv_only_threshold),
+                replay::memory_to_c(cfg.memory(), cfg.kv_only_threshold),
                 size_of::<kvr_gdn_pool_memory>(),
                 "kvr_gdn_pool_memory",
             )
@@ -394,18 +380,7 @@ pub extern "C" fn kvr_gdn_pool_get_memory(
     out: *mut kvr_gdn_pool_memory,
 ) -> kvr_status {
     guard("kvr_gdn_pool_get_memory", || {
-        let pool = pool_from(pool)?;
-        non_null(out, "out")?;
-        let c = pool.memory();
-        // SAFETY: non-NULL; `struct_size` writable bytes.
-        unsafe {
-            write_versioned(
-                out,
-                memory_to_c(c, pool.config().kv_only_threshold),
-                size_of::<kvr_gdn_pool_memory>(),
-                "kvr_gdn_pool_memory",
-            )
-        }
+        replay::get_memory(&*pool_from(pool)?, out)
     })
 }
 
@@ -430,12 +405,7 @@ pub extern "C" fn kvr_gdn_pool_seq_add(
     out_seq: *mut kvr_seq_id,
 ) -> kvr_status {
     guard("kvr_gdn_pool_seq_add", || {
-        let pool = pool_from(pool)?;
-        non_null(out_seq, "out_seq")?;
-        let id = pool.seq_add(Stream(stream as usize))?;
-        // SAFETY: non-NULL.
-        unsafe { out_seq.write(id) };
-        Ok(())
+        replay::seq_add(&*pool_from(pool)?, stream, out_seq)
     })
 }
 
@@ -514,39 +484,8 @@ pub extern "C" fn kvr_gdn_pool_get_cursor(
     out: *mut kvr_gdn_cursor,
 ) -> kvr_status {
     guard("kvr_gdn_pool_get_cursor", || {
-        let pool = pool_from(pool)?;
-        non_null(out, "out")?;
-        let layer = one_layer(layer)?;
-        let m = pool.debug_meta(layer, seq)?;
-        let mode = match m[META_MODE] {
-            MODE_KV_ONLY => KVR_GDN_MODE_KV_ONLY,
-            MODE_REPLAY => KVR_GDN_MODE_REPLAY,
-            MODE_RECURRENT => KVR_GDN_MODE_RECURRENT,
-            other => {
-                return Err(Error::Panic(format!(
-                    "sequence {seq}, layer {layer}: metadata holds unknown mode {other}"
-                )))
-            }
-        };
-        let cursor = kvr_gdn_cursor {
-            mode,
-            ring_start: m[META_START],
-            buffered: m[META_H],
-            pending: m[META_PENDING],
-        };
-        // SAFETY: non-NULL.
-        unsafe { out.write(cursor) };
-        Ok(())
+        replay::get_cursor(&*pool_from(pool)?, layer, seq, out)
     })
-}
-
-fn optional_view(t: *const kvr_tensor, name: &str) -> Result<Option<TensorView>> {
-    if t.is_null() {
-        Ok(None)
-    } else {
-        // SAFETY: non-NULL descriptor.
-        Ok(Some(unsafe { view_from_c(t, name)? }))
-    }
 }
 
 /// Replaces a sequence's state in `layer` by `state` (the host's prefill result: shape
@@ -578,12 +517,7 @@ pub extern "C" fn kvr_gdn_pool_import_state(
     stream: *mut c_void,
 ) -> kvr_status {
     guard("kvr_gdn_pool_import_state", || {
-        let pool = pool_from(pool)?;
-        let layer = one_layer(layer)?;
-        // SAFETY: NULL-checked descriptor.
-        let state = unsafe { view_from_c(state, "state")? };
-        let conv = optional_view(conv, "conv")?;
-        pool.import_state(layer, seq, &state, conv.as_ref(), Stream(stream as usize))
+        replay::import_state(&*pool_from(pool)?, layer, seq, state, conv, stream)
     })
 }
 
@@ -616,12 +550,7 @@ pub extern "C" fn kvr_gdn_pool_export_state(
     stream: *mut c_void,
 ) -> kvr_status {
     guard("kvr_gdn_pool_export_state", || {
-        let pool = pool_from(pool)?;
-        let layer = one_layer(layer)?;
-        // SAFETY: NULL-checked descriptor.
-        let out = unsafe { view_from_c(out, "out")? };
-        let conv_out = optional_view(conv_out, "conv_out")?;
-        pool.export_state(layer, seq, &out, conv_out.as_ref(), Stream(stream as usize))
+        replay::export_state(&*pool_from(pool)?, layer, seq, out, conv_out, stream)
     })
 }
 
@@ -711,7 +640,7 @@ fn step(
                 view_from_c(out, "out")?,
             )
         };
-        let conv_in = optional_view(conv_in, "conv_in")?;
+        let conv_in = replay::optional_view(conv_in, "conv_in")?;
         let io = GdnIo {
             seq_ids: &ids,
             q: &q,
@@ -897,17 +826,14 @@ pub extern "C" fn kvr_gdn_pool_commit(
     stream: *mut c_void,
 ) -> kvr_status {
     guard("kvr_gdn_pool_commit", || {
-        let pool = pool_from(pool)?;
-        let layer = layer_arg(layer, true)?;
-        // SAFETY: NULL-checked descriptors.
-        let (ids, acc) = unsafe {
-            (
-                view_from_c(seq_ids, "seq_ids")?,
-                view_from_c(accepted, "accepted")?,
-            )
-        };
-        let cs = optional_view(conv_state, "conv_state")?;
-        pool.commit(layer, &ids, &acc, cs.as_ref(), Stream(stream as usize))
+        replay::commit(
+            &*pool_from(pool)?,
+            layer,
+            seq_ids,
+            accepted,
+            conv_state,
+            stream,
+        )
     })
 }
 
@@ -935,10 +861,43 @@ pub extern "C" fn kvr_gdn_pool_flush(
     stream: *mut c_void,
 ) -> kvr_status {
     guard("kvr_gdn_pool_flush", || {
-        let pool = pool_from(pool)?;
-        let layer = layer_arg(layer, true)?;
-        // SAFETY: NULL-checked descriptor.
-        let ids = unsafe { view_from_c(seq_ids, "seq_ids")? };
-        pool.flush(layer, &ids, Stream(stream as usize))
+        replay::flush(&*pool_from(pool)?, layer, seq_ids, stream)
+    })
+}
+
+/// Writes the state every layer of `seq` had `keep` tokens past its checkpoint into `out`
+/// (`[n_layers, Hv, dk, dv]` for K-major pools, `[n_layers, Hv, dv, dk]` for V-major; any
+/// float dtype and strides, in the context's memory): 0 <= keep <= the tokens the layer
+/// buffers since its last flush (`kvr_gdn_cursor.buffered`; KV-only sequences: their
+/// length), so an engine can cache a hybrid model's prefix at any token its rings hold.
+/// `conv_out` (`[n_layers, conv_kernel - 1, conv_dim]`, or NULL) receives the conv windows,
+/// only when `keep` is every layer's full ring fill (the newest token). The pool does not
+/// change. The state export of all layers is one launch on `stream`; the call first reads
+/// every layer's cursor, so on CUDA it synchronizes with the context's stream and cannot be
+/// captured in a CUDA Graph.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL handle or `out`);
+/// `KVR_STATUS_INVALID_ARG` (handle, shapes, memory kind, overlapping `out` or `conv_out`,
+/// `conv_out` given to a pool without conv windows or with `keep` short of the ring fill,
+/// pending drafts in any layer); `KVR_STATUS_OUT_OF_RANGE` (`keep` negative or past a
+/// layer's ring fill); `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_DTYPE_MISMATCH` (a tensor that
+/// is not f32, f16 or bf16); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: `out`, `conv_out` and `stream` stay the caller's.
+/// Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work of
+/// calls on one pool must be ordered by the caller (one stream, or events).
+/// On failure: `out` and `conv_out` are not written (after `KVR_STATUS_CUDA_ERROR`:
+/// unspecified).
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_gdn_pool_materialize(
+    pool: *const kvr_gdn_pool,
+    seq: kvr_seq_id,
+    keep: i32,
+    out: *const kvr_tensor,
+    conv_out: *const kvr_tensor,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_gdn_pool_materialize", || {
+        replay::materialize(&*pool_from(pool)?, seq, keep, out, conv_out, stream)
     })
 }
