@@ -138,6 +138,33 @@ class GdnCursor(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("mode", "ring_start", "buffered", "pending")]
 
 
+class Mamba2PoolParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32)] + [
+        (n, ctypes.c_int32)
+        for n in (
+            "n_layers",
+            "n_heads",
+            "head_dim",
+            "n_groups",
+            "d_state",
+            "ring_len",
+            "kv_only_threshold",
+            "max_drafts",
+            "state_dtype",
+            "entry_dtype",
+            "layout",
+            "max_seqs",
+            "conv_dim",
+            "conv_kernel",
+            "conv_dtype",
+        )
+    ] + [("states", ctypes.POINTER(GdnStateStorage))]
+
+
+class Mamba2Tensors(ctypes.Structure):
+    _fields_ = [(n, ctypes.POINTER(Tensor)) for n in ("seq_ids", "x", "dt", "a", "b", "c", "d", "z", "dt_bias", "conv_in", "out")]
+
+
 STATE_K_MAJOR, STATE_V_MAJOR = 0, 1
 GDN_MODE_KV_ONLY, GDN_MODE_REPLAY, GDN_MODE_RECURRENT = 0, 1, 2
 GDN_THRESHOLD_DEFAULT, GDN_THRESHOLD_OFF = -1, 0
@@ -332,6 +359,48 @@ class Lib:
         i = GdnCursor()
         self.check(self.lib.kvr_gdn_pool_get_cursor(pool, layer, seq, ctypes.byref(i)), "kvr_gdn_pool_get_cursor")
         return i
+
+
+    # --- Mamba-2 replay pools --------------------------------------------------------
+
+    def mamba2_pool(self, ctx, **kw):
+        p = Mamba2PoolParams()
+        self.check(self.lib.kvr_mamba2_pool_params_default(ctypes.byref(p)), "mamba2 params")
+        for k, v in kw.items():
+            setattr(p, k, v)
+        pool = ctypes.c_void_p()
+        self.check(self.lib.kvr_mamba2_pool_new(ctx, ctypes.byref(p), ctypes.byref(pool)), "kvr_mamba2_pool_new")
+        return pool
+
+    def mamba2_seq_add(self, pool, stream=None):
+        s = ctypes.c_int32()
+        self.check(self.lib.kvr_mamba2_pool_seq_add(pool, ctypes.c_void_p(stream), ctypes.byref(s)), "mamba2 seq_add")
+        return s.value
+
+    def mamba2_tensors(self, **kw):
+        """kvr_mamba2_tensors from kvr_tensor values (absent: NULL); keeps them alive."""
+        t = Mamba2Tensors()
+        t._keep = dict(kw)
+        for k, v in kw.items():
+            if v is not None:
+                setattr(t, k, ctypes.pointer(v))
+        return t
+
+    def mamba2_step(self, verify, pool, layer, tensors, stream=None):
+        f = self.lib.kvr_mamba2_pool_verify if verify else self.lib.kvr_mamba2_pool_decode
+        return f(pool, layer, ctypes.byref(tensors), None, ctypes.c_void_p(stream))
+
+    def mamba2_commit(self, pool, layer, ids, accepted, stream=None):
+        return self.lib.kvr_mamba2_pool_commit(pool, layer, ctypes.byref(ids), ctypes.byref(accepted), None,
+                                               ctypes.c_void_p(stream))
+
+    def mamba2_import(self, pool, layer, seq, state, stream=None):
+        self.check(self.lib.kvr_mamba2_pool_import_state(pool, layer, seq, ctypes.byref(state), None,
+                                                         ctypes.c_void_p(stream)), "kvr_mamba2_pool_import_state")
+
+    def mamba2_export(self, pool, layer, seq, out, stream=None):
+        self.check(self.lib.kvr_mamba2_pool_export_state(pool, layer, seq, ctypes.byref(out), None,
+                                                         ctypes.c_void_p(stream)), "kvr_mamba2_pool_export_state")
 
 
 def tensor(ptr, dtype, device, shape, strides=None):

@@ -13,7 +13,7 @@
 
 #include "example_mem.h"
 
-enum { B = 4, H = 8, P = 16, G = 2, N = 32, MAXT = 4, K1 = 3, ROUNDS = 60 };
+enum { B = 4, H = 8, P = 32, G = 2, N = 32, MAXT = 4, K1 = 3, ROUNDS = 60 };
 enum { CONV = H * P + 2 * G * N, NS = H * P * N };
 
 static kvr_mamba2_pool *make_pool(kvr_context *ctx, int ring_len) {

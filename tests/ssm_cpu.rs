@@ -279,14 +279,14 @@ fn bad_mamba2_calls_fail_and_change_nothing() {
     let meta = pool.meta(0, id);
     let ids = [id];
     let idv = ids_view(&ids);
-    let xv = hv(&x.v, &[1, 1, 4, 8]);
+    let xv = hv(&x.v, &[1, 1, 4, 32]);
     let dt = hv(&x.g, &[1, 1, 4]);
-    let bm = hv(&x.k, &[1, 1, 2, 16]);
+    let bm = hv(&x.k, &[1, 1, 2, 32]);
     let a = hv(&prm.a, &[4]);
     let a_bad = hv(&prm.a, &[3]);
-    let wrong_x = hv(&x.v, &[1, 1, 8, 4]);
-    let mut out = vec![0f32; 32];
-    let o = hv(&out, &[1, 1, 4, 8]);
+    let wrong_x = hv(&x.v, &[1, 1, 8, 16]);
+    let mut out = vec![0f32; 128];
+    let o = hv(&out, &[1, 1, 4, 32]);
     let io = Mamba2Io {
         seq_ids: &idv,
         x: &xv,

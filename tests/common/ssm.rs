@@ -4,11 +4,12 @@
 #![allow(dead_code)]
 #![allow(clippy::needless_range_loop)]
 
+use kvreplay::backend::cuda::memory::DeviceBuffer;
 use kvreplay::linear::{
     LinAttnIo, LinAttnOptions, LinAttnPool, Mamba2Io, Mamba2Options, Mamba2Pool, ReplayConfig,
     StateLayout,
 };
-use kvreplay::{DType, MemoryKind, Stream, TensorView};
+use kvreplay::{Context, DType, MemoryKind, Stream, TensorView};
 
 use super::Rng;
 
@@ -43,14 +44,15 @@ pub const MAMBA2: Kind = Kind::Mamba2 {
     limits: (0.0, f32::INFINITY),
 };
 
-/// A small pool shape: 2 key heads (groups), 4 value heads, dk 16, dv 8.
+/// A small pool shape: 2 key heads (groups), 4 value heads, dk 32, dv 32 (the CUDA
+/// kernels' smallest head dims).
 pub fn config(ring: usize, tau: usize, layout: StateLayout, conv_dim: usize) -> ReplayConfig {
     ReplayConfig {
         layers: 2,
         k_heads: 2,
         v_heads: 4,
-        dk: 16,
-        dv: 8,
+        dk: 32,
+        dv: 32,
         ring_len: ring,
         kv_only_threshold: tau,
         max_drafts: if ring == 0 { 8 } else { ring.min(8) },
@@ -148,8 +150,36 @@ pub enum Pool {
     Lin(LinAttnPool),
 }
 
-fn view(data: &[f32], shape: &[usize]) -> TensorView {
-    TensorView::contiguous(data.as_ptr() as usize, DType::F32, MemoryKind::Host, shape).unwrap()
+/// f32 data where a pool's context keeps it: host memory, or a device copy (CUDA pools).
+pub struct Placed {
+    pub view: TensorView,
+    host: Vec<f32>,
+    dev: Option<DeviceBuffer>,
+}
+
+impl Placed {
+    pub fn new(ctx: &Context, data: &[f32], shape: &[usize]) -> Placed {
+        let mut host = data.to_vec();
+        if host.is_empty() {
+            host.push(0.0);
+        }
+        let (addr, mem, dev) = if ctx.memory() == MemoryKind::Cuda {
+            let b = super::gpu::alloc(ctx, host.len() * 4);
+            b.upload(&host).unwrap();
+            (b.addr(), MemoryKind::Cuda, Some(b))
+        } else {
+            (host.as_ptr() as usize, MemoryKind::Host, None)
+        };
+        let view = TensorView::contiguous(addr, DType::F32, mem, shape).unwrap();
+        Placed { view, host, dev }
+    }
+    /// The current contents.
+    pub fn read(&mut self) -> Vec<f32> {
+        if let Some(d) = &self.dev {
+            d.download(&mut self.host).unwrap();
+        }
+        self.host.clone()
+    }
 }
 
 pub fn ids_view(ids: &[i32]) -> TensorView {
@@ -167,6 +197,12 @@ impl Pool {
         match kind {
             Kind::Mamba2 { .. } => Pool::Mamba2(Mamba2Pool::new(ctx, c, None).unwrap()),
             Kind::Lin(_) => Pool::Lin(LinAttnPool::new(ctx, c, None).unwrap()),
+        }
+    }
+    pub fn ctx(&self) -> std::sync::Arc<Context> {
+        match self {
+            Pool::Mamba2(p) => p.context().clone(),
+            Pool::Lin(p) => p.context().clone(),
         }
     }
     pub fn config(&self) -> ReplayConfig {
@@ -215,26 +251,27 @@ impl Pool {
         verify: bool,
     ) -> kvreplay::Result<Vec<f32>> {
         let c = self.config();
+        let ctx = self.ctx();
         let (b, t) = (x.b, x.t);
-        let mut out = vec![f32::NAN; b * t * c.v_heads * c.dv];
+        let nan = vec![f32::NAN; b * t * c.v_heads * c.dv];
+        let mut out = Placed::new(&ctx, &nan, &[b, t, c.v_heads, c.dv]);
+        let pl = |d: &[f32], sh: &[usize]| Placed::new(&ctx, d, sh);
         let idv = ids_view(ids);
-        let q = view(&x.q, &[b, t, c.k_heads, c.dk]);
-        let k = view(&x.k, &[b, t, c.k_heads, c.dk]);
-        let v = view(&x.v, &[b, t, c.v_heads, c.dv]);
-        let z = view(&x.z, &[b, t, c.v_heads, c.dv]);
-        let g = view(&x.g, &[b, t, c.v_heads]);
-        let o = TensorView::contiguous(
-            out.as_mut_ptr() as usize,
-            DType::F32,
-            MemoryKind::Host,
-            &[b, t, c.v_heads, c.dv],
-        )
-        .unwrap();
-        let conv = (c.conv_dim > 0).then(|| view(&x.conv, &[b, t, c.conv_dim]));
-        let a = view(&prm.a, &[c.v_heads]);
-        let d = view(&prm.d, &[c.v_heads]);
-        let bias = view(&prm.bias, &[c.v_heads]);
-        let hd = view(&prm.head_decay, &[c.v_heads]);
+        let hold = [
+            pl(&x.q, &[b, t, c.k_heads, c.dk]),
+            pl(&x.k, &[b, t, c.k_heads, c.dk]),
+            pl(&x.v, &[b, t, c.v_heads, c.dv]),
+            pl(&x.z, &[b, t, c.v_heads, c.dv]),
+            pl(&x.g, &[b, t, c.v_heads]),
+            pl(&prm.a, &[c.v_heads]),
+            pl(&prm.d, &[c.v_heads]),
+            pl(&prm.bias, &[c.v_heads]),
+            pl(&prm.head_decay, &[c.v_heads]),
+        ];
+        let [q, k, v, z, g, a, d, bias, hd] = hold.each_ref().map(|p| p.view);
+        let conv_p = (c.conv_dim > 0).then(|| pl(&x.conv, &[b, t, c.conv_dim]));
+        let conv = conv_p.as_ref().map(|p| p.view);
+        let o = out.view;
         let s = Stream::DEFAULT;
         match (self, kind) {
             (
@@ -294,7 +331,7 @@ impl Pool {
             }
             _ => panic!("pool and kind disagree"),
         }
-        Ok(out)
+        Ok(out.read())
     }
 
     /// Commits `accepted` drafts of `ids` in every layer, one layer at a time (each layer
@@ -317,23 +354,16 @@ impl Pool {
     ) -> kvreplay::Result<Vec<f32>> {
         let c = self.config();
         let k1 = c.conv_kernel - 1;
-        let mut conv = vec![f32::NAN; ids.len() * k1 * c.conv_dim.max(1)];
-        let cv = (c.conv_dim > 0).then(|| {
-            TensorView::contiguous(
-                conv.as_mut_ptr() as usize,
-                DType::F32,
-                MemoryKind::Host,
-                &[ids.len(), k1, c.conv_dim],
-            )
-            .unwrap()
-        });
+        let nan = vec![f32::NAN; ids.len() * k1 * c.conv_dim];
+        let mut conv = Placed::new(&self.ctx(), &nan, &[ids.len(), k1, c.conv_dim]);
+        let cv = (c.conv_dim > 0).then_some(conv.view);
         let idv = ids_view(ids);
         let acc = ids_view(accepted);
         match self {
             Pool::Mamba2(p) => p.commit(Some(layer), &idv, &acc, cv.as_ref(), Stream::DEFAULT),
             Pool::Lin(p) => p.commit(Some(layer), &idv, &acc, cv.as_ref(), Stream::DEFAULT),
         }?;
-        Ok(conv)
+        Ok(conv.read())
     }
 
     /// Materializes every layer of `id` after `keep` entries: states `[layers][Hv][dv][dk]`
@@ -345,33 +375,23 @@ impl Pool {
         with_conv: bool,
     ) -> kvreplay::Result<(Vec<States>, Vec<f32>)> {
         let c = self.config();
+        let ctx = self.ctx();
         let per = c.v_heads * c.dk * c.dv;
-        let mut buf = vec![f32::NAN; c.layers * per];
         let shape = match c.layout {
             StateLayout::KMajor => [c.layers, c.v_heads, c.dk, c.dv],
             StateLayout::VMajor => [c.layers, c.v_heads, c.dv, c.dk],
         };
-        let t = TensorView::contiguous(
-            buf.as_mut_ptr() as usize,
-            DType::F32,
-            MemoryKind::Host,
-            &shape,
-        )
-        .unwrap();
+        let mut st = Placed::new(&ctx, &vec![f32::NAN; c.layers * per], &shape);
         let k1 = c.conv_kernel - 1;
-        let mut conv = vec![f32::NAN; c.layers * k1 * c.conv_dim.max(1)];
-        let cv = TensorView::contiguous(
-            conv.as_mut_ptr() as usize,
-            DType::F32,
-            MemoryKind::Host,
-            &[c.layers, k1, c.conv_dim],
-        )
-        .unwrap();
-        let cvo = with_conv.then_some(&cv);
+        let nan = vec![f32::NAN; c.layers * k1 * c.conv_dim];
+        let mut cv = Placed::new(&ctx, &nan, &[c.layers, k1, c.conv_dim]);
+        let cvo = with_conv.then_some(&cv.view);
         match self {
-            Pool::Mamba2(p) => p.materialize(id, keep, &t, cvo, Stream::DEFAULT),
-            Pool::Lin(p) => p.materialize(id, keep, &t, cvo, Stream::DEFAULT),
+            Pool::Mamba2(p) => p.materialize(id, keep, &st.view, cvo, Stream::DEFAULT),
+            Pool::Lin(p) => p.materialize(id, keep, &st.view, cvo, Stream::DEFAULT),
         }?;
+        let buf = st.read();
+        let conv = cv.read();
         let states = (0..c.layers)
             .map(|l| to_vdk(&c, &buf[l * per..(l + 1) * per]))
             .collect();
