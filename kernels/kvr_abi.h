@@ -443,4 +443,32 @@ KVR_ABI_FN struct kvr_gdn_vprep_record kvr_gdn_vprep_record_layout(int32_t dk, i
   return s;
 }
 
+/* ---- kernels/gdn_recur.cu: kvr_gdn_recur_d<dk>_r<rows> (kvr_context_gdn_recurrent) ---- */
+
+/* Threads of the stateless recurrent kernel: 4 warps, each owning `rows` (1, 2 or 4) value
+ * rows of one (sequence, value head) with the whole key dimension in registers. */
+#define KVR_GDN_RECUR_THREADS 128
+
+/* A stateless recurrent step over the caller's tensors: q, k [B, T, Hq, dk]; v, out
+ * [B, T, Hv, dv]; g, beta [B, T, Hv] (s[0..2]); f32 states [B, Hv, dv, dk] and snapshots
+ * [slot, B, Hv, dv, dk] with the key dimension contiguous. Work item i = b * hv + h, for i
+ * in [item0, item_end); warp w of the launch takes item item0 + w / groups. */
+typedef struct {
+  kvr_gdn_tensor q, k, v, g, beta, out;
+  KVR_PTR(const float) state_in;
+  KVR_PTR(float) state_out;  /* 0: not written */
+  KVR_PTR(float) snaps;      /* 0: no snapshots */
+  int64_t si[3];             /* state_in strides (b, h, value row), elements */
+  int64_t so[3];             /* state_out strides */
+  int64_t sn[4];             /* snapshot strides (slot, b, h, value row) */
+  int64_t item0, item_end;
+  int32_t t, hq, hv, dv;
+  int32_t groups;            /* warps per item: ceil(dv / rows) */
+  int32_t tiled;             /* 1: value head h reads key head h % hq; 0: h / (hv / hq) */
+  int32_t l2norm;            /* 1: L2-normalize q and k (x / sqrt(sum x^2 + 1e-6)) */
+  int32_t n_snaps;           /* snapshot slots written: slot s = state after token t - 1 - s */
+  float scale;               /* output scale */
+  int32_t pad;
+} kvr_gdn_recur_args;
+
 #endif /* KVR_ABI_H */

@@ -148,6 +148,9 @@ abi_consts! {
     KVR_GDN_DT_NONE: i32 = 0;
     KVR_GDN_DT_GATE: i32 = 1;
     KVR_GDN_DT_SOFTPLUS: i32 = 2;
+
+    /// Threads of the stateless recurrent kernel (kernels/gdn_recur.cu).
+    KVR_GDN_RECUR_THREADS: u32 = 128;
 }
 
 const _: () = assert!(KVR_COPY_MAX_DIMS == crate::tensor::MAX_DIMS);
@@ -387,6 +390,34 @@ abi_structs! {
         pad: i32,
         ids: [i32; KVR_GDN_MAX_COMMIT_INLINE],
         acc_inline: [i32; KVR_GDN_MAX_COMMIT_INLINE],
+    }
+
+    /// `kvr_gdn_recur_d<dk>_r<rows>`: the stateless recurrent step (`kvr_context_gdn_recurrent`).
+    struct GdnRecurArgs = "kvr_gdn_recur_args" {
+        q: GdnTensor,
+        k: GdnTensor,
+        v: GdnTensor,
+        g: GdnTensor,
+        beta: GdnTensor,
+        out: GdnTensor,
+        state_in: u64,
+        state_out: u64,
+        snaps: u64,
+        si: [i64; 3],
+        so: [i64; 3],
+        sn: [i64; 4],
+        item0: i64,
+        item_end: i64,
+        t: i32,
+        hq: i32,
+        hv: i32,
+        dv: i32,
+        groups: i32,
+        tiled: i32,
+        l2norm: i32,
+        n_snaps: i32,
+        scale: f32,
+        pad: i32,
     }
 }
 

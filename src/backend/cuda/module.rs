@@ -88,10 +88,17 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_vprep_d<dk>` (kernels/gdn_sverify.cu): the drafts' q/k and key products of
     /// a verify, per (row, key head); dk is one of [`GDN_DECODE_DKS`].
     GdnVprep { dk: usize },
+    /// `kvr_gdn_recur_d<dk>_r<rows>` (kernels/gdn_recur.cu): the stateless recurrent step
+    /// over the caller's tensors; dk in [`GDN_RECUR_DKS`], rows per warp in [`GDN_RECUR_ROWS`].
+    GdnRecur { dk: usize, rows: usize },
 }
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
 pub const GDN_DECODE_DKS: [usize; 3] = [64, 128, 256];
+
+/// Key dimensions and value rows per warp of the stateless recurrent kernel.
+pub const GDN_RECUR_DKS: [usize; 4] = [32, 64, 128, 256];
+pub const GDN_RECUR_ROWS: [usize; 3] = [1, 2, 4];
 
 const COPY_BASE: usize = 0;
 const KV_PATCH: usize = 9;
@@ -105,7 +112,8 @@ const GDN_DECODE_BASE: usize = 40;
 const GDN_STREAM_BASE: usize = 52;
 const GDN_VERIFY_BASE: usize = 64;
 const GDN_VPREP_BASE: usize = 76;
-const KERNEL_COUNT: usize = 79;
+const GDN_RECUR_BASE: usize = 79;
+const KERNEL_COUNT: usize = 91;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -165,6 +173,11 @@ impl Kernel {
         for dk in GDN_DECODE_DKS {
             v.push(Kernel::GdnVprep { dk });
         }
+        for dk in GDN_RECUR_DKS {
+            for rows in GDN_RECUR_ROWS {
+                v.push(Kernel::GdnRecur { dk, rows });
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -211,6 +224,13 @@ impl Kernel {
                         .position(|&x| x == dk)
                         .expect("a compiled dk")
             }
+            Kernel::GdnRecur { dk, rows } => {
+                let d = GDN_RECUR_DKS.iter().position(|&x| x == dk);
+                let r = GDN_RECUR_ROWS.iter().position(|&x| x == rows);
+                GDN_RECUR_BASE
+                    + d.expect("a compiled recurrent dk") * GDN_RECUR_ROWS.len()
+                    + r.expect("compiled rows per warp")
+            }
         }
     }
 
@@ -250,6 +270,7 @@ impl Kernel {
                 if vmajor { "v" } else { "k" }
             ),
             Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
+            Kernel::GdnRecur { dk, rows } => format!("kvr_gdn_recur_d{dk}_r{rows}"),
         }
     }
 }
