@@ -1065,9 +1065,11 @@ fn recur_cases() -> Vec<Case> {
     c.snaps = 2;
     cases.push(c);
     for dtype in [KVR_DTYPE_F16, KVR_DTYPE_BF16] {
-        let mut c = Case::new(2, 2, 2, 4, 64);
-        c.dtype = dtype;
-        cases.push(c);
+        for d in [64, 256] {
+            let mut c = Case::new(2, 2, 2, 4, d);
+            c.dtype = dtype;
+            cases.push(c);
+        }
     }
     // Enough rows for 2 and 4 rows per warp, with a partial last group (dv 42).
     for b in [8, 16] {

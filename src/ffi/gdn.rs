@@ -1020,7 +1020,7 @@ fn recurrent_options(p: &kvr_gdn_recurrent_params) -> Result<RecurrentOptions> {
 /// overlap another tensor, nor hold two elements at one address. Only the work items of
 /// `params` (default all) are read and written. `params` may be NULL for the defaults.
 /// CUDA: dk 32, 64, 128 or 256; the last dimension of q, k and the states contiguous and
-/// each of their rows starting at a multiple of min(dk / 32, 4) elements; queued on `stream`
+/// each of their rows aligned to min(dk / 32 elements, 16 bytes); queued on `stream`
 /// (NULL: the context's stream), never synchronizes or allocates: capturable in a CUDA Graph
 /// (after `kvr_context_load_kernels`). CPU: runs on the context's threads and returns when
 /// done.

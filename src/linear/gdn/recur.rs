@@ -264,14 +264,13 @@ fn plan(ctx: &Context, io: &RecurrentIo<'_>, opts: &RecurrentOptions) -> Result<
 }
 
 /// What the CUDA kernel needs beyond the shapes: a compiled dk, and key rows it can load
-/// as vectors (contiguous, aligned to min(dk / 32, 4) elements).
+/// as vectors: contiguous, each lane's dk / 32 keys aligned to their size up to 16 bytes.
 fn cuda_checks(io: &RecurrentIo<'_>, dk: usize) -> Result<()> {
     if !GDN_RECUR_DKS.contains(&dk) {
         return Err(Error::Unsupported(format!(
             "dk = {dk}: the CUDA kernel is built for dk in {GDN_RECUR_DKS:?}"
         )));
     }
-    let align = (dk / 32).min(4);
     let keyed = [
         ("q", Some(io.q)),
         ("k", Some(io.k)),
@@ -282,6 +281,8 @@ fn cuda_checks(io: &RecurrentIo<'_>, dk: usize) -> Result<()> {
     for (name, x) in keyed {
         let Some(x) = x else { continue };
         let n = x.ndim();
+        let es = x.dtype().size();
+        let align = ((dk / 32) * es).min(16) / es;
         let rows_aligned = x.strides()[..n - 1]
             .iter()
             .zip(x.shape())
@@ -289,8 +290,9 @@ fn cuda_checks(io: &RecurrentIo<'_>, dk: usize) -> Result<()> {
         if x.strides()[n - 1] != 1 || (x.addr() / x.dtype().size()) % align != 0 || !rows_aligned {
             return Err(Error::InvalidArgument(format!(
                 "on CUDA, {name}'s last dimension must be contiguous and every row must start \
-                 at a multiple of {align} elements (strides {:?})",
-                x.strides()
+                 at a multiple of {align} elements (strides {:?}, address {:#x})",
+                x.strides(),
+                x.addr()
             )));
         }
     }
