@@ -72,7 +72,9 @@ if [ ! -f "$src/.kvr-tree" ]; then
   mkdir -p "$src.tmp"
   if [ -n "${KVR_LLAMA_TREE:-}" ]; then
     say "extracting the trimmed tree from $KVR_LLAMA_TREE"
-    tar xf "$KVR_LLAMA_TREE" -C "$src.tmp"
+    tar xf "$KVR_LLAMA_TREE" -C "$src.tmp" 2>/dev/null ||
+      python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+        "$KVR_LLAMA_TREE" "$src.tmp"
   else
     sdist="$(bash "$here/sdist.sh" "$cache")"
     say "extracting vendor/llama.cpp ($TRIM) from $(basename "$sdist")"
@@ -86,13 +88,21 @@ if [ ! -f "$src/.kvr-tree" ]; then
   echo "$LLAMA_COMMIT" >"$src.tmp/.kvr-tree"
   mv "$src.tmp" "$src"
 fi
+# apply_patch FILE [-R]: with patch(1), or git apply where patch is missing.
+apply_patch() {
+  if command -v patch >/dev/null 2>&1; then
+    patch -s -d "$src" -p1 "${2:---forward}" <"$1"
+  else
+    (cd "$src" && git apply ${2:+-R} "$1")
+  fi
+}
 if ! cmp -s "$patch_file" "$src/.kvr-applied.patch" 2>/dev/null; then
   if [ -f "$src/.kvr-applied.patch" ]; then
     say "reversing the previously applied patch"
-    patch -s -d "$src" -p1 -R <"$src/.kvr-applied.patch"
+    apply_patch "$src/.kvr-applied.patch" -R
   fi
   say "applying $(basename "$patch_file")"
-  patch -s -d "$src" -p1 --forward <"$patch_file"
+  apply_patch "$patch_file"
   cp "$patch_file" "$src/.kvr-applied.patch"
 fi
 

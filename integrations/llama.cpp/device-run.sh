@@ -16,7 +16,7 @@
 #           and 32 sequences
 # Prints a table per phase; $OUT (or the cache) gets the logs, perf.txt and llamacpp_gdn.json
 # (llamacpp_gdn_kvr_vs_builtin_b1 / _b8 / _b32 = built-in time / kvreplay time, for
-# bench/results/h200.json). Environment: KVR_LLAMA_CACHE (default /tmp/kvr-llama with a pack),
+# bench/results/h200.json). Environment: KVR_LLAMA_CACHE (default target/llama.cpp),
 # KVR_LLAMA_JOBS (default: all cores).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,16 +25,16 @@ pack="${1:-$root/llama-device}"
 phases="${2:-build,ops,tokens,perf}"
 if [ -d "$pack" ]; then
   pack="$(cd "$pack" && pwd)"
-  export KVR_LLAMA_CACHE="${KVR_LLAMA_CACHE:-/tmp/kvr-llama}"
   export KVR_LLAMA_TREE="$pack/llama.cpp-0c1e570.tar.xz"
   export KVR_LIB="$pack/libkvreplay.a"
   export KVR_INCLUDE="$pack"
 else
   # No pack: build.sh downloads the sdist and builds kvreplay with cargo (network and Rust).
   echo "device-run.sh: no $pack; building from PyPI and this repository" >&2
-  export KVR_LLAMA_CACHE="${KVR_LLAMA_CACHE:-$root/target/llama.cpp}"
   export KVR_CUDA_ARCHS="${KVR_CUDA_ARCHS:-90a}"
 fi
+# In the repository (git-ignored), so that separate runs of the phases share the build.
+export KVR_LLAMA_CACHE="${KVR_LLAMA_CACHE:-$root/target/llama.cpp}"
 export KVR_LLAMA_JOBS="${KVR_LLAMA_JOBS:-$(nproc)}"
 out="${OUT:-$KVR_LLAMA_CACHE/out}"
 mkdir -p "$out"
@@ -77,7 +77,7 @@ fi
 if has perf; then
   phase "perf: test-backend-ops perf at the Qwen3-Next GDN shape"
   sel='GATED_DELTA_NET'
-  params='head_count=16,head_size=128,n_seq_tokens=1,n_seqs=[0-9]+,v_repeat=2,permuted=0,kda=0,K=1'
+  params='head_count=16,head_size=128,n_seq_tokens=1,n_seqs=[0-9]+,v_repeat=2,'
   perf() { # NAME ENV...: us/run per n_seqs into $out/perf-NAME.txt
     local name="$1"
     shift
