@@ -6,8 +6,9 @@
 //! Per (sequence b, value head h) and token t, with S the `dv x dk` state (V-major: dk
 //! contiguous) and q, k read from key head `kh(h)`:
 //!   S <- e^{g} S;  u = beta (v - S k);  S <- S + u k^T;  y = scale * S q.
-//! CPU: `math::recurrent_step` per (b, h) on the context's threads (or, for a share of the
-//! items, on the calling thread alone when the context has one thread). CUDA:
+//! CPU: per (b, h) on the context's threads (or, for a share of the items, on the calling
+//! thread alone when the context has one thread), the recurrence of `math::recurrent_step`
+//! fused into two passes over the state (`step_vmajor`, the CUDA kernel's order). CUDA:
 //! kernels/gdn_recur.cu, one warp per 1, 2 or 4 value rows.
 
 use std::ops::Range;
@@ -20,7 +21,7 @@ use crate::backend::cuda::module::{Kernel, GDN_RECUR_DKS, GDN_RECUR_ROWS};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Context, Stream};
 use crate::error::{Error, Result};
-use crate::linear::math::{self, Draft, StateLayout};
+use crate::linear::math::{self, Draft};
 use crate::linear::replay::cpu::{read_vec, write_vec};
 use crate::pool::check_float;
 use crate::tensor::{DType, TensorView};
@@ -321,6 +322,103 @@ pub fn recurrent(
     }
 }
 
+/// Element offset of `idx` (a prefix of the view's dimensions) in `t`.
+fn offset(t: &TensorView, idx: &[usize]) -> isize {
+    idx.iter()
+        .zip(t.strides())
+        .map(|(&i, &s)| i as isize * s)
+        .sum()
+}
+
+/// Reads the `n` elements of the innermost dimension at `idx` into `dst` (f32, contiguous:
+/// a plain copy; otherwise element by element).
+fn read_row(t: &TensorView, idx: &[usize], dst: &mut [f32]) {
+    let at = t.addr() as isize + offset(t, idx) * t.dtype().size() as isize;
+    if t.dtype() == DType::F32 && t.strides()[t.ndim() - 1] == 1 {
+        // SAFETY: the plan checked that the view lies in the caller's memory; `dst.len()`
+        // is the extent of its last dimension.
+        dst.copy_from_slice(unsafe { std::slice::from_raw_parts(at as *const f32, dst.len()) });
+    } else {
+        dst.copy_from_slice(&read_vec(t, idx, dst.len()));
+    }
+}
+
+/// Writes `src` to the innermost dimension at `idx` (f32 states and outputs: a plain copy).
+fn write_row(t: &TensorView, idx: &[usize], src: &[f32]) {
+    let at = t.addr() as isize + offset(t, idx) * t.dtype().size() as isize;
+    if t.dtype() == DType::F32 && t.strides()[t.ndim() - 1] == 1 {
+        // SAFETY: as in `read_row`; outputs overlap no other tensor (checked by the plan).
+        unsafe { std::slice::from_raw_parts_mut(at as *mut f32, src.len()) }.copy_from_slice(src);
+    } else {
+        write_vec(t, idx, src);
+    }
+}
+
+/// (`r . k`, `r . q`) with 8 partial sums each, reading `r` once (vectorizes; the order
+/// differs from a plain loop only in rounding).
+#[inline(always)]
+fn dots(r: &[f32], k: &[f32], q: &[f32]) -> (f32, f32) {
+    let (mut ak, mut aq) = ([0f32; 8], [0f32; 8]);
+    let (cr, ck, cq) = (r.chunks_exact(8), k.chunks_exact(8), q.chunks_exact(8));
+    let (mut tk, mut tq) = (0f32, 0f32);
+    for ((x, y), z) in cr
+        .remainder()
+        .iter()
+        .zip(ck.remainder())
+        .zip(cq.remainder())
+    {
+        tk += x * y;
+        tq += x * z;
+    }
+    for ((x, y), z) in cr.zip(ck).zip(cq) {
+        for l in 0..8 {
+            ak[l] += x[l] * y[l];
+            aq[l] += x[l] * z[l];
+        }
+    }
+    let sum = |a: [f32; 8]| (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
+    (sum(ak) + tk, sum(aq) + tq)
+}
+
+/// One token on V-major state rows, in the CUDA kernel's order: from the rows before the
+/// token, a = S_r . k and b = S_r . q; then u = beta (v_r - e^g a), S_r <- e^g S_r + u k
+/// and y_r = scale (e^g b + u (k . q)): the recurrence of `math::recurrent_step`, two
+/// passes over the state instead of four.
+fn step_vmajor(rows: &mut [&mut [f32]], d: &Draft<'_>, scale: f32, y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        /// The same code compiled for AVX2 (8-wide), picked at run time.
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(rows: &mut [&mut [f32]], d: &Draft<'_>, scale: f32, y: &mut [f32]) {
+            step_vmajor_body(rows, d, scale, y)
+        }
+        // SAFETY: the CPU has AVX2 (checked above).
+        return unsafe { avx2(rows, d, scale, y) };
+    }
+    step_vmajor_body(rows, d, scale, y)
+}
+
+#[inline(always)]
+fn step_vmajor_body(rows: &mut [&mut [f32]], d: &Draft<'_>, scale: f32, y: &mut [f32]) {
+    let e = d.g.exp();
+    let kq = dots(d.k, d.k, d.q).1;
+    for ((row, yr), &vr) in rows.iter_mut().zip(y.iter_mut()).zip(d.v) {
+        let (a, b) = dots(row, d.k, d.q);
+        let u = d.beta * (vr - e * a);
+        for (x, &kk) in row.iter_mut().zip(d.k) {
+            *x = e * *x + u * kk;
+        }
+        *yr = scale * (e * b + u * kq);
+    }
+}
+
+/// The address of the innermost row at `idx` of an f32 view whose last dimension is
+/// contiguous, else None.
+fn f32_row(t: &TensorView, idx: &[usize]) -> Option<*mut f32> {
+    (t.dtype() == DType::F32 && t.strides()[t.ndim() - 1] == 1)
+        .then(|| (t.addr() as isize + offset(t, idx) * 4) as *mut f32)
+}
+
 fn cpu_run(threads: &ThreadPool, io: &RecurrentIo<'_>, opts: &RecurrentOptions, p: &Plan) {
     let (dk, dv) = (p.dk, p.dv);
     let n_snaps = io.snapshots.map_or(0, |s| s.shape()[0]);
@@ -328,39 +426,71 @@ fn cpu_run(threads: &ThreadPool, io: &RecurrentIo<'_>, opts: &RecurrentOptions, 
         let item = p.items.start + i;
         let (b, h) = (item / p.hv, item % p.hv);
         let kh = p.key_head(h, opts.head_map);
-        let mut s = vec![0f32; dv * dk];
-        for r in 0..dv {
-            s[r * dk..(r + 1) * dk].copy_from_slice(&read_vec(io.state_in, &[b, h, r, 0], dk));
+        // The state rows: state_out's own rows when they are plain f32 (the step then runs
+        // in place there, as ggml's does), else a local copy.
+        let direct = io
+            .state_out
+            .and_then(|so| f32_row(so, &[b, h, 0]).map(|_| so));
+        let mut local = if direct.is_some() {
+            Vec::new()
+        } else {
+            vec![0f32; dv * dk]
+        };
+        let mut rows: Vec<&mut [f32]> = match direct {
+            // SAFETY: the rows of (b, h) lie in state_out (the plan checked its extent),
+            // are disjoint from each other and from every other tensor (non-overlapping
+            // outputs) except state_in itself in place, which is read through them only;
+            // no other work item touches them.
+            Some(so) => (0..dv)
+                .map(|r| unsafe {
+                    std::slice::from_raw_parts_mut(f32_row(so, &[b, h, r]).unwrap(), dk)
+                })
+                .collect(),
+            None => local.chunks_exact_mut(dk).collect(),
+        };
+        for (r, row) in rows.iter_mut().enumerate() {
+            let src = f32_row(io.state_in, &[b, h, r]);
+            if src != Some(row.as_mut_ptr()) {
+                read_row(io.state_in, &[b, h, r], row);
+            }
         }
-        let mut y = vec![0f32; dv];
+        let (mut q, mut k, mut v, mut y) = (
+            vec![0f32; dk],
+            vec![0f32; dk],
+            vec![0f32; dv],
+            vec![0f32; dv],
+        );
+        let mut one = [0f32; 1];
         for t in 0..p.t {
-            let mut q = read_vec(io.q, &[b, t, kh, 0], dk);
-            let mut k = read_vec(io.k, &[b, t, kh, 0], dk);
+            read_row(io.q, &[b, t, kh], &mut q);
+            read_row(io.k, &[b, t, kh], &mut k);
             if opts.l2norm_qk {
                 math::l2_normalize(&mut q);
                 math::l2_normalize(&mut k);
             }
-            let v = read_vec(io.v, &[b, t, h, 0], dv);
+            read_row(io.v, &[b, t, h], &mut v);
+            read_row(io.g, &[b, t, h], &mut one);
+            let g = one[0];
+            read_row(io.beta, &[b, t, h], &mut one);
             let d = Draft {
                 q: &q,
                 k: &k,
                 v: &v,
-                g: read_vec(io.g, &[b, t, h], 1)[0],
-                beta: read_vec(io.beta, &[b, t, h], 1)[0],
+                g,
+                beta: one[0],
             };
-            math::recurrent_step(true, &mut s, StateLayout::VMajor, dk, dv, &d, &mut y);
-            y.iter_mut().for_each(|x| *x *= p.scale);
-            write_vec(io.out, &[b, t, h, 0], &y);
+            step_vmajor(&mut rows, &d, p.scale, &mut y);
+            write_row(io.out, &[b, t, h], &y);
             let slot = p.t - 1 - t;
             if let Some(snaps) = io.snapshots.filter(|_| slot < n_snaps) {
-                for r in 0..dv {
-                    write_vec(snaps, &[slot, b, h, r, 0], &s[r * dk..(r + 1) * dk]);
+                for (r, row) in rows.iter().enumerate() {
+                    write_row(snaps, &[slot, b, h, r], row);
                 }
             }
         }
-        if let Some(so) = io.state_out {
-            for r in 0..dv {
-                write_vec(so, &[b, h, r, 0], &s[r * dk..(r + 1) * dk]);
+        if let (Some(so), None) = (io.state_out, direct) {
+            for (r, row) in rows.iter().enumerate() {
+                write_row(so, &[b, h, r], row);
             }
         }
     });
