@@ -255,9 +255,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `launch`, optionally with programmatic dependent launch (`pdl`, sm_90+; ignored on
-    /// older devices): the kernel may start while the previous kernel on the stream
-    /// finishes, so it must wait (`griddepcontrol.wait`) before touching memory.
+    /// `launch`, optionally with programmatic dependent launch (`pdl`; used only where the
+    /// kernel's code was built for PTX 9.0+, i.e. from compute_90a on sm_90: code JIT-built
+    /// from the compute_80 PTX has no `griddepcontrol` and must not start early): the kernel
+    /// may start while the previous kernel on the stream finishes, so it must wait
+    /// (`griddepcontrol.wait`) before touching memory.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch_ex(
         &self,
@@ -269,23 +271,25 @@ impl CudaBackend {
         params: &mut [*mut c_void],
         pdl: bool,
     ) -> Result<()> {
-        let major = if pdl {
-            // SAFETY: writes only its output.
-            unsafe {
-                attribute(
-                    self.device,
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                )?
-            }
-        } else {
-            0
-        };
-        if major < 9 {
+        if !pdl {
             return self.launch(kernel, grid, block, shared_bytes, stream, params);
         }
         let module = self.module()?;
         let f = module.function(kernel);
         let _cur = self.make_current()?;
+        let mut ptx = 0;
+        // SAFETY: `f` belongs to this context's module; writes only `ptx`.
+        check("cuFuncGetAttribute", unsafe {
+            sys::cuFuncGetAttribute(
+                &mut ptx,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PTX_VERSION,
+                f,
+            )
+        })?;
+        if ptx < 90 {
+            drop(_cur);
+            return self.launch(kernel, grid, block, shared_bytes, stream, params);
+        }
         // SAFETY: an all-zero attribute is a valid (empty) value of the C union.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
