@@ -44,6 +44,8 @@ t0=$(date +%s)
 phase() { printf '\n==== %s (%ss)\n' "$*" "$(($(date +%s) - t0))"; }
 has() { case ",$phases," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 status=0
+nvidia-smi -L 2>/dev/null | head -n 2 || true
+command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 2 | head -n 1 || echo "nvcc not on PATH (set CUDACXX)"
 
 if has build; then
   phase "build (build.sh cuda, sm_90a, -j$KVR_LLAMA_JOBS)"
