@@ -219,6 +219,9 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_DECODE_ROWS_PER_WARP 8 /* kvr_gdn_decode_*: value rows per warp */
 #define KVR_GDN_DECODE_MAX_WARPS 4     /* ... warps per CTA at most */
 #define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_*, kvr_gdn_sverify_*, kvr_gdn_vprep_* */
+#define KVR_GDN_WDECODE_ROWS 8         /* kvr_gdn_wdecode_*: value rows per warp */
+#define KVR_GDN_WDECODE_MAX_RING 32    /* ... ring lengths up to this */
+#define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: one CTA per batch row */
 
 /* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
 #define KVR_GDN_META_MODE 0     /* KVR_GDN_KV_ONLY, KVR_GDN_REPLAY or KVR_GDN_RECURRENT */
@@ -470,5 +473,30 @@ typedef struct {
   float scale;               /* output scale */
   int32_t pad;
 } kvr_gdn_recur_args;
+
+/* The decode scratch of the warp-streaming decode (gdn_wdecode.cu, kvr_gdn_step_args.scratch),
+ * floats, for `b` batch rows, written by kvr_gdn_dprep_* and read by kvr_gdn_wdecode_*: per row
+ * a header of 4 int32 (start, buffered entries, flush, base) at hdr; per (row, value head) a
+ * record of rec_floats at rec: e^G, e^g, beta, k . q, then coefficients A [lc], B [lc] and
+ * weights W [lc] by ring slot (lc = max(l, 1)); per (row, key head) the ring key a flush step
+ * displaces [dk] at keys, and q, k normalized [2][dk] at qk; per row v [hv][dv] at vv (in
+ * v's dtype, dv * hv floats of room). */
+struct kvr_gdn_dscratch {
+  int32_t hdr, rec, rec_floats, keys, qk, vv, total;
+};
+
+KVR_ABI_FN struct kvr_gdn_dscratch kvr_gdn_dscratch_layout(int32_t b, int32_t hv, int32_t hk, int32_t dk,
+                                                           int32_t dv, int32_t l) {
+  struct kvr_gdn_dscratch s = {0, 0, 0, 0, 0, 0, 0};
+  const int32_t lc = l > 0 ? l : 1;
+  s.hdr = 0;
+  s.rec = 4 * b;
+  s.rec_floats = kvr_round4(4 + 3 * lc);
+  s.keys = s.rec + b * hv * s.rec_floats;
+  s.qk = s.keys + b * hk * dk;
+  s.vv = s.qk + 2 * b * hk * dk;
+  s.total = s.vv + b * hv * dv;
+  return s;
+}
 
 #endif /* KVR_ABI_H */

@@ -121,6 +121,11 @@ abi_consts! {
     KVR_GDN_DECODE_ROWS_PER_WARP: usize = 8;
     KVR_GDN_DECODE_MAX_WARPS: usize = 4;
     KVR_GDN_STREAM_THREADS: u32 = 256;
+    /// Value rows per warp and ring lengths of the warp-streaming decode (gdn_wdecode.cu),
+    /// and the threads of its per-row prep kernel.
+    KVR_GDN_WDECODE_ROWS: usize = 8;
+    KVR_GDN_WDECODE_MAX_RING: usize = 32;
+    KVR_GDN_DPREP_THREADS: u32 = 512;
 
     /// Slots of the per-(layer, sequence) metadata record of `KVR_GDN_META_INTS` i32.
     KVR_GDN_META_MODE: usize = 0;
@@ -540,6 +545,18 @@ pub(crate) fn gdn_vprep_floats(dk: usize, ring_len: usize, max_drafts: usize) ->
     (2 * max_drafts * (dk + ring_len.max(1) + max_drafts)).div_ceil(4) * 4
 }
 
+/// `kvr_gdn_dscratch_layout(b, hv, hk, dk, dv, l).total`: floats of the warp-streaming
+/// decode's scratch for `b` batch rows.
+pub(crate) fn gdn_dscratch_floats(
+    b: usize,
+    (hv, hk): (usize, usize),
+    (dk, dv): (usize, usize),
+    l: usize,
+) -> usize {
+    let rec = (4 + 3 * l.max(1)).div_ceil(4) * 4;
+    4 * b + b * hv * rec + 3 * b * hk * dk + b * hv * dv
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -803,6 +820,23 @@ mod tests {
                     &[1, 2, 3, 5, 8],
                 ]),
                 rust: |a| vec![gdn_vprep_floats(u(a[0]), u(a[1]), u(a[2])) as i64],
+            },
+            Formula {
+                c_fn: "kvr_gdn_dscratch_layout",
+                c_type: "kvr_gdn_dscratch",
+                c_fields: &["total"],
+                grid: grid(&[
+                    &[1, 7, 512],
+                    &[4, 32, 128],
+                    &[1, 16],
+                    &[64, 128, 256],
+                    &[32, 64, 128],
+                    &[0, 1, 16, 32],
+                ]),
+                rust: |a| {
+                    let (heads, dims) = ((u(a[1]), u(a[2])), (u(a[3]), u(a[4])));
+                    vec![gdn_dscratch_floats(u(a[0]), heads, dims, u(a[5])) as i64]
+                },
             },
         ]
     }

@@ -91,6 +91,17 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_recur_d<dk>_r<rows>` (kernels/gdn_recur.cu): the stateless recurrent step
     /// over the caller's tensors; dk in [`GDN_RECUR_DKS`], rows per warp in [`GDN_RECUR_ROWS`].
     GdnRecur { dk: usize, rows: usize },
+    /// `kvr_gdn_dprep_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the per-sequence part of the
+    /// warp-streaming decode (metadata, key products, weights, new key and decay); dk in
+    /// [`GDN_DECODE_DKS`], rings of up to 16 or 32 entries.
+    GdnDPrep { dk: usize, ring32: bool },
+    /// `kvr_gdn_wdecode_<state>_v_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the
+    /// warp-streaming decode of V-major states.
+    GdnWDecode {
+        state: DType,
+        dk: usize,
+        ring32: bool,
+    },
 }
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
@@ -113,7 +124,9 @@ const GDN_STREAM_BASE: usize = 52;
 const GDN_VERIFY_BASE: usize = 64;
 const GDN_VPREP_BASE: usize = 76;
 const GDN_RECUR_BASE: usize = 79;
-const KERNEL_COUNT: usize = 91;
+const GDN_DPREP_BASE: usize = 91;
+const GDN_WDECODE_BASE: usize = 97;
+const KERNEL_COUNT: usize = 109;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -178,6 +191,18 @@ impl Kernel {
                 v.push(Kernel::GdnRecur { dk, rows });
             }
         }
+        for dk in GDN_DECODE_DKS {
+            for ring32 in [false, true] {
+                v.push(Kernel::GdnDPrep { dk, ring32 });
+            }
+        }
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for ring32 in [false, true] {
+                    v.push(Kernel::GdnWDecode { state, dk, ring32 });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -217,19 +242,20 @@ impl Kernel {
             Kernel::GdnVerify { state, vmajor, dk } => {
                 GDN_VERIFY_BASE + gdn_decode_slot(state, vmajor, dk)
             }
-            Kernel::GdnVprep { dk } => {
-                GDN_VPREP_BASE
-                    + GDN_DECODE_DKS
-                        .iter()
-                        .position(|&x| x == dk)
-                        .expect("a compiled dk")
-            }
+            Kernel::GdnVprep { dk } => GDN_VPREP_BASE + dk_slot(dk),
             Kernel::GdnRecur { dk, rows } => {
                 let d = GDN_RECUR_DKS.iter().position(|&x| x == dk);
                 let r = GDN_RECUR_ROWS.iter().position(|&x| x == rows);
                 GDN_RECUR_BASE
                     + d.expect("a compiled recurrent dk") * GDN_RECUR_ROWS.len()
                     + r.expect("compiled rows per warp")
+            }
+            Kernel::GdnDPrep { dk, ring32 } => GDN_DPREP_BASE + 2 * dk_slot(dk) + ring32 as usize,
+            Kernel::GdnWDecode { state, dk, ring32 } => {
+                GDN_WDECODE_BASE
+                    + 4 * dk_slot(dk)
+                    + if state == DType::BF16 { 2 } else { 0 }
+                    + ring32 as usize
             }
         }
     }
@@ -271,17 +297,29 @@ impl Kernel {
             ),
             Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
             Kernel::GdnRecur { dk, rows } => format!("kvr_gdn_recur_d{dk}_r{rows}"),
+            Kernel::GdnDPrep { dk, ring32 } => {
+                format!("kvr_gdn_dprep_d{dk}_r{}", if ring32 { 32 } else { 16 })
+            }
+            Kernel::GdnWDecode { state, dk, ring32 } => format!(
+                "kvr_gdn_wdecode_{}_v_d{dk}_r{}",
+                state.name(),
+                if ring32 { 32 } else { 16 }
+            ),
         }
     }
 }
 
 /// Offset of a GDN decode variant inside its kernel family (dk, then state, then layout).
-fn gdn_decode_slot(state: DType, vmajor: bool, dk: usize) -> usize {
-    let d = GDN_DECODE_DKS
+/// Position of `dk` in [`GDN_DECODE_DKS`].
+fn dk_slot(dk: usize) -> usize {
+    GDN_DECODE_DKS
         .iter()
         .position(|&x| x == dk)
-        .expect("a compiled GDN decode dk");
-    4 * d + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
+        .expect("a compiled dk")
+}
+
+fn gdn_decode_slot(state: DType, vmajor: bool, dk: usize) -> usize {
+    4 * dk_slot(dk) + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
 }
 
 /// The fatbin loaded into a context, with every kernel resolved.
