@@ -31,8 +31,8 @@
 //   u = beta (v - e^{g} S_{t-1} k) (delta rule) or beta v (additive), y = e^{g} S_{t-1} q + (k . q) u,
 // writes y (after skip and gate) and its rows of u into the ring; a flush step folds the ring
 // into its rows (e^G S + sum_p w_p u_p k_p^T) and stores them. Recurrent pools decay, read and
-// rewrite the rows every step from the inputs and do not wait for the prep kernel (it only
-// keeps the metadata and the conv window) until their end.
+// rewrite the rows every step from the inputs; the prep kernel only keeps their conv window
+// and metadata (without a conv window it is not launched: the state kernel counts the step).
 #include "gdn_common.cuh"
 
 namespace kvr {
@@ -287,8 +287,9 @@ __device__ void dprep_body(const StepParams& p) {
   if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
 }
 
-// NU: ring slots per lane, 16 each (ring length <= 16 NU).
-template <typename SD, int DK, int NU>
+// NU: ring slots per lane, 16 each (ring length <= 16 NU); REC: recurrent pools (ring 0), a
+// kernel of their own so that the replay kernels carry none of their code.
+template <typename SD, int DK, int NU, bool REC>
 __device__ void wdecode_body(const StepParams& p) {
   constexpr int RL = kWRows, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
@@ -328,7 +329,7 @@ __device__ void wdecode_body(const StepParams& p) {
     const int sl = (lane >> 1) + 16 * i;
 #pragma unroll
     for (int x = 0; x < 4; ++x) u4[i][x] = 0.f;
-    if (sl < L) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
+    if (!REC && sl < L) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
   }
   // Replay pools: q and k normalized, v, e^g, beta and k . q from the prep kernel's record
   // (one wait, then loads that hit L2); recurrent pools read and normalize the inputs.
@@ -339,7 +340,7 @@ __device__ void wdecode_body(const StepParams& p) {
   float eG = 1.f, cA = 0.f, cB = 0.f;
   const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
   const float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
-  if (L > 0) {
+  if constexpr (!REC) {
     pdl_wait();
     hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
     const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
@@ -409,7 +410,7 @@ __device__ void wdecode_body(const StepParams& p) {
   };
 
   float y;
-  if (L == 0) {
+  if constexpr (REC) {
     scale_state(a);
     float sq, sk;
     state_dots(sq, sk);
@@ -422,7 +423,18 @@ __device__ void wdecode_body(const StepParams& p) {
       for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
     }
     store_state();
-    pdl_wait();  // the prep kernel (metadata, conv window) ends before this one
+    if (p.conv_dim == 0) {
+      // No prep kernel (recurrent pools without a conv window): the metadata's step count is
+      // kept here, by one thread per row (nothing else reads it in the step).
+      if (h == 0 && tile == 0 && threadIdx.x == 0) {
+        int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+        const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+        const Place pl = placement(p, m.x, m.y, m.z);
+        finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), pl);
+      }
+    } else {
+      pdl_wait();  // the prep kernel (metadata, conv window) ends before this one
+    }
   } else {
     float sq, sk;
     state_dots(sq, sk);
@@ -523,13 +535,15 @@ __device__ void wdecode_body(const StepParams& p) {
 #define KVR_GDN_WDECODE(SD, SN, DK, LU, MB)                                                   \
   extern "C" __global__ void __launch_bounds__(128, MB)                                       \
       kvr_gdn_wdecode_##SN##_v_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::wdecode_body<SD, DK, LU / 16>(p);                                                \
+    kvr::gdn::wdecode_body<SD, DK, LU == 0 ? 1 : LU / 16, LU == 0>(p);                        \
   }
 #define KVR_GDN_WDECODE_DK(DK, MB)                      \
   KVR_GDN_DPREP(DK, 16)                                 \
   KVR_GDN_DPREP(DK, 32)                                 \
+  KVR_GDN_WDECODE(float, f32, DK, 0, MB)                \
   KVR_GDN_WDECODE(float, f32, DK, 16, MB)               \
   KVR_GDN_WDECODE(float, f32, DK, 32, MB)               \
+  KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 0, MB)       \
   KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 16, MB)      \
   KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 32, MB)
 KVR_GDN_WDECODE_DK(64, 8)

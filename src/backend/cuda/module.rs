@@ -95,14 +95,18 @@ pub(crate) enum Kernel {
     /// warp-streaming decode (metadata, key products, weights, new key and decay); dk in
     /// [`GDN_DECODE_DKS`], rings of up to 16 or 32 entries.
     GdnDPrep { dk: usize, ring32: bool },
-    /// `kvr_gdn_wdecode_<state>_v_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the
-    /// warp-streaming decode of V-major states.
+    /// `kvr_gdn_wdecode_<state>_v_d<dk>_r<ring>` (kernels/gdn_wdecode.cu): the
+    /// warp-streaming decode of V-major states; `ring` is one of [`GDN_WDECODE_RINGS`]
+    /// (0: recurrent pools; else rings of up to that many entries).
     GdnWDecode {
         state: DType,
         dk: usize,
-        ring32: bool,
+        ring: usize,
     },
 }
+
+/// Ring lengths the warp-streaming decode kernels are compiled for (0: recurrent pools).
+pub const GDN_WDECODE_RINGS: [usize; 3] = [0, 16, 32];
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
 pub const GDN_DECODE_DKS: [usize; 3] = [64, 128, 256];
@@ -126,7 +130,7 @@ const GDN_VPREP_BASE: usize = 76;
 const GDN_RECUR_BASE: usize = 79;
 const GDN_DPREP_BASE: usize = 91;
 const GDN_WDECODE_BASE: usize = 97;
-const KERNEL_COUNT: usize = 109;
+const KERNEL_COUNT: usize = 115;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -198,8 +202,8 @@ impl Kernel {
         }
         for dk in GDN_DECODE_DKS {
             for state in [DType::F32, DType::BF16] {
-                for ring32 in [false, true] {
-                    v.push(Kernel::GdnWDecode { state, dk, ring32 });
+                for ring in GDN_WDECODE_RINGS {
+                    v.push(Kernel::GdnWDecode { state, dk, ring });
                 }
             }
         }
@@ -251,11 +255,12 @@ impl Kernel {
                     + r.expect("compiled rows per warp")
             }
             Kernel::GdnDPrep { dk, ring32 } => GDN_DPREP_BASE + 2 * dk_slot(dk) + ring32 as usize,
-            Kernel::GdnWDecode { state, dk, ring32 } => {
+            Kernel::GdnWDecode { state, dk, ring } => {
+                let r = GDN_WDECODE_RINGS.iter().position(|&x| x == ring);
                 GDN_WDECODE_BASE
-                    + 4 * dk_slot(dk)
-                    + if state == DType::BF16 { 2 } else { 0 }
-                    + ring32 as usize
+                    + 6 * dk_slot(dk)
+                    + if state == DType::BF16 { 3 } else { 0 }
+                    + r.expect("a compiled ring length")
             }
         }
     }
@@ -300,11 +305,9 @@ impl Kernel {
             Kernel::GdnDPrep { dk, ring32 } => {
                 format!("kvr_gdn_dprep_d{dk}_r{}", if ring32 { 32 } else { 16 })
             }
-            Kernel::GdnWDecode { state, dk, ring32 } => format!(
-                "kvr_gdn_wdecode_{}_v_d{dk}_r{}",
-                state.name(),
-                if ring32 { 32 } else { 16 }
-            ),
+            Kernel::GdnWDecode { state, dk, ring } => {
+                format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
+            }
         }
     }
 }

@@ -175,6 +175,15 @@ pub(crate) struct ReplayCuda {
 /// Warps per CTA of the warp-streaming decode kernel.
 const WDECODE_WARPS: usize = 4;
 
+/// The compiled ring length of the warp-streaming decode kernel for a pool's ring.
+fn wdecode_ring(ring_len: usize) -> usize {
+    match ring_len {
+        0 => 0,
+        1..=16 => 16,
+        _ => 32,
+    }
+}
+
 /// The warp-streaming decode of a pool: V-major states, no KV-only mode, rings of up to
 /// `KVR_GDN_WDECODE_MAX_RING` entries (or none).
 struct WDecode {
@@ -441,7 +450,7 @@ impl ReplayCuda {
                 Kernel::GdnWDecode {
                     state: cfg.state_dtype,
                     dk: cfg.dk,
-                    ring32,
+                    ring: wdecode_ring(cfg.ring_len),
                 },
                 0,
                 (32 * WDECODE_WARPS) as u32,
@@ -741,15 +750,19 @@ impl ReplayCuda {
     ) -> Result<()> {
         let cfg = &self.lay.cfg;
         p.scratch = w.scratch.as_ref().map_or(0, |s| s.addr() as u64);
-        let prep = Kernel::GdnDPrep {
-            dk: cfg.dk,
-            ring32: w.ring32,
-        };
-        self.run(prep, rows, DPREP_THREADS, w.prep_smem, p, stream)?;
+        // Recurrent pools without a conv window need no prep: the state kernel counts the step.
+        let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
+        if prep {
+            let kernel = Kernel::GdnDPrep {
+                dk: cfg.dk,
+                ring32: w.ring32,
+            };
+            self.run(kernel, rows, DPREP_THREADS, w.prep_smem, p, stream)?;
+        }
         let kernel = Kernel::GdnWDecode {
             state: cfg.state_dtype,
             dk: cfg.dk,
-            ring32: w.ring32,
+            ring: wdecode_ring(cfg.ring_len),
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let mut args = [p as *mut StepParams as *mut c_void];
@@ -760,7 +773,7 @@ impl ReplayCuda {
             0,
             stream,
             &mut args,
-            true,
+            prep,
         )
     }
 
