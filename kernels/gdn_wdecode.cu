@@ -375,28 +375,11 @@ __device__ void wdecode_body(const StepParams& p) {
 
   // (S q)[row0 + rr] and (S k)[row0 + rr] in every lane.
   auto state_dots = [&](float& sq, float& sk) {
-    float P[2 * RL];
-#pragma unroll
-    for (int r = 0; r < RL; ++r) {
-      float x = 0.f, z = 0.f;
-#pragma unroll
-      for (int c = 0; c < KL; ++c) {
-        x += s[r][c] * q[c];
-        z += s[r][c] * k[c];
-      }
-      P[r] = x;
-      P[RL + r] = z;
-    }
-    const float own = reduce_scatter<2 * RL>(P, lane);  // P[lane / 2]
-    sq = __shfl_sync(0xffffffffu, own, 2 * rr);
-    sk = __shfl_sync(0xffffffffu, own, 16 + 2 * rr);
+    const float2 d = rows8_dots<KL>(s, q, k, lane);
+    sq = d.x;
+    sk = d.y;
   };
-  auto scale_state = [&](float f) {
-#pragma unroll
-    for (int r = 0; r < RL; ++r)
-#pragma unroll
-      for (int c = 0; c < KL; ++c) s[r][c] *= f;
-  };
+  auto scale_state = [&](float f) { scale_rows<RL, KL>(s, f); };
   auto store_state = [&]() {
 #pragma unroll
     for (int r = 0; r < RL; ++r) {
