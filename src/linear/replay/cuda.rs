@@ -189,8 +189,10 @@ fn wdecode_ring(ring_len: usize) -> usize {
 struct WDecode {
     /// The kernels for rings of 17..=32 entries (else up to 16).
     ring32: bool,
-    /// The prep kernel's records (replay pools), for `rows` batch rows a launch.
+    /// The prep kernel's records (replay pools), for `rows` batch rows a launch, one area
+    /// of `scratch_bytes` per layer (calls on different layers may run on different streams).
     scratch: Option<DeviceBuffer>,
+    scratch_bytes: usize,
     rows: usize,
     /// Dynamic shared memory of the prep kernel.
     prep_smem: u32,
@@ -456,16 +458,18 @@ impl ReplayCuda {
                 (32 * WDECODE_WARPS) as u32,
             )?;
             let rows = cfg.max_seqs.min(MAX_INLINE);
+            let heads = (cfg.v_heads, cfg.k_heads);
+            let scratch_bytes =
+                gdn_dscratch_floats(rows, heads, (cfg.dk, cfg.dv), cfg.ring_len).div_ceil(4) * 16;
             let scratch = if cfg.ring_len > 0 {
-                let heads = (cfg.v_heads, cfg.k_heads);
-                let floats = gdn_dscratch_floats(rows, heads, (cfg.dk, cfg.dv), cfg.ring_len);
-                Some(DeviceBuffer::new(cuda, floats * 4)?)
+                Some(DeviceBuffer::new(cuda, cfg.layers * scratch_bytes)?)
             } else {
                 None
             };
             (prep > 0 && main > 0).then_some(WDecode {
                 ring32,
                 scratch,
+                scratch_bytes,
                 rows,
                 prep_smem,
                 // KVR_GDN_DECODE=wdecode: at every batch (tests, benchmarking).
@@ -744,12 +748,15 @@ impl ReplayCuda {
     fn launch_wdecode(
         &self,
         p: &mut StepParams,
-        w: &WDecode,
+        (w, layer): (&WDecode, usize),
         rows: usize,
         stream: Stream,
     ) -> Result<()> {
         let cfg = &self.lay.cfg;
-        p.scratch = w.scratch.as_ref().map_or(0, |s| s.addr() as u64);
+        p.scratch = w
+            .scratch
+            .as_ref()
+            .map_or(0, |s| (s.addr() + layer * w.scratch_bytes) as u64);
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
         let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
         if prep {
@@ -1076,7 +1083,7 @@ impl Executor for ReplayCuda {
                 BatchIds::Device(addr) => p.ids = (addr + b0 * 4) as u64,
             }
             if let Some(w) = wdecoded {
-                self.launch_wdecode(&mut p, w, rows, stream)?;
+                self.launch_wdecode(&mut p, (w, step.layer), rows, stream)?;
             } else if let Some(launch) = streamed {
                 self.launch_stream(&mut p, launch, stream)?;
             } else if verified.is_some() {
