@@ -295,6 +295,19 @@ impl Tensor {
     pub fn get(&self, idx: &[usize]) -> f32 {
         self.mem.get(self.dtype, self.index(idx))
     }
+    /// Element `[b, t, rest..]`, or `[b, rest..]` for a tensor without its T dimension.
+    pub fn get_bt(&self, four: bool, b: usize, t: usize, rest: &[usize]) -> f32 {
+        let mut idx = [0usize; 8];
+        idx[0] = b;
+        let n = if four {
+            idx[1] = t;
+            2
+        } else {
+            1
+        };
+        idx[n..n + rest.len()].copy_from_slice(rest);
+        self.get(&idx[..n + rest.len()])
+    }
     pub fn set(&mut self, idx: &[usize], x: f32) {
         let i = self.index(idx);
         self.mem.set(self.dtype, i, x)
@@ -302,20 +315,25 @@ impl Tensor {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
-    /// Every index of the shape, row-major.
-    pub fn indices(&self) -> Vec<Vec<usize>> {
-        let mut out = Vec::with_capacity(self.numel());
+    /// Fills every element, row-major, from `f(index)` (stored rounded to the dtype).
+    pub fn fill(&mut self, mut f: impl FnMut(&[usize]) -> f32) {
         let n = self.shape.len();
         if self.numel() == 0 {
-            return out;
+            return;
         }
-        let mut idx = vec![0usize; n];
+        let mut idx = [0usize; 8];
         loop {
-            out.push(idx.clone());
+            let x = f(&idx[..n]);
+            let e: usize = idx[..n]
+                .iter()
+                .zip(&self.strides)
+                .map(|(&i, &s)| i * s)
+                .sum();
+            self.mem.set(self.dtype, e, x);
             let mut d = n;
             loop {
                 if d == 0 {
-                    return out;
+                    return;
                 }
                 d -= 1;
                 idx[d] += 1;
@@ -324,13 +342,6 @@ impl Tensor {
                 }
                 idx[d] = 0;
             }
-        }
-    }
-    /// Fills every element from `f(index)` (stored rounded to the dtype).
-    pub fn fill(&mut self, mut f: impl FnMut(&[usize]) -> f32) {
-        for idx in self.indices() {
-            let x = f(&idx);
-            self.set(&idx, x);
         }
     }
     /// Sets every byte the tensor spans to the dtype's sentinel.

@@ -1019,14 +1019,7 @@ impl Harness {
     /// The inputs of row `bi`, token `ti`, as the reference reads them.
     fn token_in(&self, a: &StepArgs, bi: usize, ti: usize) -> TokenIn {
         let c = &self.cfg;
-        let ix = |four: bool, rest: &[usize]| -> Vec<usize> {
-            let mut v = vec![bi];
-            if four {
-                v.push(ti);
-            }
-            v.extend_from_slice(rest);
-            v
-        };
+
         let mut x = TokenIn {
             q: Vec::new(),
             k: Vec::new(),
@@ -1037,21 +1030,21 @@ impl Harness {
         };
         for kh in 0..c.hk {
             for d in 0..c.dk {
-                x.q.push(a.q.get(&ix(a.four[0], &[kh, d])) as f64);
-                x.k.push(a.k.get(&ix(a.four[0], &[kh, d])) as f64);
+                x.q.push(a.q.get_bt(a.four[0], bi, ti, &[kh, d]) as f64);
+                x.k.push(a.k.get_bt(a.four[0], bi, ti, &[kh, d]) as f64);
             }
         }
         for h in 0..c.hv {
             for d in 0..c.dv {
-                x.v.push(a.v.get(&ix(a.four[0], &[h, d])) as f64);
+                x.v.push(a.v.get_bt(a.four[0], bi, ti, &[h, d]) as f64);
             }
-            x.g.push(a.g.get(&ix(a.four[1], &[h])) as f64);
-            x.beta.push(a.beta.get(&ix(a.four[1], &[h])) as f64);
+            x.g.push(a.g.get_bt(a.four[1], bi, ti, &[h]) as f64);
+            x.beta.push(a.beta.get_bt(a.four[1], bi, ti, &[h]) as f64);
         }
         if let Some(cv) = &a.conv {
             for d in 0..c.conv_dim {
                 x.conv
-                    .push(round(c.conv_dtype, cv.get(&ix(a.four[2], &[d]))));
+                    .push(round(c.conv_dtype, cv.get_bt(a.four[2], bi, ti, &[d])));
             }
         }
         x
@@ -1193,19 +1186,12 @@ impl Harness {
         let c = self.cfg;
         let tol = c.tol() + out_tol(a.out.dtype);
         for (bi, &id) in seen.iter().enumerate() {
-            let oix = |ti: usize, h: usize, dd: usize| -> Vec<usize> {
-                if a.four[0] {
-                    vec![bi, ti, h, dd]
-                } else {
-                    vec![bi, h, dd]
-                }
-            };
             if id < 0 {
                 for ti in 0..t {
                     for h in 0..c.hv {
                         for dd in 0..c.dv {
                             assert_eq!(
-                                a.out.get(&oix(ti, h, dd)),
+                                a.out.get_bt(a.four[0], bi, ti, &[h, dd]),
                                 0.0,
                                 "{what}: unused row not zero"
                             );
@@ -1223,7 +1209,7 @@ impl Harness {
                 let y = recurrent(&c, &mut s, x, scale, l2);
                 for h in 0..c.hv {
                     for dd in 0..c.dv {
-                        let got = a.out.get(&oix(ti, h, dd)) as f64;
+                        let got = a.out.get_bt(a.four[0], bi, ti, &[h, dd]) as f64;
                         let want_y = y[h * c.dv + dd];
                         assert!(
                             close(got, want_y, tol),

@@ -60,13 +60,13 @@ impl Cfg {
 /// One token of one layer: K and V, `[heads * dim]` each, as the pool stores them.
 type Token = Option<(Vec<f32>, Vec<f32>)>;
 
+/// A sequence's length and pages (the contents are kept apart, in `Harness::data`, so that
+/// the model is cheap to copy for what-if runs).
 #[derive(Clone, Debug)]
 struct SeqM {
     len: usize,
     /// Model page ids (never reused).
     pages: Vec<u64>,
-    /// `[layer][position]`; None = reserved by extend and not written yet.
-    data: Vec<Vec<Token>>,
 }
 
 #[derive(Clone, Debug)]
@@ -119,18 +119,12 @@ impl Model {
         let s = self.seqs.get_mut(&seq).unwrap();
         s.pages.extend(fresh);
         s.len = len + n;
-        for l in s.data.iter_mut() {
-            l.resize(len + n, None);
-        }
     }
     fn truncate(&mut self, seq: i32, len: usize) {
         let ps = self.cfg.ps;
         let s = self.seqs.get_mut(&seq).unwrap();
         s.len = len;
         s.pages.truncate(len.div_ceil(ps));
-        for l in s.data.iter_mut() {
-            l.truncate(len);
-        }
     }
     /// Whether the positions `len - n .. len` of `seq` touch a page another sequence holds.
     fn shared_tail(&self, seq: i32, n: usize) -> bool {
@@ -149,6 +143,9 @@ struct Harness {
     model: Model,
     /// Model page -> real page, kept while the model page lives.
     real: HashMap<u64, i32>,
+    /// Per live sequence, `[layer][position]` tokens; None = reserved by extend and not
+    /// written yet.
+    data: BTreeMap<i32, Vec<Vec<Token>>>,
     /// Harness-owned K and V memory per layer.
     ext: Vec<(Mem, Mem)>,
     rng: Rng,
@@ -533,9 +530,26 @@ impl Harness {
                 next_page: 0,
             },
             real: HashMap::new(),
+            data: BTreeMap::new(),
             ext,
             rng: Rng::new(seed),
         })
+    }
+
+    /// Token storage follows the model: dead sequences dropped, new ones empty, lengths
+    /// matched (positions past a truncation dropped, new ones unwritten).
+    fn sync_data(&mut self) {
+        let m = &self.model;
+        self.data.retain(|id, _| m.seqs.contains_key(id));
+        for (&id, s) in &m.seqs {
+            let d = self
+                .data
+                .entry(id)
+                .or_insert_with(|| vec![Vec::new(); self.cfg.layers]);
+            for l in d.iter_mut() {
+                l.resize(s.len, None);
+            }
+        }
     }
 
     fn values(&mut self, t: &mut Tensor) {
@@ -671,15 +685,14 @@ impl Harness {
         );
         if want.check(s, "kv seq_add") {
             assert_eq!(Some(id), next, "seq_add returns the lowest free id");
-            let layers = self.cfg.layers;
             self.model.seqs.insert(
                 id,
                 SeqM {
                     len: 0,
                     pages: Vec::new(),
-                    data: vec![Vec::new(); layers],
                 },
             );
+            self.sync_data();
         } else {
             assert_eq!(id, -77, "a failed seq_add wrote *out_seq");
         }
@@ -707,6 +720,8 @@ impl Harness {
             );
             let child = self.model.seqs[&src].clone();
             self.model.seqs.insert(id, child);
+            let d = self.data[&src].clone();
+            self.data.insert(id, d);
         } else {
             assert_eq!(id, -77, "a failed seq_fork wrote *out_seq");
         }
@@ -721,6 +736,7 @@ impl Harness {
             "kv seq_free",
         ) {
             self.model.seqs.remove(&id);
+            self.sync_data();
         }
     }
 
@@ -742,6 +758,7 @@ impl Harness {
             "kv seq_truncate",
         ) {
             self.model.truncate(id, len as usize);
+            self.sync_data();
         }
     }
 
@@ -815,6 +832,7 @@ impl Harness {
         );
         if want.check(s, "kv extend") {
             self.model = after;
+            self.sync_data();
             self.check();
             if then_write {
                 let wg: Vec<(i32, i32)> = g.iter().copied().filter(|x| x.1 > 0).collect();
@@ -895,7 +913,7 @@ impl Harness {
                 for j in 0..c {
                     for (li, &l) in layers.iter().enumerate() {
                         let tok = self.token_of(&src, all, li, off + j);
-                        self.model.seqs.get_mut(&id).unwrap().data[l][len - c + j] = Some(tok);
+                        self.data.get_mut(&id).unwrap()[l][len - c + j] = Some(tok);
                     }
                 }
                 off += c;
@@ -937,10 +955,11 @@ impl Harness {
         if want.check(s, "kv append") {
             let len = self.model.seqs[&id].len;
             self.model = after;
+            self.sync_data();
             for j in 0..n {
                 for l in 0..self.cfg.layers {
                     let tok = self.token_of(&src, true, l, j);
-                    self.model.seqs.get_mut(&id).unwrap().data[l][len + j] = Some(tok);
+                    self.data.get_mut(&id).unwrap()[l][len + j] = Some(tok);
                 }
             }
         }
@@ -1149,6 +1168,7 @@ impl Harness {
         self.pool = create(&self.cfg, &mut self.ext, size);
         self.model.seqs.clear();
         self.real.clear();
+        self.data.clear();
     }
 
     fn op_decode(&mut self, inp: &mut Input) {
@@ -1418,30 +1438,21 @@ impl Harness {
             KVR_DTYPE_F16 => 2e-3,
             _ => 1.6e-2,
         };
-        let oidx = |bi: usize, ti: usize, h: usize, dd: usize| -> Vec<usize> {
-            if four {
-                vec![bi, ti, h, dd]
-            } else {
-                vec![bi, h, dd]
-            }
-        };
-        let lidx = |bi: usize, ti: usize, h: usize| -> Vec<usize> {
-            if four {
-                vec![bi, ti, h]
-            } else {
-                vec![bi, h]
-            }
-        };
+
         let l = layer as usize;
         for (bi, &id) in seen.iter().enumerate() {
             if id < 0 {
                 for ti in 0..t {
                     for h in 0..hq {
                         for dd in 0..d {
-                            assert_eq!(out.get(&oidx(bi, ti, h, dd)), 0.0, "unused row not zero");
+                            assert_eq!(
+                                out.get_bt(four, bi, ti, &[h, dd]),
+                                0.0,
+                                "unused row not zero"
+                            );
                         }
                         if let Some(lt) = &lse {
-                            assert_eq!(lt.get(&lidx(bi, ti, h)), f32::NEG_INFINITY);
+                            assert_eq!(lt.get_bt(four, bi, ti, &[h]), f32::NEG_INFINITY);
                         }
                     }
                 }
@@ -1455,14 +1466,14 @@ impl Harness {
                 } else {
                     0
                 };
-                let keys = &sm.data[l][lo..=qpos];
+                let keys = &self.data[&id][l][lo..=qpos];
                 if keys.iter().any(|x| x.is_none()) {
                     continue; // positions reserved but never written
                 }
                 for h in 0..hq {
                     let kvh = h / group;
                     let qv: Vec<f64> = (0..d)
-                        .map(|dd| q.get(&oidx(bi, ti, h, dd)) as f64)
+                        .map(|dd| q.get_bt(four, bi, ti, &[h, dd]) as f64)
                         .collect();
                     let scores: Vec<f64> = keys
                         .iter()
@@ -1489,14 +1500,14 @@ impl Harness {
                             .map(|(tok, wi)| wi * tok.as_ref().unwrap().1[kvh * d + dd] as f64)
                             .sum::<f64>()
                             / sum;
-                        let got = out.get(&oidx(bi, ti, h, dd)) as f64;
+                        let got = out.get_bt(four, bi, ti, &[h, dd]) as f64;
                         assert!(
                             close(got, want_o, tol),
                             "decode out[{bi},{ti},{h},{dd}] = {got}, reference {want_o}"
                         );
                     }
                     if let Some(lt) = &lse {
-                        let got = lt.get(&lidx(bi, ti, h)) as f64;
+                        let got = lt.get_bt(four, bi, ti, &[h]) as f64;
                         let want_l = m + sum.ln();
                         assert!(close(got, want_l, 1e-4), "lse {got}, reference {want_l}");
                     }
@@ -1606,9 +1617,9 @@ impl Harness {
         }
         let [sp, sh, stt] = self.cfg.strides();
         let (ps, h, d, dt) = (self.cfg.ps, self.cfg.heads, self.cfg.dim, self.cfg.dtype);
-        for (id, s) in &self.model.seqs {
+        for id in self.model.seqs.keys() {
             let table = &tables[id];
-            for (l, layer) in s.data.iter().enumerate() {
+            for (l, layer) in self.data[id].iter().enumerate() {
                 for (pos, tok) in layer.iter().enumerate() {
                     let Some((k, v)) = tok else { continue };
                     let page = table[pos / ps] as usize;
