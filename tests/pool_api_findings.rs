@@ -31,6 +31,15 @@ fn gdn_pool(p: &kvr_gdn_pool_params) -> *mut kvr_gdn_pool {
     pool
 }
 
+fn add_seq(pool: *mut kvr_gdn_pool) -> i32 {
+    let mut seq = -1;
+    assert_eq!(
+        kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq),
+        KVR_STATUS_OK
+    );
+    seq
+}
+
 fn cursor(pool: *mut kvr_gdn_pool, layer: i32, seq: i32) -> (i32, i32, i32, i32) {
     let mut c = kvr_gdn_cursor {
         mode: -1,
@@ -119,11 +128,7 @@ impl Step {
 fn commit_of_every_layer_checks_the_counts_against_each_layer() {
     let p = gdn_params(2, 1, 1, 4, 4);
     let pool = gdn_pool(&p);
-    let mut seq = -1;
-    assert_eq!(
-        kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq),
-        KVR_STATUS_OK
-    );
+    let seq = add_seq(pool);
     assert_eq!(
         Step::new(&p, 3, 1).run(pool, 0, seq, true, false),
         KVR_STATUS_OK
@@ -171,11 +176,7 @@ fn commit_refuses_conv_state_for_every_layer_even_with_one_layer() {
     let mut p = gdn_params(1, 1, 1, 4, 4);
     p.conv_dim = 3;
     let pool = gdn_pool(&p);
-    let mut seq = -1;
-    assert_eq!(
-        kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq),
-        KVR_STATUS_OK
-    );
+    let seq = add_seq(pool);
     assert_eq!(
         Step::new(&p, 2, 3).run(pool, 0, seq, true, true),
         KVR_STATUS_OK
@@ -227,14 +228,9 @@ fn kv_only_entries_on_two_byte_boundaries() {
             p.states = states.as_ptr();
         }
         let pool = gdn_pool(&p);
-        let mut seq = -1;
         // Slot 1 of the external memory starts at an odd element.
-        for _ in 0..2 {
-            assert_eq!(
-                kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq),
-                KVR_STATUS_OK
-            );
-        }
+        add_seq(pool);
+        let seq = add_seq(pool);
         let step = Step::new(&p, 1, 4);
         assert_eq!(
             step.run(pool, 0, seq, false, false),

@@ -2,7 +2,9 @@
 //! exactly to what their descriptors span (so AddressSanitizer sees any read or write past
 //! them), element encodings, the shared CPU context and status checks.
 
+use std::collections::BTreeMap;
 use std::ffi::{c_void, CStr};
+use std::ptr::null_mut;
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
@@ -40,26 +42,10 @@ impl<'a> Input<'a> {
     }
 }
 
-/// SplitMix64 for the values (the input chooses structure, not floats).
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [lo, hi).
-    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-}
+/// SplitMix64 for the values (the input chooses structure, not floats): the tests' RNG.
+#[path = "../../tests/common/rng.rs"]
+mod rng;
+pub use rng::Rng;
 
 pub fn dsize(dtype: kvr_dtype) -> usize {
     match dtype {
@@ -573,6 +559,14 @@ impl StructSize {
     pub fn valid(self) -> bool {
         matches!(self, StructSize::Exact | StructSize::LargerZero)
     }
+    /// A size the library accepts: larger with a zero tail about once in `den`, else exact.
+    pub fn valid_one(inp: &mut Input, den: usize) -> Self {
+        if inp.chance(1, den) {
+            StructSize::LargerZero
+        } else {
+            StructSize::Exact
+        }
+    }
 }
 
 /// A parameter struct `T` (first field `uint32_t struct_size`) placed in a buffer with room
@@ -678,7 +672,158 @@ pub fn ids_seen(ids: &[i32], style: Style) -> Vec<i32> {
     }
 }
 
+/// The `seq_ids` tensor of a batch call for `rows`, broadcast or broken sometimes (with the
+/// statuses that gives; `device_unsupported`: ids in device memory are UNSUPPORTED too);
+/// returns (tensor, the ids the pool sees, passed as NULL?).
+pub fn id_arg(
+    inp: &mut Input,
+    rows: &[i32],
+    want: &mut Expect,
+    device_unsupported: bool,
+) -> (Tensor, Vec<i32>, bool) {
+    let style = if inp.chance(1, 10) {
+        Style::Broadcast
+    } else {
+        inp.pick(&OUTPUT_STYLES)
+    };
+    let seen = ids_seen(rows, style);
+    let mut t = ids_tensor(rows, style);
+    let mut null = false;
+    match inp.below(16) {
+        0 => {
+            t.desc.dtype = KVR_DTYPE_F32;
+            want.add(KVR_STATUS_DTYPE_MISMATCH);
+        }
+        1 => {
+            t = Tensor::new(KVR_DTYPE_I32, &[rows.len(), 1], Style::Contiguous);
+            for (i, &r) in rows.iter().enumerate() {
+                t.mem.set_bits(KVR_DTYPE_I32, i, r as u32);
+            }
+            want.add(KVR_STATUS_INVALID_ARG);
+        }
+        2 => {
+            let b = inp.pick(&BREAKS);
+            want.add(b.apply(&mut t));
+            if b == Break::CudaMemory && device_unsupported {
+                want.add(KVR_STATUS_UNSUPPORTED);
+            }
+        }
+        3 => {
+            null = true;
+            want.add(KVR_STATUS_NULL_ARG);
+        }
+        _ => {}
+    }
+    (t, seen, null)
+}
+
 /// Compares `got` with `want` within `tol * (1 + |want|)`.
 pub fn close(got: f64, want: f64, tol: f64) -> bool {
     (got - want).abs() <= tol * (1.0 + want.abs())
+}
+
+/// A sequence id for a call on a pool whose live sequences are `seqs`: mostly live,
+/// sometimes free, out of range or negative.
+pub fn pick_id<V>(inp: &mut Input, seqs: &BTreeMap<i32, V>, max_seqs: usize) -> i32 {
+    match inp.below(10) {
+        0..=6 if !seqs.is_empty() => *seqs.keys().nth(inp.below(seqs.len())).unwrap(),
+        0..=7 => inp.below(max_seqs + 1) as i32,
+        _ => inp.pick(&[-1, -7, i32::MIN, i32::MAX, max_seqs as i32, 1000]),
+    }
+}
+
+/// The C functions every pool kind has, for the calls both harnesses check alike.
+pub struct PoolApi<P> {
+    pub name: &'static str,
+    pub seq_add: extern "C" fn(*mut P, *mut c_void, *mut i32) -> kvr_status,
+    pub seq_free: extern "C" fn(*mut P, i32, *mut c_void) -> kvr_status,
+    pub free: extern "C" fn(*mut P),
+    /// A handle that was a live pool once (handles are never reused).
+    pub dead: fn() -> *mut P,
+    /// A live handle of another kind.
+    pub foreign: fn() -> *mut P,
+}
+
+impl<P> PoolApi<P> {
+    /// `seq_add` (`*out_seq` NULL sometimes) on a pool with `free_slot` or none: the new id.
+    pub fn add(&self, pool: *mut P, inp: &mut Input, free_slot: bool) -> Option<i32> {
+        let null_out = inp.chance(1, 8);
+        let mut want = Expect::ok();
+        want.add_if(null_out, KVR_STATUS_NULL_ARG);
+        want.add_if(!free_slot, KVR_STATUS_POOL_EXHAUSTED);
+        let mut id = -77;
+        let out = if null_out { null_mut() } else { &mut id };
+        let what = format!("{} seq_add", self.name);
+        if want.check((self.seq_add)(pool, null_mut(), out), &what) {
+            return Some(id);
+        }
+        assert_eq!(id, -77, "{}: a failed seq_add wrote *out_seq", self.name);
+        None
+    }
+
+    /// `seq_free` of `id` (live or not); whether it succeeded.
+    pub fn free_seq(&self, pool: *mut P, id: i32, live: bool) -> bool {
+        let mut want = Expect::ok();
+        want.add_if(!live, KVR_STATUS_UNKNOWN_ID);
+        let what = format!("{} seq_free", self.name);
+        want.check((self.seq_free)(pool, id, null_mut()), &what)
+    }
+
+    /// A NULL, dead or foreign handle and what every call through it must return.
+    pub fn bad_handle(&self, inp: &mut Input) -> (*mut P, Expect) {
+        let which = inp.below(3);
+        let h = match which {
+            0 => null_mut(),
+            1 => (self.dead)(),
+            _ => (self.foreign)(),
+        };
+        let mut want = Expect::only(KVR_STATUS_INVALID_ARG);
+        want.add_if(which == 0, KVR_STATUS_NULL_ARG);
+        (h, want)
+    }
+
+    /// After calls through a bad handle: freeing a NULL or dead one is ignored.
+    pub fn free_bad(&self, h: *mut P) {
+        if h.is_null() || h == (self.dead)() {
+            (self.free)(h);
+        }
+    }
+
+    /// Frees `old` and checks that its handle is dead (calls refused, a second free ignored).
+    pub fn free_checked(&self, old: *mut P) {
+        (self.free)(old);
+        let mut id = -4;
+        Expect::only(KVR_STATUS_INVALID_ARG).check(
+            (self.seq_add)(old, null_mut(), &mut id),
+            "seq_add on a freed pool",
+        );
+        assert_eq!(id, -4);
+        (self.free)(old);
+    }
+}
+
+/// A harness: a pool, its model, and the calls decoded from an input.
+pub trait Harness: Sized {
+    /// The pool configuration (and a first pool) from the input's first bytes.
+    fn new(inp: &mut Input) -> Self;
+    /// One call (or a few) decoded from the input, each checked as it returns.
+    fn step(&mut self, inp: &mut Input);
+    /// The whole pool against the model.
+    fn check(&mut self);
+    /// Frees the pool.
+    fn close(self);
+}
+
+/// Decodes `data` into a pool and up to `max_ops` steps, checking the pool against the
+/// model after every step. Panics (with the reason) on any disagreement.
+pub fn drive<H: Harness>(data: &[u8], max_ops: usize) {
+    let mut inp = Input::new(data);
+    let mut h = H::new(&mut inp);
+    let mut ops = 0;
+    while !inp.exhausted() && ops < max_ops {
+        h.step(&mut inp);
+        h.check();
+        ops += 1;
+    }
+    h.close();
 }

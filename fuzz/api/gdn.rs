@@ -117,6 +117,9 @@ struct Pending {
 struct LayerSeq {
     /// `[hv][dv][dk]`.
     s: Vec<f64>,
+    /// The states at the checkpoint and after each token buffered since (`h + 1` of them;
+    /// recurrent sequences buffer nothing: `[s]`), for materialize.
+    hist: Vec<Vec<f64>>,
     /// `conv_kernel - 1` rows, oldest first, as stored (conv dtype).
     conv: Vec<Vec<f32>>,
     mode: i32,
@@ -129,6 +132,7 @@ impl LayerSeq {
     fn new(c: &Cfg) -> Self {
         LayerSeq {
             s: vec![0.0; c.hv * c.dv * c.dk],
+            hist: vec![vec![0.0; c.hv * c.dv * c.dk]],
             conv: if c.conv_dim > 0 {
                 vec![vec![0.0; c.conv_dim]; c.conv_kernel - 1]
             } else {
@@ -152,6 +156,25 @@ impl LayerSeq {
         };
         self.h = 0;
         self.mode = KVR_GDN_MODE_REPLAY;
+        self.hist = vec![self.s.clone()];
+    }
+    /// The state `keep` tokens past the checkpoint (`keep <= h`).
+    fn at(&self, keep: usize) -> &[f64] {
+        if self.mode == KVR_GDN_MODE_RECURRENT {
+            &self.s
+        } else {
+            &self.hist[keep]
+        }
+    }
+    /// Tokens accepted (decoded or committed) with their states after each.
+    fn accept(&mut self, states: &[Vec<f64>]) {
+        if let Some(last) = states.last() {
+            self.s = last.clone();
+        }
+        if self.mode != KVR_GDN_MODE_RECURRENT {
+            self.h += states.len();
+            self.hist.extend_from_slice(states);
+        }
     }
     /// Flushes first when a step of `need` entries does not fit (decode: 1, verify: 2T).
     fn before_step(&mut self, c: &Cfg, need: usize) {
@@ -168,6 +191,20 @@ impl LayerSeq {
         if !self.conv.is_empty() {
             self.conv.remove(0);
             self.conv.push(row);
+        }
+    }
+}
+
+/// A conv window written by the pool (`t[lead]` when given, else `t`) against the model's.
+fn check_conv(c: &Cfg, window: &[Vec<f32>], t: &Tensor, lead: Option<usize>, what: &str) {
+    for i in 0..c.conv_kernel - 1 {
+        for d in 0..c.conv_dim {
+            let got = match lead {
+                Some(j) => t.get(&[j, i, d]),
+                None => t.get(&[i, d]),
+            };
+            let want = round(t.dtype, window[i][d]);
+            assert!(got == want, "{what}[{i}][{d}] = {got}, model {want}");
         }
     }
 }
@@ -216,13 +253,22 @@ fn recurrent(c: &Cfg, s: &mut [f64], x: &TokenIn, scale: f64, l2: bool) -> Vec<f
     y
 }
 
-struct Harness {
+struct GdnHarness {
     cfg: Cfg,
     pool: *mut kvr_gdn_pool,
     seqs: BTreeMap<i32, Vec<LayerSeq>>,
     ext: Vec<Mem>,
     rng: Rng,
 }
+
+const API: PoolApi<kvr_gdn_pool> = PoolApi {
+    name: "gdn",
+    seq_add: kvr_gdn_pool_seq_add,
+    seq_free: kvr_gdn_pool_seq_free,
+    free: kvr_gdn_pool_free,
+    dead: dead_pool,
+    foreign: foreign_pool,
+};
 
 fn dead_pool() -> *mut kvr_gdn_pool {
     static DEAD: OnceLock<usize> = OnceLock::new();
@@ -577,59 +623,6 @@ fn bad_create(c: &Cfg, ext: &mut [Mem], bad: BadNew) {
     }
 }
 
-fn pick_id(inp: &mut Input, seqs: &BTreeMap<i32, Vec<LayerSeq>>, max_seqs: usize) -> i32 {
-    let live: Vec<i32> = seqs.keys().copied().collect();
-    match inp.below(10) {
-        0..=6 if !live.is_empty() => live[inp.below(live.len())],
-        0..=7 => inp.below(max_seqs + 1) as i32,
-        _ => inp.pick(&[-1, -9, i32::MIN, i32::MAX, max_seqs as i32, 777]),
-    }
-}
-
-/// An id tensor for `rows`, with a mutation per `inp`; returns (tensor, ids the pool sees,
-/// NULL?).
-fn id_arg(
-    inp: &mut Input,
-    rows: &[i32],
-    want: &mut Expect,
-    device_unsupported: bool,
-) -> (Tensor, Vec<i32>, bool) {
-    let style = if inp.chance(1, 10) {
-        Style::Broadcast
-    } else {
-        inp.pick(&OUTPUT_STYLES)
-    };
-    let seen = ids_seen(rows, style);
-    let mut t = ids_tensor(rows, style);
-    let mut null = false;
-    match inp.below(16) {
-        0 => {
-            t.desc.dtype = KVR_DTYPE_F32;
-            want.add(KVR_STATUS_DTYPE_MISMATCH);
-        }
-        1 => {
-            t = Tensor::new(KVR_DTYPE_I32, &[rows.len(), 1], Style::Contiguous);
-            for (i, &r) in rows.iter().enumerate() {
-                t.mem.set_bits(KVR_DTYPE_I32, i, r as u32);
-            }
-            want.add(KVR_STATUS_INVALID_ARG);
-        }
-        2 => {
-            let b = inp.pick(&BREAKS);
-            want.add(b.apply(&mut t));
-            if b == Break::CudaMemory && device_unsupported {
-                want.add(KVR_STATUS_UNSUPPORTED);
-            }
-        }
-        3 => {
-            null = true;
-            want.add(KVR_STATUS_NULL_ARG);
-        }
-        _ => {}
-    }
-    (t, seen, null)
-}
-
 /// Rows of a batch: distinct live sequences, -1 rows, sometimes any id.
 fn pick_rows(
     inp: &mut Input,
@@ -689,6 +682,20 @@ fn layer_arg(inp: &mut Input, layers: usize, all: bool) -> i32 {
     }
 }
 
+/// A layer argument that may be `KVR_LAYER_ALL`, and the layers it selects (none if invalid).
+fn layer_selection(inp: &mut Input, layers: usize, want: &mut Expect) -> (i32, Vec<usize>) {
+    let layer = layer_arg(inp, layers, true);
+    layer_errors(layer, layers, true, want);
+    let sel = if layer == KVR_LAYER_ALL {
+        (0..layers).collect()
+    } else if (0..layers as i32).contains(&layer) {
+        vec![layer as usize]
+    } else {
+        Vec::new()
+    };
+    (layer, sel)
+}
+
 fn layer_errors(layer: i32, layers: usize, all: bool, want: &mut Expect) {
     let ok = (0..layers as i32).contains(&layer) || (all && layer == KVR_LAYER_ALL);
     want.add_if(!ok, KVR_STATUS_OUT_OF_RANGE);
@@ -709,8 +716,41 @@ struct StepArgs {
     four: [bool; 3],
 }
 
-impl Harness {
-    fn new(inp: &mut Input) -> Option<Harness> {
+/// The tensors of an import, export or materialize: a state and an optional conv window
+/// (outputs poisoned), each maybe broken.
+struct StateArgs {
+    state: Tensor,
+    conv: Option<Tensor>,
+    /// The state passed as NULL.
+    null: bool,
+    descs: (kvr_tensor, Option<kvr_tensor>),
+}
+
+impl StateArgs {
+    fn state_ptr(&self) -> *const kvr_tensor {
+        if self.null {
+            null()
+        } else {
+            &self.descs.0
+        }
+    }
+    fn conv_ptr(&self) -> *const kvr_tensor {
+        self.descs
+            .1
+            .as_ref()
+            .map_or(null(), |d| d as *const kvr_tensor)
+    }
+    /// After a failed call: no output was written.
+    fn assert_untouched(&self, what: &str, s: kvr_status) {
+        assert!(self.state.untouched(), "a failed {what} ({s}) wrote out");
+        if let Some(t) = &self.conv {
+            assert!(t.untouched(), "a failed {what} ({s}) wrote conv_out");
+        }
+    }
+}
+
+impl Harness for GdnHarness {
+    fn new(inp: &mut Input) -> Self {
         let layers = 1 + inp.below(2);
         let hk = 1 + inp.below(2);
         let hv = hk * (1 + inp.below(2));
@@ -774,24 +814,20 @@ impl Harness {
         if bad % 4 == 0 {
             bad_create(&c, &mut ext, BAD_NEW[(bad as usize / 4) % BAD_NEW.len()]);
         }
-        let size = if inp.chance(1, 4) {
-            StructSize::LargerZero
-        } else {
-            StructSize::Exact
-        };
+        let size = StructSize::valid_one(inp, 4);
         let pool = create(&c, &mut ext, size);
         let seed = inp.byte() as u64;
-        Some(Harness {
+        GdnHarness {
             cfg: c,
             pool,
             seqs: BTreeMap::new(),
             ext,
             rng: Rng::new(seed),
-        })
+        }
     }
 
     fn step(&mut self, inp: &mut Input) {
-        match inp.below(16) {
+        match inp.below(18) {
             0..=2 => self.op_step(inp, false),
             3 | 4 => self.op_step(inp, true),
             5 | 6 => self.op_commit(inp),
@@ -803,6 +839,7 @@ impl Harness {
             12 => self.op_reset(inp),
             13 => self.op_queries(inp),
             14 => self.op_misuse(inp),
+            15 => self.op_materialize(inp),
             _ => match inp.below(8) {
                 0 => self.op_recreate(inp),
                 1 | 2 => self.op_add(inp),
@@ -811,21 +848,59 @@ impl Harness {
         }
     }
 
+    /// Every cursor, and every state without pending drafts, against the model.
+    fn check(&mut self) {
+        let c = self.cfg;
+        for (&id, layers) in &self.seqs {
+            for (l, ls) in layers.iter().enumerate() {
+                let mut cur = kvr_gdn_cursor {
+                    mode: -9,
+                    ring_start: -9,
+                    buffered: -9,
+                    pending: -9,
+                };
+                Expect::ok().check(
+                    kvr_gdn_pool_get_cursor(self.pool, l as i32, id, &mut cur),
+                    "get_cursor",
+                );
+                self.check_cursor(l, id, &cur);
+                if ls.pending.is_some() {
+                    continue;
+                }
+                let out = Tensor::new(KVR_DTYPE_F32, &c.state_shape(), Style::Contiguous);
+                let conv = (c.conv_dim > 0).then(|| {
+                    Tensor::new(
+                        KVR_DTYPE_F32,
+                        &[c.conv_kernel - 1, c.conv_dim],
+                        Style::Contiguous,
+                    )
+                });
+                let (od, cd) = (out.desc(), conv.as_ref().map(|t| t.desc()));
+                Expect::ok().check(
+                    kvr_gdn_pool_export_state(
+                        self.pool,
+                        l as i32,
+                        id,
+                        &od,
+                        cd.as_ref().map_or(null(), |d| d as *const kvr_tensor),
+                        null_mut(),
+                    ),
+                    "export_state",
+                );
+                self.compare_state(l, id, None, &out, false, conv.as_ref());
+            }
+        }
+    }
+
+    fn close(self) {
+        kvr_gdn_pool_free(self.pool)
+    }
+}
+
+impl GdnHarness {
     fn op_add(&mut self, inp: &mut Input) {
-        let null_out = inp.chance(1, 10);
-        let mut want = Expect::ok();
-        want.add_if(null_out, KVR_STATUS_NULL_ARG);
-        want.add_if(
-            self.seqs.len() == self.cfg.max_seqs,
-            KVR_STATUS_POOL_EXHAUSTED,
-        );
-        let mut id = -77;
-        let s = kvr_gdn_pool_seq_add(
-            self.pool,
-            null_mut(),
-            if null_out { null_mut() } else { &mut id },
-        );
-        if want.check(s, "gdn seq_add") {
+        let free_slot = self.seqs.len() < self.cfg.max_seqs;
+        if let Some(id) = API.add(self.pool, inp, free_slot) {
             assert!(
                 id >= 0 && (id as usize) < self.cfg.max_seqs && !self.seqs.contains_key(&id),
                 "seq_add returned {id}, not a free id"
@@ -833,19 +908,12 @@ impl Harness {
             let c = self.cfg;
             self.seqs
                 .insert(id, (0..c.layers).map(|_| LayerSeq::new(&c)).collect());
-        } else {
-            assert_eq!(id, -77, "a failed seq_add wrote *out_seq");
         }
     }
 
     fn op_free(&mut self, inp: &mut Input) {
         let id = pick_id(inp, &self.seqs, self.cfg.max_seqs);
-        let mut want = Expect::ok();
-        want.add_if(!self.seqs.contains_key(&id), KVR_STATUS_UNKNOWN_ID);
-        if want.check(
-            kvr_gdn_pool_seq_free(self.pool, id, null_mut()),
-            "gdn seq_free",
-        ) {
+        if API.free_seq(self.pool, id, self.seqs.contains_key(&id)) {
             self.seqs.remove(&id);
         }
     }
@@ -1226,10 +1294,7 @@ impl Harness {
                     conv: tokens.iter().map(|x| x.conv.clone()).collect(),
                 });
             } else {
-                ls.s = s;
-                if ls.mode != KVR_GDN_MODE_RECURRENT {
-                    ls.h += 1;
-                }
+                ls.accept(std::slice::from_ref(&s));
                 ls.push_conv(tokens[0].conv.clone());
             }
         }
@@ -1341,20 +1406,53 @@ impl Harness {
                 self.clean_step(l, 1, false);
             }
         }
+        // The states the rings now hold, at a random prefix of each sequence.
+        let ids: Vec<i32> = self.seqs.keys().copied().collect();
+        for id in ids {
+            let ls = &self.seqs[&id];
+            if ls.iter().any(|x| x.pending.is_some()) {
+                continue;
+            }
+            let fill = ls.iter().map(|x| x.h).min().unwrap_or(0);
+            let keep = fill - inp.below(fill + 1).min(inp.below(fill + 1));
+            self.clean_materialize(id, keep);
+        }
+    }
+
+    /// A valid materialize of `id` at `keep` (with the conv windows when `keep` is every
+    /// layer's fill), against the model.
+    fn clean_materialize(&mut self, id: i32, keep: usize) {
+        let c = self.cfg;
+        let mut shape = vec![c.layers];
+        shape.extend(c.state_shape());
+        let out = Tensor::new(KVR_DTYPE_F32, &shape, Style::Contiguous);
+        let newest = self.seqs[&id].iter().all(|x| x.h == keep);
+        let conv = (c.conv_dim > 0 && newest).then(|| {
+            Tensor::new(
+                KVR_DTYPE_F32,
+                &[c.layers, c.conv_kernel - 1, c.conv_dim],
+                Style::Contiguous,
+            )
+        });
+        let cd = conv.as_ref().map(|t| t.desc());
+        let s = kvr_gdn_pool_materialize(
+            self.pool,
+            id,
+            keep as i32,
+            &out.desc(),
+            cd.as_ref().map_or(null(), |d| d as *const kvr_tensor),
+            null_mut(),
+        );
+        Expect::ok().check(s, "gdn materialize");
+        for l in 0..c.layers {
+            self.compare_state(l, id, Some(keep), &out, true, conv.as_ref());
+        }
     }
 
     fn op_commit(&mut self, inp: &mut Input) {
         let c = self.cfg;
         let mut want = Expect::ok();
-        let layer = layer_arg(inp, c.layers, true);
-        layer_errors(layer, c.layers, true, &mut want);
-        let layers: Vec<usize> = if layer == KVR_LAYER_ALL {
-            (0..c.layers).collect()
-        } else if (0..c.layers as i32).contains(&layer) {
-            vec![layer as usize]
-        } else {
-            Vec::new()
-        };
+        let (layer, layers) = layer_selection(inp, c.layers, &mut want);
         let pending: Vec<i32> = self
             .seqs
             .iter()
@@ -1481,26 +1579,13 @@ impl Harness {
             for &l in layers {
                 let ls = &mut self.seqs.get_mut(&id).unwrap()[l];
                 let p = ls.pending.take().expect("pending");
-                if n > 0 {
-                    ls.s = p.snaps[n - 1].clone();
-                }
-                if ls.mode != KVR_GDN_MODE_RECURRENT {
-                    ls.h += n;
-                }
+                ls.accept(&p.snaps[..n]);
                 for row in p.conv.into_iter().take(n) {
                     ls.push_conv(row);
                 }
                 if let Some(t) = cs {
-                    for i in 0..c.conv_kernel - 1 {
-                        for d in 0..c.conv_dim {
-                            let got = t.get(&[bi, i, d]);
-                            let want_c = round(t.dtype, ls.conv[i][d]);
-                            assert!(
-                                got == want_c,
-                                "commit conv_state[{bi}][{i}][{d}] = {got}, model {want_c}"
-                            );
-                        }
-                    }
+                    let what = format!("commit of sequence {id}, layer {l}: conv_state[{bi}]");
+                    check_conv(&c, &ls.conv, t, Some(bi), &what);
                 }
             }
         }
@@ -1509,15 +1594,7 @@ impl Harness {
     fn op_flush(&mut self, inp: &mut Input) {
         let c = self.cfg;
         let mut want = Expect::ok();
-        let layer = layer_arg(inp, c.layers, true);
-        layer_errors(layer, c.layers, true, &mut want);
-        let layers: Vec<usize> = if layer == KVR_LAYER_ALL {
-            (0..c.layers).collect()
-        } else if (0..c.layers as i32).contains(&layer) {
-            vec![layer as usize]
-        } else {
-            Vec::new()
-        };
+        let (layer, layers) = layer_selection(inp, c.layers, &mut want);
         let rows = pick_rows(inp, &self.seqs, c.max_seqs, &[]);
         let (idt, seen, null_ids) = id_arg(inp, &rows, &mut want, true);
         row_errors(&seen, &self.seqs, c.max_seqs, &mut want);
@@ -1566,6 +1643,7 @@ impl Harness {
         inp: &mut Input,
         conv: bool,
         output: bool,
+        all: bool,
         want: &mut Expect,
     ) -> Tensor {
         let c = self.cfg;
@@ -1574,6 +1652,9 @@ impl Harness {
         } else {
             c.state_shape().to_vec()
         };
+        if all {
+            shape.insert(0, c.layers);
+        }
         let mut dt = inp.pick(&FLOATS);
         let mut style = if output {
             inp.pick(&OUTPUT_STYLES)
@@ -1623,31 +1704,57 @@ impl Harness {
         }
     }
 
+    /// A state (NULL sometimes) and, sometimes, a conv window: inputs of an import
+    /// (`output` false) or outputs of an export or materialize (`all`: of every layer).
+    fn state_args(
+        &mut self,
+        inp: &mut Input,
+        output: bool,
+        all: bool,
+        want: &mut Expect,
+    ) -> StateArgs {
+        let c = self.cfg;
+        let null = inp.chance(1, 16);
+        want.add_if(null, KVR_STATUS_NULL_ARG);
+        let mut state = self.state_tensor(inp, false, output, all, want);
+        let mut conv = if inp.chance(1, 2) && (c.conv_dim > 0 || inp.chance(1, 4)) {
+            want.add_if(c.conv_dim == 0, KVR_STATUS_INVALID_ARG);
+            Some(self.state_tensor(inp, true, output, all, want))
+        } else {
+            None
+        };
+        if output {
+            state.poison();
+            if let Some(t) = conv.as_mut() {
+                t.poison();
+            }
+        }
+        let descs = (state.desc(), conv.as_ref().map(|t| t.desc()));
+        StateArgs {
+            state,
+            conv,
+            null,
+            descs,
+        }
+    }
+
     fn op_import(&mut self, inp: &mut Input) {
         let c = self.cfg;
         let mut want = Expect::ok();
         let (layer, id) = self.state_target(inp, &mut want);
-        let null_state = inp.chance(1, 16);
-        want.add_if(null_state, KVR_STATUS_NULL_ARG);
-        let st = self.state_tensor(inp, false, false, &mut want);
-        let conv = if inp.chance(1, 2) && (c.conv_dim > 0 || inp.chance(1, 4)) {
-            want.add_if(c.conv_dim == 0, KVR_STATUS_INVALID_ARG);
-            Some(self.state_tensor(inp, true, false, &mut want))
-        } else {
-            None
-        };
-        let (sd, cd) = (st.desc(), conv.as_ref().map(|t| t.desc()));
+        let a = self.state_args(inp, false, false, &mut want);
         let s = kvr_gdn_pool_import_state(
             self.pool,
             layer,
             id,
-            if null_state { null() } else { &sd },
-            cd.as_ref().map_or(null(), |d| d as *const kvr_tensor),
+            a.state_ptr(),
+            a.conv_ptr(),
             null_mut(),
         );
         if !want.check(s, "gdn import_state") {
             return;
         }
+        let (st, conv) = (&a.state, &a.conv);
         let l = layer as usize;
         let mut s_new = vec![0.0; c.hv * c.dv * c.dk];
         for h in 0..c.hv {
@@ -1659,6 +1766,7 @@ impl Harness {
             }
         }
         let ls = &mut self.seqs.get_mut(&id).unwrap()[l];
+        ls.hist = vec![s_new.clone()];
         ls.s = s_new;
         ls.mode = if c.ring == 0 {
             KVR_GDN_MODE_RECURRENT
@@ -1667,7 +1775,7 @@ impl Harness {
         };
         ls.start = 0;
         ls.h = 0;
-        if let Some(cv) = &conv {
+        if let Some(cv) = conv {
             for i in 0..c.conv_kernel - 1 {
                 for d in 0..c.conv_dim {
                     ls.conv[i][d] = round(c.conv_dtype, cv.get(&[i, d]));
@@ -1677,54 +1785,105 @@ impl Harness {
     }
 
     fn op_export(&mut self, inp: &mut Input) {
-        let c = self.cfg;
         let mut want = Expect::ok();
         let (layer, id) = self.state_target(inp, &mut want);
-        let null_out = inp.chance(1, 16);
-        want.add_if(null_out, KVR_STATUS_NULL_ARG);
-        let mut out = self.state_tensor(inp, false, true, &mut want);
-        let mut conv = if inp.chance(1, 2) && (c.conv_dim > 0 || inp.chance(1, 4)) {
-            want.add_if(c.conv_dim == 0, KVR_STATUS_INVALID_ARG);
-            Some(self.state_tensor(inp, true, true, &mut want))
-        } else {
-            None
-        };
-        out.poison();
-        if let Some(t) = conv.as_mut() {
-            t.poison();
-        }
-        let (od, cd) = (out.desc(), conv.as_ref().map(|t| t.desc()));
+        let a = self.state_args(inp, true, false, &mut want);
         let s = kvr_gdn_pool_export_state(
             self.pool,
             layer,
             id,
-            if null_out { null() } else { &od },
-            cd.as_ref().map_or(null(), |d| d as *const kvr_tensor),
+            a.state_ptr(),
+            a.conv_ptr(),
             null_mut(),
         );
         if !want.check(s, "gdn export_state") {
-            assert!(out.untouched(), "a failed export ({s}) wrote out");
-            if let Some(t) = &conv {
-                assert!(t.untouched(), "a failed export ({s}) wrote conv_out");
-            }
+            a.assert_untouched("export", s);
             return;
         }
-        self.compare_state(layer as usize, id, &out, conv.as_ref());
+        self.compare_state(layer as usize, id, None, &a.state, false, a.conv.as_ref());
     }
 
-    fn compare_state(&self, l: usize, id: i32, out: &Tensor, conv: Option<&Tensor>) {
+    /// Materialize: every layer's state `keep` tokens past its checkpoint (and, at the newest
+    /// token, the conv windows) against the model's history; the pool must not change.
+    fn op_materialize(&mut self, inp: &mut Input) {
+        let c = self.cfg;
+        let mut want = Expect::ok();
+        let id = pick_id(inp, &self.seqs, c.max_seqs);
+        let live = self.seqs.get(&id);
+        want.add_if(live.is_none(), KVR_STATUS_UNKNOWN_ID);
+        // Fills of the layers (the tokens each buffers since its checkpoint).
+        let fills: Vec<usize> = live.map_or(Vec::new(), |ls| ls.iter().map(|x| x.h).collect());
+        let lo = fills.iter().copied().min().unwrap_or(0);
+        let hi = fills.iter().copied().max().unwrap_or(0);
+        let keep: i32 = match inp.below(10) {
+            0 => inp.pick(&[-1, i32::MIN]),
+            1 => hi as i32 + 1,
+            2 => i32::MAX,
+            3 | 4 => hi as i32,
+            _ => inp.below(lo + 1) as i32,
+        };
+        want.add_if(keep < 0, KVR_STATUS_OUT_OF_RANGE);
+        if let Some(ls) = live {
+            want.add_if(
+                ls.iter().any(|x| x.pending.is_some()),
+                KVR_STATUS_INVALID_ARG,
+            );
+            want.add_if(
+                keep >= 0 && fills.iter().any(|&f| keep as usize > f),
+                KVR_STATUS_OUT_OF_RANGE,
+            );
+        }
+        // Sometimes one layer's shapes (no leading layer dimension).
+        let all = !inp.chance(1, 16);
+        want.add_if(!all, KVR_STATUS_INVALID_ARG);
+        let a = self.state_args(inp, true, all, &mut want);
+        want.add_if(
+            a.conv.is_some() && keep >= 0 && fills.iter().any(|&f| keep as usize != f),
+            KVR_STATUS_INVALID_ARG,
+        );
+        let s =
+            kvr_gdn_pool_materialize(self.pool, id, keep, a.state_ptr(), a.conv_ptr(), null_mut());
+        if !want.check(s, "gdn materialize") {
+            a.assert_untouched("materialize", s);
+            return;
+        }
+        for l in 0..c.layers {
+            self.compare_state(l, id, Some(keep as usize), &a.state, true, a.conv.as_ref());
+        }
+    }
+
+    /// The state of `id` in layer `l`, `keep` tokens past its checkpoint (None: the current
+    /// one), and its conv window, against what an export (`all` false: `out` is one layer's)
+    /// or a materialize (`all`: `out` and `conv` lead with the layer) wrote.
+    fn compare_state(
+        &self,
+        l: usize,
+        id: i32,
+        keep: Option<usize>,
+        out: &Tensor,
+        all: bool,
+        conv: Option<&Tensor>,
+    ) {
         let c = self.cfg;
         let ls = &self.seqs[&id][l];
         let tol = c.tol() + out_tol(out.dtype);
+        let state = keep.map_or(&ls.s[..], |k| ls.at(k));
+        let at = |i: [usize; 3]| -> f32 {
+            if all {
+                out.get(&[l, i[0], i[1], i[2]])
+            } else {
+                out.get(&i)
+            }
+        };
         for h in 0..c.hv {
             for iv in 0..c.dv {
                 for ik in 0..c.dk {
-                    let got = out.get(&self.sidx(h, iv, ik)) as f64;
-                    let want_s = ls.s[(h * c.dv + iv) * c.dk + ik];
+                    let got = at(self.sidx(h, iv, ik)) as f64;
+                    let want_s = state[(h * c.dv + iv) * c.dk + ik];
                     assert!(
                         close(got, want_s, tol),
-                        "sequence {id}, layer {l}: state[{h}][v {iv}][k {ik}] = {got}, reference \
-                         {want_s} (mode {}, buffered {})",
+                        "sequence {id}, layer {l}, keep {keep:?}: state[{h}][v {iv}][k {ik}] = \
+                         {got}, reference {want_s} (mode {}, buffered {})",
                         ls.mode,
                         ls.h
                     );
@@ -1732,16 +1891,8 @@ impl Harness {
             }
         }
         if let Some(t) = conv {
-            for i in 0..c.conv_kernel - 1 {
-                for d in 0..c.conv_dim {
-                    let got = t.get(&[i, d]);
-                    let want_c = round(t.dtype, ls.conv[i][d]);
-                    assert!(
-                        got == want_c,
-                        "sequence {id}, layer {l}: conv[{i}][{d}] = {got}, model {want_c}"
-                    );
-                }
-            }
+            let what = format!("sequence {id}, layer {l}: conv");
+            check_conv(&c, &ls.conv, t, all.then_some(l), &what);
         }
     }
 
@@ -1804,18 +1955,21 @@ impl Harness {
     }
 
     fn op_misuse(&mut self, inp: &mut Input) {
-        let which = inp.below(3);
-        let h: *mut kvr_gdn_pool = match which {
-            0 => null_mut(),
-            1 => dead_pool(),
-            _ => foreign_pool(),
-        };
-        let mut want = Expect::only(KVR_STATUS_INVALID_ARG);
-        want.add_if(which == 0, KVR_STATUS_NULL_ARG);
+        let (h, want) = API.bad_handle(inp);
         let mut id = -4;
         let ids = ids_tensor(&[0], Style::Contiguous);
         let idd = ids.desc();
-        let s = match inp.below(7) {
+        let c = self.cfg;
+        let mut a = self.clean_args(1, 1);
+        a.out.poison();
+        let conv = a.conv.as_ref().map(|x| x.desc());
+        let conv = conv.as_ref().map_or(null(), |d| d as *const kvr_tensor);
+        let st = Tensor::new(KVR_DTYPE_F32, &c.state_shape(), Style::Contiguous);
+        let mut all = vec![c.layers];
+        all.extend(c.state_shape());
+        let mut so = Tensor::new(KVR_DTYPE_F32, &all, Style::Contiguous);
+        so.poison();
+        let s = match inp.below(13) {
             0 => kvr_gdn_pool_seq_add(h, null_mut(), &mut id),
             1 => kvr_gdn_pool_seq_free(h, 0, null_mut()),
             2 => kvr_gdn_pool_seq_reset(h, 0, null_mut()),
@@ -1830,34 +1984,50 @@ impl Harness {
                 };
                 kvr_gdn_pool_get_cursor(h, 0, 0, &mut cur)
             }
-            _ => {
+            6 => {
                 let mut o = OutStruct::new(size_of::<kvr_gdn_pool_memory>(), 128);
                 kvr_gdn_pool_get_memory(h, o.ptr())
             }
+            7 | 8 => (if inp.chance(1, 2) {
+                kvr_gdn_pool_decode
+            } else {
+                kvr_gdn_pool_verify
+            })(
+                h,
+                0,
+                &idd,
+                &a.q.desc(),
+                &a.k.desc(),
+                &a.v.desc(),
+                &a.g.desc(),
+                &a.beta.desc(),
+                conv,
+                &a.out.desc(),
+                null(),
+                null_mut(),
+            ),
+            9 => kvr_gdn_pool_import_state(h, 0, 0, &st.desc(), null(), null_mut()),
+            10 => {
+                let mut o = Tensor::new(KVR_DTYPE_F32, &c.state_shape(), Style::Contiguous);
+                o.poison();
+                let s = kvr_gdn_pool_export_state(h, 0, 0, &o.desc(), null(), null_mut());
+                assert!(o.untouched(), "a refused export wrote out");
+                s
+            }
+            _ => kvr_gdn_pool_materialize(h, 0, 0, &so.desc(), null(), null_mut()),
         };
         want.check(s, "gdn call through a bad handle");
         assert_eq!(id, -4);
-        if which == 0 {
-            kvr_gdn_pool_free(null_mut());
-        } else if which == 1 {
-            kvr_gdn_pool_free(dead_pool());
-        }
+        assert!(
+            a.out.untouched() && so.untouched(),
+            "a refused call wrote its outputs"
+        );
+        API.free_bad(h);
     }
 
     fn op_recreate(&mut self, inp: &mut Input) {
-        let old = self.pool;
-        kvr_gdn_pool_free(old);
-        let mut id = -4;
-        Expect::only(KVR_STATUS_INVALID_ARG).check(
-            kvr_gdn_pool_seq_add(old, null_mut(), &mut id),
-            "seq_add on a freed pool",
-        );
-        kvr_gdn_pool_free(old);
-        let size = if inp.chance(1, 2) {
-            StructSize::LargerZero
-        } else {
-            StructSize::Exact
-        };
+        API.free_checked(self.pool);
+        let size = StructSize::valid_one(inp, 2);
         self.pool = create(&self.cfg, &mut self.ext, size);
         self.seqs.clear();
     }
@@ -1871,64 +2041,10 @@ impl Harness {
             "cursor (mode, ring_start, buffered, pending) of sequence {id}, layer {l}"
         );
     }
-
-    /// Every cursor, and every state without pending drafts, against the model.
-    fn check(&mut self) {
-        let c = self.cfg;
-        for (&id, layers) in &self.seqs {
-            for (l, ls) in layers.iter().enumerate() {
-                let mut cur = kvr_gdn_cursor {
-                    mode: -9,
-                    ring_start: -9,
-                    buffered: -9,
-                    pending: -9,
-                };
-                Expect::ok().check(
-                    kvr_gdn_pool_get_cursor(self.pool, l as i32, id, &mut cur),
-                    "get_cursor",
-                );
-                self.check_cursor(l, id, &cur);
-                if ls.pending.is_some() {
-                    continue;
-                }
-                let out = Tensor::new(KVR_DTYPE_F32, &c.state_shape(), Style::Contiguous);
-                let conv = (c.conv_dim > 0).then(|| {
-                    Tensor::new(
-                        KVR_DTYPE_F32,
-                        &[c.conv_kernel - 1, c.conv_dim],
-                        Style::Contiguous,
-                    )
-                });
-                let (od, cd) = (out.desc(), conv.as_ref().map(|t| t.desc()));
-                Expect::ok().check(
-                    kvr_gdn_pool_export_state(
-                        self.pool,
-                        l as i32,
-                        id,
-                        &od,
-                        cd.as_ref().map_or(null(), |d| d as *const kvr_tensor),
-                        null_mut(),
-                    ),
-                    "export_state",
-                );
-                self.compare_state(l, id, &out, conv.as_ref());
-            }
-        }
-    }
 }
 
 /// Decodes `data` into a pool and a sequence of calls and checks each against the model.
 /// Panics (with the reason) on any disagreement.
 pub fn run(data: &[u8]) {
-    let mut inp = Input::new(data);
-    let Some(mut h) = Harness::new(&mut inp) else {
-        return;
-    };
-    let mut ops = 0;
-    while !inp.exhausted() && ops < MAX_OPS {
-        h.step(&mut inp);
-        h.check();
-        ops += 1;
-    }
-    kvr_gdn_pool_free(h.pool);
+    drive::<GdnHarness>(data, MAX_OPS)
 }

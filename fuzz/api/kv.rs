@@ -137,7 +137,7 @@ impl Model {
     }
 }
 
-struct Harness {
+struct KvHarness {
     cfg: Cfg,
     pool: *mut kvr_kv_pool,
     model: Model,
@@ -150,6 +150,15 @@ struct Harness {
     ext: Vec<(Mem, Mem)>,
     rng: Rng,
 }
+
+const API: PoolApi<kvr_kv_pool> = PoolApi {
+    name: "kv",
+    seq_add: kvr_kv_pool_seq_add,
+    seq_free: kvr_kv_pool_seq_free,
+    free: kvr_kv_pool_free,
+    dead: dead_pool,
+    foreign: || context() as *mut kvr_kv_pool,
+};
 
 /// A handle that was a live pool once (handles are never reused).
 fn dead_pool() -> *mut kvr_kv_pool {
@@ -423,14 +432,8 @@ fn bad_create(cfg: &Cfg, ext: &mut [(Mem, Mem)], bad: BadNew) {
     assert_eq!(out, sentinel, "kv_pool_new with {bad:?} wrote *out");
 }
 
-/// A sequence id: mostly live, sometimes dead, out of range or negative.
 fn pick_id(inp: &mut Input, m: &Model) -> i32 {
-    let live: Vec<i32> = m.seqs.keys().copied().collect();
-    match inp.below(10) {
-        0..=6 if !live.is_empty() => live[inp.below(live.len())],
-        0..=7 => inp.below(m.cfg.max_seqs + 1) as i32,
-        _ => inp.pick(&[-1, -7, i32::MIN, i32::MAX, m.cfg.max_seqs as i32, 1000]),
-    }
+    super::common::pick_id(inp, &m.seqs, m.cfg.max_seqs)
 }
 
 fn is_live(m: &Model, id: i32) -> bool {
@@ -469,8 +472,8 @@ fn pick_src_bad(inp: &mut Input) -> SrcBad {
     }
 }
 
-impl Harness {
-    fn new(inp: &mut Input) -> Option<Harness> {
+impl Harness for KvHarness {
+    fn new(inp: &mut Input) -> Self {
         let layers = 1 + inp.below(2);
         let heads = 1 + inp.below(2);
         let dim = inp.pick(&[1, 2, 3, 4, 8]);
@@ -514,14 +517,10 @@ impl Harness {
         if bad % 4 == 0 {
             bad_create(&cfg, &mut ext, BAD_NEW[(bad as usize / 4) % BAD_NEW.len()]);
         }
-        let size = if inp.chance(1, 4) {
-            StructSize::LargerZero
-        } else {
-            StructSize::Exact
-        };
+        let size = StructSize::valid_one(inp, 4);
         let pool = create(&cfg, &mut ext, size);
         let seed = inp.byte() as u64;
-        Some(Harness {
+        KvHarness {
             cfg,
             pool,
             model: Model {
@@ -533,9 +532,120 @@ impl Harness {
             data: BTreeMap::new(),
             ext,
             rng: Rng::new(seed),
-        })
+        }
     }
 
+    fn step(&mut self, inp: &mut Input) {
+        match inp.below(16) {
+            0 | 1 => self.op_append(inp),
+            2 => self.op_add(inp),
+            3 => self.op_fork(inp),
+            4 => self.op_extend(inp, false),
+            5 => self.op_write(inp, None),
+            6 => self.op_truncate(inp),
+            7 => self.op_free(inp),
+            8 | 9 => self.op_decode(inp),
+            10 => self.op_admit(inp),
+            11 => self.op_stats(inp),
+            12 => self.op_queries(inp),
+            13 => self.op_extend(inp, true),
+            14 => self.op_misuse(inp),
+            _ => {
+                if inp.chance(1, 4) {
+                    self.op_recreate(inp);
+                } else {
+                    self.op_append(inp);
+                }
+            }
+        }
+    }
+
+    /// The pool against the model: stats, lengths, block tables, harness-owned K/V bytes.
+    fn check(&mut self) {
+        let mut st: kvr_kv_pool_stats = unsafe { std::mem::zeroed() };
+        st.struct_size = size_of::<kvr_kv_pool_stats>() as u32;
+        Expect::ok().check(kvr_kv_pool_get_stats(self.pool, &mut st), "kv get_stats");
+        self.check_stats(&st);
+        let mut seen: HashMap<i32, u64> = HashMap::new();
+        let mut tables: BTreeMap<i32, Vec<i32>> = BTreeMap::new();
+        for (&id, s) in &self.model.seqs {
+            let mut len = -1;
+            Expect::ok().check(
+                kvr_kv_pool_get_seq_len(self.pool, id, &mut len),
+                "get_seq_len",
+            );
+            assert_eq!(len, s.len as i64, "length of sequence {id}");
+            let mut pages = vec![-1i32; s.pages.len()];
+            let mut n = -1;
+            Expect::ok().check(
+                kvr_kv_pool_get_seq_pages(
+                    self.pool,
+                    id,
+                    pages.as_mut_ptr(),
+                    pages.len() as i64,
+                    &mut n,
+                ),
+                "get_seq_pages",
+            );
+            assert_eq!(n, s.pages.len() as i64, "page count of sequence {id}");
+            for (&mp, &rp) in s.pages.iter().zip(&pages) {
+                assert!(
+                    rp >= 0 && (rp as usize) < self.cfg.cap,
+                    "sequence {id} holds page {rp} outside the pool"
+                );
+                if let Some(&prev) = self.real.get(&mp) {
+                    assert_eq!(prev, rp, "a page of sequence {id} moved or was not shared");
+                }
+                self.real.insert(mp, rp);
+                if let Some(&other) = seen.get(&rp) {
+                    assert_eq!(other, mp, "page {rp} serves two different model pages");
+                }
+                seen.insert(rp, mp);
+            }
+            tables.insert(id, pages);
+        }
+        let live: std::collections::HashSet<u64> = self
+            .model
+            .seqs
+            .values()
+            .flat_map(|s| s.pages.iter().copied())
+            .collect();
+        self.real.retain(|p, _| live.contains(p));
+        if self.cfg.external.is_none() {
+            return;
+        }
+        let [sp, sh, stt] = self.cfg.strides();
+        let (ps, h, d, dt) = (self.cfg.ps, self.cfg.heads, self.cfg.dim, self.cfg.dtype);
+        for id in self.model.seqs.keys() {
+            let table = &tables[id];
+            for (l, layer) in self.data[id].iter().enumerate() {
+                for (pos, tok) in layer.iter().enumerate() {
+                    let Some((k, v)) = tok else { continue };
+                    let page = table[pos / ps] as usize;
+                    for hh in 0..h {
+                        for dd in 0..d {
+                            let e = page * sp + hh * sh + (pos % ps) * stt + dd;
+                            let (gk, gv) = (self.ext[l].0.get(dt, e), self.ext[l].1.get(dt, e));
+                            assert!(
+                                gk == k[hh * d + dd] && gv == v[hh * d + dd],
+                                "sequence {id}, layer {l}, position {pos}: pool memory holds \
+                                 ({gk}, {gv}), the model ({}, {})",
+                                k[hh * d + dd],
+                                v[hh * d + dd]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn close(self) {
+        kvr_kv_pool_free(self.pool)
+    }
+}
+
+impl KvHarness {
     /// Token storage follows the model: dead sequences dropped, new ones empty, lengths
     /// matched (positions past a truncation dropped, new ones unwritten).
     fn sync_data(&mut self) {
@@ -646,44 +756,9 @@ impl Harness {
         (k, v)
     }
 
-    fn step(&mut self, inp: &mut Input) {
-        match inp.below(16) {
-            0 | 1 => self.op_append(inp),
-            2 => self.op_add(inp),
-            3 => self.op_fork(inp),
-            4 => self.op_extend(inp, false),
-            5 => self.op_write(inp, None),
-            6 => self.op_truncate(inp),
-            7 => self.op_free(inp),
-            8 | 9 => self.op_decode(inp),
-            10 => self.op_admit(inp),
-            11 => self.op_stats(inp),
-            12 => self.op_queries(inp),
-            13 => self.op_extend(inp, true),
-            14 => self.op_misuse(inp),
-            _ => {
-                if inp.chance(1, 4) {
-                    self.op_recreate(inp);
-                } else {
-                    self.op_append(inp);
-                }
-            }
-        }
-    }
-
     fn op_add(&mut self, inp: &mut Input) {
-        let null_out = inp.chance(1, 8);
-        let mut want = Expect::ok();
-        want.add_if(null_out, KVR_STATUS_NULL_ARG);
         let next = self.model.lowest_free();
-        want.add_if(next.is_none(), KVR_STATUS_POOL_EXHAUSTED);
-        let mut id = -77;
-        let s = kvr_kv_pool_seq_add(
-            self.pool,
-            null_mut(),
-            if null_out { null_mut() } else { &mut id },
-        );
-        if want.check(s, "kv seq_add") {
+        if let Some(id) = API.add(self.pool, inp, next.is_some()) {
             assert_eq!(Some(id), next, "seq_add returns the lowest free id");
             self.model.seqs.insert(
                 id,
@@ -693,8 +768,6 @@ impl Harness {
                 },
             );
             self.sync_data();
-        } else {
-            assert_eq!(id, -77, "a failed seq_add wrote *out_seq");
         }
     }
 
@@ -729,12 +802,7 @@ impl Harness {
 
     fn op_free(&mut self, inp: &mut Input) {
         let id = pick_id(inp, &self.model);
-        let mut want = Expect::ok();
-        want.add_if(!is_live(&self.model, id), KVR_STATUS_UNKNOWN_ID);
-        if want.check(
-            kvr_kv_pool_seq_free(self.pool, id, null_mut()),
-            "kv seq_free",
-        ) {
+        if API.free_seq(self.pool, id, is_live(&self.model, id)) {
             self.model.seqs.remove(&id);
             self.sync_data();
         }
@@ -1112,19 +1180,24 @@ impl Harness {
 
     /// Calls through a NULL, freed or foreign handle: refused, nothing changes.
     fn op_misuse(&mut self, inp: &mut Input) {
-        let which = inp.below(3);
-        let h: *mut kvr_kv_pool = match which {
-            0 => null_mut(),
-            1 => dead_pool(),
-            _ => context() as *mut kvr_kv_pool,
-        };
-        let mut want = Expect::only(KVR_STATUS_INVALID_ARG);
-        want.add_if(which == 0, KVR_STATUS_NULL_ARG);
+        let (h, want) = API.bad_handle(inp);
         let mut id = -4;
         let mut n = -4i64;
         let ids = [0i32];
         let counts = [1i32];
-        let s = match inp.below(8) {
+        // Valid-looking tensors for the calls that take them (one token, one layer).
+        let c = self.cfg;
+        let kv = Tensor::new(
+            KVR_DTYPE_F32,
+            &[c.layers, 1, c.heads, c.dim],
+            Style::Contiguous,
+        );
+        let q = Tensor::new(KVR_DTYPE_F32, &[1, c.heads, c.dim], Style::Contiguous);
+        let mut out = Tensor::new(KVR_DTYPE_F32, &[1, c.heads, c.dim], Style::Contiguous);
+        out.poison();
+        let idt = ids_tensor(&[0], Style::Contiguous);
+        let mut pages = [-3i32; 4];
+        let s = match inp.below(12) {
             0 => kvr_kv_pool_seq_add(h, null_mut(), &mut id),
             1 => kvr_kv_pool_seq_free(h, 0, null_mut()),
             2 => kvr_kv_pool_seq_fork(h, 0, null_mut(), &mut id),
@@ -1135,36 +1208,46 @@ impl Harness {
                 let mut o = OutStruct::new(size_of::<kvr_kv_pool_stats>(), 128);
                 kvr_kv_pool_get_stats(h, o.ptr())
             }
-            _ => {
+            7 => {
                 let mut a = 0;
                 kvr_kv_pool_admit(h, KVR_SEQ_NONE, 1, &mut a)
             }
+            8 => kvr_kv_pool_append(h, 0, &kv.desc(), &kv.desc(), null_mut()),
+            9 => kvr_kv_pool_write(
+                h,
+                KVR_LAYER_ALL,
+                ids.as_ptr(),
+                counts.as_ptr(),
+                1,
+                &kv.desc(),
+                &kv.desc(),
+                null_mut(),
+            ),
+            10 => kvr_kv_pool_decode(
+                h,
+                0,
+                &idt.desc(),
+                &q.desc(),
+                &out.desc(),
+                null(),
+                null(),
+                null_mut(),
+            ),
+            _ => kvr_kv_pool_get_seq_pages(h, 0, pages.as_mut_ptr(), 4, &mut n),
         };
         want.check(s, "kv call through a bad handle");
         assert_eq!((id, n), (-4, -4));
-        // Freeing a NULL or dead handle is ignored.
-        if which == 0 {
-            kvr_kv_pool_free(null_mut());
-        } else if which == 1 {
-            kvr_kv_pool_free(dead_pool());
-        }
+        assert!(
+            out.untouched() && pages == [-3; 4],
+            "a refused call wrote its outputs"
+        );
+        API.free_bad(h);
     }
 
     /// Frees the pool, checks that its handle is dead, and starts a new one.
     fn op_recreate(&mut self, inp: &mut Input) {
-        let old = self.pool;
-        kvr_kv_pool_free(old);
-        let mut id = -4;
-        Expect::only(KVR_STATUS_INVALID_ARG).check(
-            kvr_kv_pool_seq_add(old, null_mut(), &mut id),
-            "seq_add on a freed pool",
-        );
-        kvr_kv_pool_free(old);
-        let size = if inp.chance(1, 2) {
-            StructSize::LargerZero
-        } else {
-            StructSize::Exact
-        };
+        API.free_checked(self.pool);
+        let size = StructSize::valid_one(inp, 2);
         self.pool = create(&self.cfg, &mut self.ext, size);
         self.model.seqs.clear();
         self.real.clear();
@@ -1245,34 +1328,7 @@ impl Harness {
         } else {
             vec![b, hq, d]
         };
-        // ids
-        let id_style = if inp.chance(1, 8) {
-            Style::Broadcast
-        } else {
-            inp.pick(&OUTPUT_STYLES)
-        };
-        let seen = ids_seen(&rows, id_style);
-        let mut idt = ids_tensor(&rows, id_style);
-        let mut null_ids = false;
-        match inp.below(14) {
-            0 => {
-                idt.desc.dtype = KVR_DTYPE_F32;
-                want.add(KVR_STATUS_DTYPE_MISMATCH);
-            }
-            1 => {
-                idt = Tensor::new(KVR_DTYPE_I32, &[b, 1], Style::Contiguous);
-                for (i, &r) in rows.iter().enumerate() {
-                    idt.mem.set_bits(KVR_DTYPE_I32, i, r as u32);
-                }
-                want.add(KVR_STATUS_INVALID_ARG);
-            }
-            2 => want.add(inp.pick(&BREAKS).apply(&mut idt)),
-            3 => {
-                null_ids = true;
-                want.add(KVR_STATUS_NULL_ARG);
-            }
-            _ => {}
-        }
+        let (idt, seen, null_ids) = id_arg(inp, &rows, &mut want, false);
         want.add_if(b > cfg.max_seqs, KVR_STATUS_OUT_OF_RANGE);
         for (i, &id) in seen.iter().enumerate() {
             if id != -1 && !is_live(&self.model, id) {
@@ -1560,100 +1616,10 @@ impl Harness {
             "stats (total, used, free, shared, sequences, tokens, waste, page_bytes)"
         );
     }
-
-    /// The pool against the model: stats, lengths, block tables, harness-owned K/V bytes.
-    fn check(&mut self) {
-        let mut st: kvr_kv_pool_stats = unsafe { std::mem::zeroed() };
-        st.struct_size = size_of::<kvr_kv_pool_stats>() as u32;
-        Expect::ok().check(kvr_kv_pool_get_stats(self.pool, &mut st), "kv get_stats");
-        self.check_stats(&st);
-        let mut seen: HashMap<i32, u64> = HashMap::new();
-        let mut tables: BTreeMap<i32, Vec<i32>> = BTreeMap::new();
-        for (&id, s) in &self.model.seqs {
-            let mut len = -1;
-            Expect::ok().check(
-                kvr_kv_pool_get_seq_len(self.pool, id, &mut len),
-                "get_seq_len",
-            );
-            assert_eq!(len, s.len as i64, "length of sequence {id}");
-            let mut pages = vec![-1i32; s.pages.len()];
-            let mut n = -1;
-            Expect::ok().check(
-                kvr_kv_pool_get_seq_pages(
-                    self.pool,
-                    id,
-                    pages.as_mut_ptr(),
-                    pages.len() as i64,
-                    &mut n,
-                ),
-                "get_seq_pages",
-            );
-            assert_eq!(n, s.pages.len() as i64, "page count of sequence {id}");
-            for (&mp, &rp) in s.pages.iter().zip(&pages) {
-                assert!(
-                    rp >= 0 && (rp as usize) < self.cfg.cap,
-                    "sequence {id} holds page {rp} outside the pool"
-                );
-                if let Some(&prev) = self.real.get(&mp) {
-                    assert_eq!(prev, rp, "a page of sequence {id} moved or was not shared");
-                }
-                self.real.insert(mp, rp);
-                if let Some(&other) = seen.get(&rp) {
-                    assert_eq!(other, mp, "page {rp} serves two different model pages");
-                }
-                seen.insert(rp, mp);
-            }
-            tables.insert(id, pages);
-        }
-        let live: std::collections::HashSet<u64> = self
-            .model
-            .seqs
-            .values()
-            .flat_map(|s| s.pages.iter().copied())
-            .collect();
-        self.real.retain(|p, _| live.contains(p));
-        if self.cfg.external.is_none() {
-            return;
-        }
-        let [sp, sh, stt] = self.cfg.strides();
-        let (ps, h, d, dt) = (self.cfg.ps, self.cfg.heads, self.cfg.dim, self.cfg.dtype);
-        for id in self.model.seqs.keys() {
-            let table = &tables[id];
-            for (l, layer) in self.data[id].iter().enumerate() {
-                for (pos, tok) in layer.iter().enumerate() {
-                    let Some((k, v)) = tok else { continue };
-                    let page = table[pos / ps] as usize;
-                    for hh in 0..h {
-                        for dd in 0..d {
-                            let e = page * sp + hh * sh + (pos % ps) * stt + dd;
-                            let (gk, gv) = (self.ext[l].0.get(dt, e), self.ext[l].1.get(dt, e));
-                            assert!(
-                                gk == k[hh * d + dd] && gv == v[hh * d + dd],
-                                "sequence {id}, layer {l}, position {pos}: pool memory holds \
-                                 ({gk}, {gv}), the model ({}, {})",
-                                k[hh * d + dd],
-                                v[hh * d + dd]
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// Decodes `data` into a pool and a sequence of calls and checks each against the model.
 /// Panics (with the reason) on any disagreement.
 pub fn run(data: &[u8]) {
-    let mut inp = Input::new(data);
-    let Some(mut h) = Harness::new(&mut inp) else {
-        return;
-    };
-    let mut ops = 0;
-    while !inp.exhausted() && ops < MAX_OPS {
-        h.step(&mut inp);
-        h.check();
-        ops += 1;
-    }
-    kvr_kv_pool_free(h.pool);
+    drive::<KvHarness>(data, MAX_OPS)
 }
