@@ -20,15 +20,19 @@ use crate::error::Result;
 use crate::linear::math::{self, Entry, StateLayout};
 use crate::tensor::{DType, TensorView};
 
+// Element `i` of an array of `dtype` at `addr`. The address may be aligned to 2 bytes only:
+// KV-only entries and their f32 log decays live inside a head's state memory, which for a
+// bf16 state (odd dk * dv, or an external seq_stride that is odd) starts on any even byte.
 #[inline]
 pub(crate) fn load(addr: usize, dtype: DType, i: usize) -> f32 {
-    // SAFETY: callers pass addresses inside the pool's memory or a checked view.
+    // SAFETY: callers pass addresses inside the pool's memory or a checked view; the
+    // unaligned reads need no alignment.
     unsafe {
         match dtype {
-            DType::F32 => (addr as *const f32).add(i).read(),
-            DType::F16 => (addr as *const f16).add(i).read().to_f32(),
-            DType::BF16 => (addr as *const bf16).add(i).read().to_f32(),
-            DType::I32 => (addr as *const i32).add(i).read() as f32,
+            DType::F32 => (addr as *const f32).add(i).read_unaligned(),
+            DType::F16 => (addr as *const f16).add(i).read_unaligned().to_f32(),
+            DType::BF16 => (addr as *const bf16).add(i).read_unaligned().to_f32(),
+            DType::I32 => (addr as *const i32).add(i).read_unaligned() as f32,
         }
     }
 }
@@ -38,10 +42,12 @@ pub(crate) fn store(addr: usize, dtype: DType, i: usize, x: f32) {
     // SAFETY: as in `load`.
     unsafe {
         match dtype {
-            DType::F32 => (addr as *mut f32).add(i).write(x),
-            DType::F16 => (addr as *mut f16).add(i).write(f16::from_f32(x)),
-            DType::BF16 => (addr as *mut bf16).add(i).write(bf16::from_f32(x)),
-            DType::I32 => (addr as *mut i32).add(i).write(x as i32),
+            DType::F32 => (addr as *mut f32).add(i).write_unaligned(x),
+            DType::F16 => (addr as *mut f16).add(i).write_unaligned(f16::from_f32(x)),
+            DType::BF16 => (addr as *mut bf16)
+                .add(i)
+                .write_unaligned(bf16::from_f32(x)),
+            DType::I32 => (addr as *mut i32).add(i).write_unaligned(x as i32),
         }
     }
 }

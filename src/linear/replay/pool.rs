@@ -436,11 +436,18 @@ impl<F: Family> ReplayPool<F> {
             MemoryKind::Host => {
                 let a = read_host_i32(accepted, b);
                 for (i, &id) in ids.iter().enumerate() {
-                    if id >= 0 {
-                        let p = seqs.get(id)?.pending[layers.start] as i32;
+                    if id < 0 {
+                        continue;
+                    }
+                    // Every layer committed must hold that many drafts (layers can have
+                    // verified different T).
+                    let pending = &seqs.get(id)?.pending;
+                    for l in layers.clone() {
+                        let p = pending[l] as i32;
                         if a[i] < 0 || a[i] > p {
                             return Err(Error::OutOfRange(format!(
-                                "accepted[{i}] = {} but sequence {id} has {p} verified drafts",
+                                "accepted[{i}] = {} but sequence {id} has {p} verified drafts \
+                                 in layer {l}",
                                 a[i]
                             )));
                         }
@@ -472,9 +479,11 @@ impl<F: Family> ReplayPool<F> {
             }
             check_float(cs, "conv_state")?;
             cs.expect_memory(self.ctx.memory(), "conv_state")?;
-            if layers.len() > 1 {
+            if layer.is_none() {
                 return Err(Error::InvalidArgument(
-                    "conv_state is per layer: commit one layer at a time to receive it".into(),
+                    "conv_state is per layer: commit one layer at a time (not KVR_LAYER_ALL) \
+                     to receive it"
+                        .into(),
                 ));
             }
             if !cs.is_non_overlapping() {
