@@ -426,23 +426,25 @@ impl ReplayCuda {
         };
         // The warp-streaming decode: V-major pools without KV-only mode whose states take
         // 16-byte loads. KVR_GDN_DECODE=stream (or warp, general) selects the older kernels.
+        let lc = cfg.ring_len.max(1);
+        // The prep kernel's shared memory: key products, normalized keys, k . q [hk]; ring
+        // decays [hv][lc]; v of the row.
+        let prep_smem = (2 * lc + cfg.dk + 1) * cfg.k_heads * 4
+            + cfg.v_heads * lc * 4
+            + 16
+            + cfg.v_heads * cfg.dv * 4;
         let wdecode = if cfg.layout == StateLayout::VMajor
             && cfg.kv_only_threshold == 0
             && GDN_DECODE_DKS.contains(&cfg.dk)
             && cfg.ring_len <= KVR_GDN_WDECODE_MAX_RING
             && cfg.dv % (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS) == 0
-            && cfg.v_heads <= 128
             && cfg.v_heads % cfg.k_heads == 0
+            && prep_smem <= STREAM_SMEM_LIMIT
             && aligned
             && !matches!(which.as_str(), "general" | "warp" | "stream")
         {
             let ring32 = cfg.ring_len > 16;
-            let lc = cfg.ring_len.max(1);
-            // key products, normalized keys, k . q [hk]; ring decays [hv][lc]; v of the row
-            let prep_smem = ((2 * lc + cfg.dk + 1) * cfg.k_heads * 4
-                + cfg.v_heads * lc * 4
-                + 16
-                + cfg.v_heads * cfg.dv * 4) as u32;
+            let prep_smem = prep_smem as u32;
             let prep = cuda.prepare_kernel(
                 Kernel::GdnDPrep { dk: cfg.dk, ring32 },
                 prep_smem,
