@@ -28,17 +28,6 @@ namespace gdn {
 
 using RecurParams = kvr_gdn_recur_args;
 
-__device__ __forceinline__ void recur_wait_prior_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void recur_allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // One token's inputs of a warp: the lane's VW keys of q and k, the R rows' v, g and beta.
 template <int VW, int R> struct RecurIn {
@@ -74,7 +63,7 @@ __device__ __forceinline__ void recur_body(const RecurParams& p) {
     x.beta = ldx(p.beta.p, p.beta.dtype, beta_at + t * p.beta.s[1]);
   };
 
-  recur_wait_prior_grids();
+  pdl_wait();
   float s[R][VW];
   {
     const float* src = p.state_in + b * p.si[0] + h * p.si[1] + row0 * p.si[2] + lane * VW;
@@ -88,7 +77,7 @@ __device__ __forceinline__ void recur_body(const RecurParams& p) {
       }
     }
   }
-  recur_allow_dependents();
+  pdl_launch_dependents();
 
   for (int t = 0; t < p.t; ++t) {
     RecurIn<VW, R> cur;

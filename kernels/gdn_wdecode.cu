@@ -41,16 +41,6 @@ namespace gdn {
 constexpr int kWRows = KVR_GDN_WDECODE_ROWS;
 static_assert(kWRows == 8, "the row phase maps lanes to 8 rows");
 
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 template <int DK>
 __device__ __forceinline__ int wkey(int lane, int c) {
