@@ -56,6 +56,16 @@
 
 
 /**
+ * `kvr_gdn_recurrent_params.l2norm_qk`: `x / sqrt(sum x^2 + eps)` (fla).
+ */
+#define KVR_GDN_L2NORM_SUM_EPS 1
+
+/**
+ * `kvr_gdn_recurrent_params.l2norm_qk`: `x / max(sqrt(sum x^2), eps)` (`ggml_l2_norm`).
+ */
+#define KVR_GDN_L2NORM_MAX_EPS 2
+
+/**
  * Number of layouts: the length of the per-layout arrays of `kvr_model_sizing`.
  */
 #define KVR_MODEL_LAYOUT_COUNT 4
@@ -469,7 +479,11 @@ typedef struct kvr_gdn_recurrent_params {
      */
     float scale;
     /**
-     * Non-zero: L2-normalize q and k first (`x / sqrt(sum x^2 + 1e-6)`, default 0).
+     * 0 (default): q and k as given. `KVR_GDN_L2NORM_MAX_EPS`: L2-normalize them first as
+     * `x / max(sqrt(sum x^2), l2norm_eps)` (ggml's `ggml_l2_norm`). Any other non-zero value
+     * (`KVR_GDN_L2NORM_SUM_EPS`): as `x / sqrt(sum x^2 + l2norm_eps)` (fla's
+     * `use_qk_l2norm_in_kernel`; llama.cpp's GDN models, whose RMS norm with eps / n scaled
+     * by 1 / sqrt(n) is the same).
      */
     int32_t l2norm_qk;
     /**
@@ -493,6 +507,10 @@ typedef struct kvr_gdn_recurrent_params {
      * before touching memory). Ignored elsewhere. Default 0.
      */
     int32_t pdl;
+    /**
+     * The epsilon of the L2 norm (`l2norm_qk`): finite, >= 0; 0 (default) = 1e-6.
+     */
+    float l2norm_eps;
 } kvr_gdn_recurrent_params;
 
 /**

@@ -5,8 +5,10 @@
 //
 // The step is a stream over the states: each state element is read once, updated T times
 // in registers and written once (plus once per snapshot), so the kernel is shaped for
-// memory-level parallelism. One warp owns R value rows of one (sequence, value head) with
-// the whole key dimension: lane l holds keys [l * VW, l * VW + VW) of each row (VW = dk /
+// memory-level parallelism. CTA (x, h, z) serves value head h of sequence b0 + z, its warps
+// consecutive groups of value rows (neighbouring CTAs share q and k in L1); it reaches its
+// first load with one integer division. One warp owns R value rows of one (sequence, value
+// head) with the whole key dimension: lane l holds keys [l * VW, l * VW + VW) of each row (VW = dk /
 // 32, read as one or two 16-byte vectors), so a warp instruction reads 512 contiguous
 // bytes of a row. No shared memory and no CTA barrier; R is picked on the host so that the
 // launch still has 16 warps per SM (1 row per warp at batch 1, 4 from batch ~8 at the
@@ -14,7 +16,8 @@
 //
 // Per token, with e = exp(g) and S the rows before the token, all dot products come from
 // one butterfly over the warp (no second reduction after the update):
-//   a_r = S_r . k,  b_r = S_r . q,  c = k . q   (k, q L2-normalized first if asked)
+//   a_r = S_r . k,  b_r = S_r . q,  c = k . q   (k, q L2-normalized first if asked, in
+//   fla's form x / sqrt(|x|^2 + eps) or ggml_l2_norm's x / max(|x|, eps))
 //   u_r = beta (v_r - e a_r),  y_r = scale (e b_r + u_r c),  S_r <- e S_r + u_r k.
 //
 // Launched with programmatic dependent launch (sm_90+, kvr_gdn_recur_args from a pdl
@@ -34,39 +37,59 @@ template <int VW, int R> struct RecurIn {
   float q[VW], k[VW], v[R], g, beta;
 };
 
-template <int DK, int R>
-__device__ __forceinline__ void recur_body(const RecurParams& p) {
+// F32: every input and the output are f32 (llama.cpp's op): plain float loads and stores,
+// no dtype dispatch (fewer instructions between the dependency wait and the last store,
+// which is what a batch of one sequence waits on).
+template <int DK, int R, bool F32, bool NORM>
+__device__ __forceinline__ void recur_impl(const RecurParams& p) {
   constexpr int VW = DK / 32;
   const int lane = threadIdx.x & 31;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int64_t item = p.item0 + warp / p.groups;
-  if (item >= p.item_end) return;
-  const int row0 = static_cast<int>(warp % p.groups) * R;
-  const int b = static_cast<int>(item / p.hv), h = static_cast<int>(item % p.hv);
-  const int kh = p.tiled ? h % p.hq : h / (p.hv / p.hq);
+  // The grid is (warp groups, value heads, sequences): no division before the first load
+  // but the key head's, which is on the critical path of a small batch.
+  const int group = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (group >= p.groups) return;
+  const int h = blockIdx.y, b = p.b0 + blockIdx.z;
+  const int64_t item = static_cast<int64_t>(b) * p.hv + h;
+  if (item < p.item0 || item >= p.item_end) return;
+  const int row0 = group * R;
+  const int kh = p.tiled ? h % p.hq : h / p.kh_div;
   bool valid[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) valid[r] = row0 + r < p.dv;
 
-  const int64_t q_at = b * p.q.s[0] + kh * p.q.s[2] + lane * VW;
-  const int64_t k_at = b * p.k.s[0] + kh * p.k.s[2] + lane * VW;
-  const int64_t v_at = b * p.v.s[0] + h * p.v.s[2] + row0 * p.v.s[3];
-  const int64_t g_at = b * p.g.s[0] + h * p.g.s[2];
-  const int64_t beta_at = b * p.beta.s[0] + h * p.beta.s[2];
+  // Every offset is computed (and pinned: the compiler would sink it) before the wait for
+  // the previous kernel, which under programmatic dependent launch overlaps that kernel.
+  int64_t q_at = b * p.q.s[0] + kh * p.q.s[2] + lane * VW;
+  int64_t k_at = b * p.k.s[0] + kh * p.k.s[2] + lane * VW;
+  int64_t v_at = b * p.v.s[0] + h * p.v.s[2] + row0 * p.v.s[3];
+  int64_t g_at = b * p.g.s[0] + h * p.g.s[2];
+  int64_t beta_at = b * p.beta.s[0] + h * p.beta.s[2];
+  int64_t out_at = b * p.out.s[0] + h * p.out.s[2] + row0 * p.out.s[3];
+  const float* src = p.state_in + b * p.si[0] + h * p.si[1] + row0 * p.si[2] + lane * VW;
+  asm volatile("" : "+l"(q_at), "+l"(k_at), "+l"(v_at), "+l"(g_at), "+l"(beta_at), "+l"(out_at), "+l"(src));
   auto load = [&](int t, RecurIn<VW, R>& x) {
-    ld_entry<VW>(static_cast<const char*>(p.q.p), p.q.dtype, q_at + t * p.q.s[1], x.q);
-    ld_entry<VW>(static_cast<const char*>(p.k.p), p.k.dtype, k_at + t * p.k.s[1], x.k);
+    if constexpr (F32) {
+      ld_vec<float, VW>(static_cast<const float*>(p.q.p) + q_at + t * p.q.s[1], x.q);
+      ld_vec<float, VW>(static_cast<const float*>(p.k.p) + k_at + t * p.k.s[1], x.k);
+      const float* v = static_cast<const float*>(p.v.p) + v_at + t * p.v.s[1];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      x.v[r] = valid[r] ? ldx(p.v.p, p.v.dtype, v_at + t * p.v.s[1] + r * p.v.s[3]) : 0.f;
-    x.g = ldx(p.g.p, p.g.dtype, g_at + t * p.g.s[1]);
-    x.beta = ldx(p.beta.p, p.beta.dtype, beta_at + t * p.beta.s[1]);
+      for (int r = 0; r < R; ++r) x.v[r] = valid[r] ? v[r * p.v.s[3]] : 0.f;
+      x.g = static_cast<const float*>(p.g.p)[g_at + t * p.g.s[1]];
+      x.beta = static_cast<const float*>(p.beta.p)[beta_at + t * p.beta.s[1]];
+    } else {
+      ld_entry<VW>(static_cast<const char*>(p.q.p), p.q.dtype, q_at + t * p.q.s[1], x.q);
+      ld_entry<VW>(static_cast<const char*>(p.k.p), p.k.dtype, k_at + t * p.k.s[1], x.k);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        x.v[r] = valid[r] ? ldx(p.v.p, p.v.dtype, v_at + t * p.v.s[1] + r * p.v.s[3]) : 0.f;
+      x.g = ldx(p.g.p, p.g.dtype, g_at + t * p.g.s[1]);
+      x.beta = ldx(p.beta.p, p.beta.dtype, beta_at + t * p.beta.s[1]);
+    }
   };
 
   pdl_wait();
   float s[R][VW];
   {
-    const float* src = p.state_in + b * p.si[0] + h * p.si[1] + row0 * p.si[2] + lane * VW;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (valid[r]) {
@@ -83,7 +106,8 @@ __device__ __forceinline__ void recur_body(const RecurParams& p) {
     RecurIn<VW, R> cur;
     load(t, cur);
     // a_r, b_r and c in one butterfly (2R + 1 sums).
-    float d[2 * R + 1];
+    // ... and with the L2 norm, |k|^2 and |q|^2 in the same butterfly (2R + 3 sums).
+    float d[2 * R + 3];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float a = 0.f, bq = 0.f;
@@ -99,31 +123,37 @@ __device__ __forceinline__ void recur_body(const RecurParams& p) {
 #pragma unroll
     for (int c = 0; c < VW; ++c) kq = fmaf(cur.k[c], cur.q[c], kq);
     d[2 * R] = kq;
-    float fk = 1.f, fq = 1.f;
-    if (p.l2norm) {
+    constexpr int nd = NORM ? 2 * R + 3 : 2 * R + 1;
+    if constexpr (NORM) {
       float nk = 0.f, nq = 0.f;
 #pragma unroll
       for (int c = 0; c < VW; ++c) {
         nk = fmaf(cur.k[c], cur.k[c], nk);
         nq = fmaf(cur.q[c], cur.q[c], nq);
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        nk += __shfl_xor_sync(0xffffffffu, nk, o);
-        nq += __shfl_xor_sync(0xffffffffu, nq, o);
-      }
-      fk = 1.f / sqrtf(nk + 1e-6f);
-      fq = 1.f / sqrtf(nq + 1e-6f);
+      d[2 * R + 1] = nk;
+      d[2 * R + 2] = nq;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-      for (int i = 0; i < 2 * R + 1; ++i) d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+      for (int i = 0; i < nd; ++i) d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+    float fk = 1.f, fq = 1.f;
+    if constexpr (NORM) {
+      const float nk = d[2 * R + 1], nq = d[2 * R + 2];
+      if (p.l2norm == 2) {  // ggml_l2_norm: x / max(|x|, eps)
+        fk = 1.f / fmaxf(sqrtf(nk), p.l2norm_eps);
+        fq = 1.f / fmaxf(sqrtf(nq), p.l2norm_eps);
+      } else {  // fla: x / sqrt(|x|^2 + eps)
+        fk = 1.f / sqrtf(nk + p.l2norm_eps);
+        fq = 1.f / sqrtf(nq + p.l2norm_eps);
+      }
+    }
 
     const float e = expf(cur.g);
     const float c = d[2 * R] * fk * fq;
     const int slot = p.t - 1 - t;
-    const int64_t out_at = b * p.out.s[0] + t * p.out.s[1] + h * p.out.s[2];
+    const int64_t out_t = out_at + t * p.out.s[1];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const float u = cur.beta * (cur.v[r] - e * (d[2 * r] * fk));
@@ -131,7 +161,12 @@ __device__ __forceinline__ void recur_body(const RecurParams& p) {
       const float uk = u * fk;
 #pragma unroll
       for (int cc = 0; cc < VW; ++cc) s[r][cc] = fmaf(e, s[r][cc], uk * cur.k[cc]);
-      if (lane == r && valid[r]) stx(p.out.p, p.out.dtype, out_at + (row0 + r) * p.out.s[3], y);
+      if (lane == r && valid[r]) {
+        if constexpr (F32)
+          static_cast<float*>(p.out.p)[out_t + r * p.out.s[3]] = y;
+        else
+          stx(p.out.p, p.out.dtype, out_t + r * p.out.s[3], y);
+      }
     }
     if (slot < p.n_snaps) {
       float* dst = p.snaps + slot * p.sn[0] + b * p.sn[1] + h * p.sn[2] + row0 * p.sn[3] + lane * VW;
@@ -145,6 +180,19 @@ __device__ __forceinline__ void recur_body(const RecurParams& p) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
       if (valid[r]) st_vec<float, VW>(dst + r * p.so[2], s[r]);
+  }
+}
+
+template <int DK, int R>
+__device__ __forceinline__ void recur_body(const RecurParams& p) {
+  // KVR_DT_F32 is 0: one uniform branch picks the path for the whole grid.
+  const bool f32 = (p.q.dtype | p.k.dtype | p.v.dtype | p.g.dtype | p.beta.dtype | p.out.dtype) == KVR_DT_F32;
+  if (f32) {
+    if (p.l2norm) recur_impl<DK, R, true, true>(p);
+    else recur_impl<DK, R, true, false>(p);
+  } else {
+    if (p.l2norm) recur_impl<DK, R, false, true>(p);
+    else recur_impl<DK, R, false, false>(p);
   }
 }
 

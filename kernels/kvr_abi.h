@@ -455,7 +455,8 @@ KVR_ABI_FN struct kvr_gdn_vprep_record kvr_gdn_vprep_record_layout(int32_t dk, i
 /* A stateless recurrent step over the caller's tensors: q, k [B, T, Hq, dk]; v, out
  * [B, T, Hv, dv]; g, beta [B, T, Hv] (s[0..2]); f32 states [B, Hv, dv, dk] and snapshots
  * [slot, B, Hv, dv, dk] with the key dimension contiguous. Work item i = b * hv + h, for i
- * in [item0, item_end); warp w of the launch takes item item0 + w / groups. */
+ * in [item0, item_end). Grid (ceil(groups / warps per CTA), hv, sequences from b0): CTA
+ * (x, h, z) serves item (b0 + z) * hv + h, its warps the value rows of groups x * warps .. */
 typedef struct {
   kvr_gdn_tensor q, k, v, g, beta, out;
   KVR_PTR(const float) state_in;
@@ -467,11 +468,13 @@ typedef struct {
   int64_t item0, item_end;
   int32_t t, hq, hv, dv;
   int32_t groups;            /* warps per item: ceil(dv / rows) */
+  int32_t b0;                /* first sequence of the grid (item0 / hv) */
+  int32_t kh_div;            /* value heads per key head (hv / hq) */
   int32_t tiled;             /* 1: value head h reads key head h % hq; 0: h / (hv / hq) */
-  int32_t l2norm;            /* 1: L2-normalize q and k (x / sqrt(sum x^2 + 1e-6)) */
+  int32_t l2norm;            /* L2-normalize q and k: 1 x / sqrt(sum x^2 + eps), 2 x / max(|x|, eps) */
   int32_t n_snaps;           /* snapshot slots written: slot s = state after token t - 1 - s */
   float scale;               /* output scale */
-  int32_t pad;
+  float l2norm_eps;          /* eps of the L2 norm */
 } kvr_gdn_recur_args;
 
 /* The decode scratch of the warp-streaming decode (gdn_wdecode.cu, kvr_gdn_step_args.scratch),

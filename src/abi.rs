@@ -418,11 +418,13 @@ abi_structs! {
         hv: i32,
         dv: i32,
         groups: i32,
+        b0: i32,
+        kh_div: i32,
         tiled: i32,
         l2norm: i32,
         n_snaps: i32,
         scale: f32,
-        pad: i32,
+        l2norm_eps: f32,
     }
 }
 

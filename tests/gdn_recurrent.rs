@@ -52,7 +52,13 @@ fn matches_the_reference_across_shapes_and_options() {
     c.l2norm = true;
     c.scale = 0.3;
     c.dv = 24;
-    cases.push(c);
+    cases.push(c.clone());
+    // Both L2 norm forms with an eps large enough to tell them apart (|x| ~ 3.3 at dk 32).
+    for max in [false, true] {
+        c.l2norm_max = max;
+        c.l2norm_eps = 3.5;
+        cases.push(c.clone());
+    }
     // In place, strided q/k, padded state rows.
     let mut c = Case::new(2, 4, 1, 2, 32);
     c.in_place = true;
@@ -193,6 +199,12 @@ fn bad_input_is_refused_and_writes_nothing() {
             x.shape[2] = 3;
         }
     });
+    for eps in [-1e-6, f32::NAN, f32::INFINITY] {
+        refused(ctx, &c, KVR_STATUS_INVALID_ARG, "l2norm_eps", |_, p| {
+            p.l2norm_qk = KVR_GDN_L2NORM_MAX_EPS;
+            p.l2norm_eps = eps
+        });
+    }
     refused(ctx, &c, KVR_STATUS_DTYPE_MISMATCH, "bf16 state", |t, _| {
         t.state_in.dtype = KVR_DTYPE_BF16;
         t.state_in.strides = [0; KVR_MAX_DIMS];

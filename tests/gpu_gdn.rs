@@ -1057,6 +1057,17 @@ fn recur_cases() -> Vec<Case> {
     c.l2norm = true;
     c.scale = 0.3;
     c.dv = 24;
+    cases.push(c.clone());
+    for max in [false, true] {
+        c.l2norm_max = max;
+        c.l2norm_eps = 3.5;
+        cases.push(c.clone());
+    }
+    // The Qwen3-Next layer with q/k normalized in the kernel (llama.cpp's fused L2 norms).
+    let mut c = Case::new(4, 1, 16, 32, 128);
+    c.tiled = true;
+    c.l2norm = true;
+    c.l2norm_max = true;
     cases.push(c);
     let mut c = Case::new(2, 4, 1, 2, 128);
     c.in_place = true;

@@ -14,8 +14,8 @@ use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_
 use crate::backend::Stream;
 use crate::error::{Error, Result};
 use crate::linear::{
-    gdn_recurrent, GdnConfig, GdnIo, GdnOptions, GdnPool, HeadMap, RecurrentIo, RecurrentOptions,
-    StateLayout, StateStorage,
+    gdn_recurrent, GdnConfig, GdnIo, GdnOptions, GdnPool, HeadMap, L2Norm, RecurrentIo,
+    RecurrentOptions, StateLayout, StateStorage,
 };
 
 /// A Gated DeltaNet replay pool (opaque). Created by `kvr_gdn_pool_new`, freed by
@@ -923,7 +923,11 @@ pub struct kvr_gdn_recurrent_params {
     pub struct_size: u32,
     /// Scale of the output (the same as scaling q); 0 (default) = 1/sqrt(dk).
     pub scale: f32,
-    /// Non-zero: L2-normalize q and k first (`x / sqrt(sum x^2 + 1e-6)`, default 0).
+    /// 0 (default): q and k as given. `KVR_GDN_L2NORM_MAX_EPS`: L2-normalize them first as
+    /// `x / max(sqrt(sum x^2), l2norm_eps)` (ggml's `ggml_l2_norm`). Any other non-zero value
+    /// (`KVR_GDN_L2NORM_SUM_EPS`): as `x / sqrt(sum x^2 + l2norm_eps)` (fla's
+    /// `use_qk_l2norm_in_kernel`; llama.cpp's GDN models, whose RMS norm with eps / n scaled
+    /// by 1 / sqrt(n) is the same).
     pub l2norm_qk: i32,
     /// `KVR_GDN_HEADS_GROUPED` (default) or `KVR_GDN_HEADS_TILED`.
     pub head_map: kvr_gdn_head_map,
@@ -938,7 +942,14 @@ pub struct kvr_gdn_recurrent_params {
     /// starts while the previous kernel on the stream finishes (it waits for that kernel
     /// before touching memory). Ignored elsewhere. Default 0.
     pub pdl: i32,
+    /// The epsilon of the L2 norm (`l2norm_qk`): finite, >= 0; 0 (default) = 1e-6.
+    pub l2norm_eps: f32,
 }
+
+/// `kvr_gdn_recurrent_params.l2norm_qk`: `x / sqrt(sum x^2 + eps)` (fla).
+pub const KVR_GDN_L2NORM_SUM_EPS: i32 = 1;
+/// `kvr_gdn_recurrent_params.l2norm_qk`: `x / max(sqrt(sum x^2), eps)` (`ggml_l2_norm`).
+pub const KVR_GDN_L2NORM_MAX_EPS: i32 = 2;
 
 const RECURRENT_PARAMS_V1: usize = size_of::<kvr_gdn_recurrent_params>();
 
@@ -951,6 +962,7 @@ fn default_recurrent_params() -> kvr_gdn_recurrent_params {
         item_begin: 0,
         item_end: -1,
         pdl: 0,
+        l2norm_eps: 0.0,
     }
 }
 
@@ -994,9 +1006,24 @@ fn recurrent_options(p: &kvr_gdn_recurrent_params) -> Result<RecurrentOptions> {
             )))
         }
     };
+    if !p.l2norm_eps.is_finite() || p.l2norm_eps < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "l2norm_eps {} must be finite and >= 0",
+            p.l2norm_eps
+        )));
+    }
+    let eps = if p.l2norm_eps == 0.0 {
+        1e-6
+    } else {
+        p.l2norm_eps
+    };
     Ok(RecurrentOptions {
         scale: if p.scale == 0.0 { None } else { Some(p.scale) },
-        l2norm_qk: p.l2norm_qk != 0,
+        l2norm: match p.l2norm_qk {
+            0 => None,
+            KVR_GDN_L2NORM_MAX_EPS => Some(L2Norm::MaxEps(eps)),
+            _ => Some(L2Norm::SumEps(eps)),
+        },
         head_map,
         items,
         pdl: p.pdl != 0,

@@ -41,10 +41,35 @@ impl StateLayout {
 
 /// L2-normalizes `x` in place the way fla does (`x / sqrt(sum x^2 + 1e-6)`).
 pub fn l2_normalize(x: &mut [f32]) {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
-    let inv = 1.0 / (ss + 1e-6).sqrt();
-    for v in x {
-        *v *= inv;
+    L2Norm::SumEps(1e-6).apply(x);
+}
+
+/// How q and k are L2-normalized before a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum L2Norm {
+    /// `x / sqrt(sum x^2 + eps)`: fla's `l2norm`, and llama.cpp's GDN models (an RMS norm
+    /// with eps / n, scaled by 1 / sqrt(n)).
+    SumEps(f32),
+    /// `x / max(sqrt(sum x^2), eps)`: ggml's `ggml_l2_norm`.
+    MaxEps(f32),
+}
+
+impl L2Norm {
+    /// The factor that normalizes a vector whose squares sum to `ss`.
+    #[inline]
+    pub fn factor(self, ss: f32) -> f32 {
+        match self {
+            L2Norm::SumEps(eps) => 1.0 / (ss + eps).sqrt(),
+            L2Norm::MaxEps(eps) => 1.0 / ss.sqrt().max(eps),
+        }
+    }
+
+    pub fn apply(self, x: &mut [f32]) {
+        let ss: f32 = x.iter().map(|v| v * v).sum();
+        let inv = self.factor(ss);
+        for v in x {
+            *v *= inv;
+        }
     }
 }
 

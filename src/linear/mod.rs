@@ -15,7 +15,7 @@ pub use gdn::{recurrent as gdn_recurrent, HeadMap, RecurrentIo, RecurrentOptions
 pub use gdn::{Gdn, GdnConfig, GdnIo, GdnOptions, GdnPool};
 pub use linattn::{LinAttn, LinAttnIo, LinAttnOptions, LinAttnPool};
 pub use mamba2::{Mamba2, Mamba2Io, Mamba2Options, Mamba2Pool};
-pub use math::StateLayout;
+pub use math::{L2Norm, StateLayout};
 pub use replay::{Family, ReplayConfig, ReplayMemory, ReplayPool, StateStorage, MAX_DRAFTS};
 /// Memory of one sequence of a GDN pool.
 pub type GdnMemory = ReplayMemory;

@@ -69,6 +69,10 @@ pub struct Case {
     pub in_place: bool,
     pub tiled: bool,
     pub l2norm: bool,
+    /// The L2 norm as `x / max(|x|, eps)` (ggml) instead of `x / sqrt(|x|^2 + eps)`.
+    pub l2norm_max: bool,
+    /// 0: the default eps (1e-6).
+    pub l2norm_eps: f32,
     /// 0: default scale.
     pub scale: f32,
     /// dtype of q, k, v, g, beta and out.
@@ -97,6 +101,8 @@ impl Case {
             in_place: false,
             tiled: false,
             l2norm: false,
+            l2norm_max: false,
+            l2norm_eps: 0.0,
             scale: 0.0,
             dtype: KVR_DTYPE_F32,
             permuted: false,
@@ -189,7 +195,17 @@ pub fn reference(c: &Case, x: &Data) -> Expected {
         if !c.l2norm {
             return v;
         }
-        let n = (v.iter().map(|x| x * x).sum::<f64>() + 1e-6).sqrt();
+        let eps = if c.l2norm_eps == 0.0 {
+            1e-6
+        } else {
+            c.l2norm_eps as f64
+        };
+        let ss = v.iter().map(|x| x * x).sum::<f64>();
+        let n = if c.l2norm_max {
+            ss.sqrt().max(eps)
+        } else {
+            (ss + eps).sqrt()
+        };
         v.iter().map(|x| x / n).collect()
     };
     for b in 0..c.b {
@@ -428,7 +444,12 @@ pub fn params(c: &Case) -> kvr_gdn_recurrent_params {
     // SAFETY: initialized by the default function.
     let mut p: kvr_gdn_recurrent_params = unsafe { p.assume_init() };
     p.scale = c.scale;
-    p.l2norm_qk = c.l2norm as i32;
+    p.l2norm_qk = match (c.l2norm, c.l2norm_max) {
+        (false, _) => 0,
+        (true, false) => KVR_GDN_L2NORM_SUM_EPS,
+        (true, true) => KVR_GDN_L2NORM_MAX_EPS,
+    };
+    p.l2norm_eps = c.l2norm_eps;
     p.head_map = if c.tiled {
         KVR_GDN_HEADS_TILED
     } else {

@@ -21,7 +21,7 @@ use crate::backend::cuda::module::{Kernel, GDN_RECUR_DKS, GDN_RECUR_ROWS};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Context, Stream};
 use crate::error::{Error, Result};
-use crate::linear::math::{self, Draft};
+use crate::linear::math::{Draft, L2Norm};
 use crate::linear::replay::cpu::{read_vec, write_vec};
 use crate::pool::check_float;
 use crate::tensor::{DType, TensorView};
@@ -58,8 +58,8 @@ pub struct RecurrentIo<'a> {
 pub struct RecurrentOptions {
     /// Scale of the output (the same as scaling q); None = 1/sqrt(dk).
     pub scale: Option<f32>,
-    /// L2-normalize q and k first (`x / sqrt(sum x^2 + 1e-6)`).
-    pub l2norm_qk: bool,
+    /// L2-normalize q and k first, and how; None = use them as given.
+    pub l2norm: Option<L2Norm>,
     pub head_map: HeadMap,
     /// The work items (b * Hv + h) this call computes; None = all.
     pub items: Option<Range<usize>>,
@@ -464,9 +464,9 @@ fn cpu_run(threads: &ThreadPool, io: &RecurrentIo<'_>, opts: &RecurrentOptions, 
         for t in 0..p.t {
             read_row(io.q, &[b, t, kh], &mut q);
             read_row(io.k, &[b, t, kh], &mut k);
-            if opts.l2norm_qk {
-                math::l2_normalize(&mut q);
-                math::l2_normalize(&mut k);
+            if let Some(n) = opts.l2norm {
+                n.apply(&mut q);
+                n.apply(&mut k);
             }
             read_row(io.v, &[b, t, h], &mut v);
             read_row(io.g, &[b, t, h], &mut one);
@@ -511,7 +511,8 @@ fn dev(t: &TensorView) -> DevTensor {
 }
 
 /// Value rows per warp: the most (fewer warps, fewer redundant q/k loads and reductions)
-/// that still gives the device `16 x SMs` warps; `KVR_GDN_RECUR_ROWS` (1, 2 or 4) forces it.
+/// that still gives the device `8 x SMs` warps (H200, Qwen3-Next shape: 2 rows at batch 1,
+/// 4 from batch 2); `KVR_GDN_RECUR_ROWS` (1, 2 or 4) forces it.
 fn rows_per_warp(cuda: &CudaBackend, rows_total: usize) -> usize {
     if let Some(r) = std::env::var("KVR_GDN_RECUR_ROWS")
         .ok()
@@ -520,7 +521,7 @@ fn rows_per_warp(cuda: &CudaBackend, rows_total: usize) -> usize {
     {
         return r;
     }
-    let target = 16 * cuda.sm_count().max(1) as usize;
+    let target = 8 * cuda.sm_count().max(1) as usize;
     GDN_RECUR_ROWS
         .iter()
         .rev()
@@ -538,13 +539,18 @@ fn cuda_run(
 ) -> Result<()> {
     let rows = rows_per_warp(cuda, p.items.len() * p.dv);
     let groups = p.dv.div_ceil(rows);
-    let warps = p.items.len() * groups;
     let per_block = RECUR_THREADS as usize / 32;
-    let blocks = warps.div_ceil(per_block);
-    let blocks = u32::try_from(blocks)
-        .ok()
-        .filter(|&x| x < i32::MAX as u32)
-        .ok_or_else(|| Error::OutOfRange(format!("{warps} warps exceed one launch")))?;
+    // Grid (warp groups, value heads, the sequences the items cover).
+    let (b0, b1) = (p.items.start / p.hv, p.items.end.div_ceil(p.hv));
+    let seqs = b1 - b0;
+    if seqs > 65535 || b1 > i32::MAX as usize || p.hv > 65535 {
+        return Err(Error::OutOfRange(format!(
+            "work items {}..{} span {seqs} sequences of {} value heads: one launch takes at most \
+             65535 of each",
+            p.items.start, p.items.end, p.hv
+        )));
+    }
+    let grid = (groups.div_ceil(per_block) as u32, p.hv as u32, seqs as u32);
     let strides = |t: Option<&TensorView>, n: usize| -> [i64; 4] {
         let mut s = [0i64; 4];
         if let Some(t) = t {
@@ -576,17 +582,26 @@ fn cuda_run(
         hv: p.hv as i32,
         dv: p.dv as i32,
         groups: groups as i32,
+        b0: b0 as i32,
+        kh_div: (p.hv / p.hq) as i32,
         tiled: (opts.head_map == HeadMap::Tiled) as i32,
-        l2norm: opts.l2norm_qk as i32,
+        l2norm: match opts.l2norm {
+            None => 0,
+            Some(L2Norm::SumEps(_)) => 1,
+            Some(L2Norm::MaxEps(_)) => 2,
+        },
         n_snaps: io.snapshots.map_or(0, |s| s.shape()[0].min(p.t)) as i32,
         scale: p.scale,
-        pad: 0,
+        l2norm_eps: match opts.l2norm {
+            None => 0.0,
+            Some(L2Norm::SumEps(e) | L2Norm::MaxEps(e)) => e,
+        },
     };
     debug_assert!(p.b * p.hv >= p.items.end);
     let mut params = [&mut args as *mut GdnRecurArgs as *mut std::ffi::c_void];
     cuda.launch_ex(
         Kernel::GdnRecur { dk: p.dk, rows },
-        (blocks, 1, 1),
+        grid,
         (RECUR_THREADS, 1, 1),
         0,
         stream,
