@@ -79,9 +79,11 @@ run() {
 backend=CPU
 [ "$mode" = cuda ] && backend=CUDA
 suffixes=("")
-[ "$mode" = cuda ] && suffixes=("" "-nographs")
+[ "$mode" = cuda ] && suffixes=("" "-nographs" "-fused")
 for sfx in "${suffixes[@]}"; do
   [ "$sfx" = -nographs ] && export GGML_CUDA_DISABLE_GRAPHS=1
+  # q/k L2 norms folded into kvreplay's kernel (their nodes skipped), CUDA graphs on
+  [ "$sfx" = -fused ] && export KVR_LLAMA_FUSE_NORMS=1
   for m in qwen3next-moe qwen35-dense; do
     model="$out/models/$m.gguf"
     common=(--ngl "$ngl" --threads "$threads")
@@ -91,7 +93,7 @@ for sfx in "${suffixes[@]}"; do
       run "$m-4seq-drafts$sfx" "$backend" gen "$model" --seqs 4 --tokens 24 --rs 3 "${common[@]}"
     fi
   done
-  unset GGML_CUDA_DISABLE_GRAPHS
+  unset GGML_CUDA_DISABLE_GRAPHS KVR_LLAMA_FUSE_NORMS
 done
 if [ "$mode" = cpu ]; then
   # 8 threads over as few as 2 work items: ggml then hands some threads empty chunks
