@@ -87,6 +87,7 @@ done
 rm -f "$truncated"
 ./examples/build/info
 ./examples/build/paged_decode cpu
+./examples/build/write_gated cpu
 ./examples/build/spec_decode_gdn cpu
 ./examples/build/gguf_plan tests/data/tiny-qwen3next.gguf 1 128 4
 ./examples/build/gguf_plan tests/data/qwen3next-80b-a3b-header.gguf 40 8192 4 | tail -n 8
