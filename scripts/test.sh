@@ -33,6 +33,9 @@ step "release libraries"
 cargo build --release --lib
 test -f target/release/libkvreplay.a && test -f target/release/libkvreplay.so
 
+step "WG-KV checkpoint converter"
+python3 scripts/test_wgkv_convert.py
+
 step "native-static-libs"
 documented="$(sed -n 's/^NATIVE_LIBS := //p' ffi-tests/Makefile)"
 printed="$(cargo rustc --release --lib --crate-type staticlib --target-dir target/native-libs \
