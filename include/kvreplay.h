@@ -3146,18 +3146,22 @@ kvr_status kvr_wgkv_pool_seq_fork(struct kvr_wgkv_pool *pool,
  * `KVR_WGKV_COMMITTED` each token enters its (layer, head)'s ring; the ring's oldest token
  * is promoted to the global cache if its score is > tau or it is one of the first `sinks`
  * tokens, and dropped otherwise (a prefill does this for every token older than the last
- * `local_window` at once). With `KVR_WGKV_DRAFT` the tokens wait as drafts. CPU pools
- * only for now (CUDA: `KVR_STATUS_UNSUPPORTED`).
+ * `local_window` at once). With `KVR_WGKV_DRAFT` the tokens wait as drafts. On CUDA, K/V
+ * may be host or device memory (host K/V are copied in on `stream`); the copies into the
+ * pool are queued on `stream` (not graph-capturable: which rows move is decided on the
+ * host).
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
  * shapes, both or neither of `scores` / `k_pre`, a non-finite score, no gate set,
  * committed tokens while drafts are pending, unknown flags); `KVR_STATUS_UNKNOWN_ID`;
  * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (layer, more than 8 drafts, a
  * global cache past `max_global_tokens`); `KVR_STATUS_POOL_EXHAUSTED`;
- * `KVR_STATUS_UNSUPPORTED` (CUDA).
+ * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
  * Ownership: all tensors stay the caller's (read during the call).
  * Thread safety: thread-safe (calls on one pool take its lock).
- * On failure: all or nothing: the sequence does not change.
+ * On failure: all or nothing: the sequence does not change, except after
+ * `KVR_STATUS_CUDA_ERROR` / `KVR_STATUS_OUT_OF_MEMORY` while queuing the copies, which can
+ * leave queued device work half done (free the pool).
  */
 KVR_NODISCARD
 kvr_status kvr_wgkv_pool_append(struct kvr_wgkv_pool *pool,
@@ -3178,10 +3182,11 @@ kvr_status kvr_wgkv_pool_append(struct kvr_wgkv_pool *pool,
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
  * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`n_accepted` negative or more than
  * the drafts pending); `KVR_STATUS_POOL_EXHAUSTED` (the moved drafts need free pages
- * while the call runs); `KVR_STATUS_UNSUPPORTED` (CUDA).
+ * while the call runs); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: released pages return to the pool.
  * Thread safety: thread-safe (calls on one pool take its lock).
- * On failure: the sequence is unchanged.
+ * On failure: the sequence is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can
+ * leave queued device work half done (free the pool).
  */
 KVR_NODISCARD
 kvr_status kvr_wgkv_pool_commit(struct kvr_wgkv_pool *pool,

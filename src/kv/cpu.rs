@@ -94,38 +94,6 @@ pub(super) fn write_tokens(
     });
 }
 
-/// Copies row `src_row` of `k`/`v` (`[rows, head_dim]`) to `(page, slot)` of head `head`
-/// for each pair (see `KvExecutor::scatter_rows`).
-pub(super) fn scatter_rows(
-    cfg: &KvPoolConfig,
-    lay: &LayerLayout,
-    head: usize,
-    k: &TensorView,
-    v: &TensorView,
-    pairs: &[(usize, u32, u32)],
-) {
-    with_element!(cfg.dtype, D => {
-        for (src, base, [sp, sh, stt]) in [(k, lay.k, lay.k_strides), (v, lay.v, lay.v_strides)] {
-            let [rs, ds] = [src.strides()[0], src.strides()[1]];
-            for &(row, page, slot) in pairs {
-                let dst = (base as *mut D)
-                    .wrapping_add(page as usize * sp + head * sh + slot as usize * stt);
-                with_element!(src.dtype(), S => {
-                    let p0 = (src.addr() as *const S).wrapping_offset(row as isize * rs);
-                    for d in 0..cfg.head_dim {
-                        // SAFETY: the caller checked the source rows and the destination
-                        // lies in the pool; sources and destinations are distinct rows.
-                        unsafe {
-                            let x = p0.offset(d as isize * ds).read();
-                            dst.add(d).write(D::from_f32(x.to_f32()));
-                        }
-                    }
-                });
-            }
-        }
-    });
-}
-
 /// Reads `n` elements of a row starting at `p` into f32.
 ///
 /// # Safety

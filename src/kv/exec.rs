@@ -31,30 +31,6 @@ pub(crate) trait KvExecutor: Send + Sync {
         v: &TensorView,
         stream: Stream,
     ) -> Result<()>;
-    /// Whether [`KvExecutor::scatter_rows`] is implemented.
-    fn can_scatter(&self) -> bool {
-        false
-    }
-    /// Copies rows into pool positions (the write-gated mode's ring, promotions and
-    /// drafts): for each `(src_row, page, slot)`, row `src_row` of `k`/`v` (`[rows,
-    /// head_dim]`, any float dtype and strides, the context's memory or host) goes to
-    /// `(page, slot)` of `layer`, head `head`. No destination row is a source row of the
-    /// same call.
-    #[allow(clippy::too_many_arguments)]
-    fn scatter_rows(
-        &self,
-        layer: usize,
-        head: usize,
-        k: &TensorView,
-        v: &TensorView,
-        pairs: &[(usize, u32, u32)],
-        stream: Stream,
-    ) -> Result<()> {
-        let _ = (layer, head, k, v, pairs, stream);
-        Err(crate::error::Error::Unsupported(
-            "write-gated KV row copies are not implemented on this backend yet".into(),
-        ))
-    }
     /// Attention over one layer (`lay`) for a checked batch.
     fn decode(
         &self,
@@ -96,21 +72,6 @@ impl KvExecutor for CpuKv {
         _stream: Stream,
     ) -> Result<()> {
         super::cpu::write_tokens(&self.cfg, &self.layout, st, layers, placed, k, v);
-        Ok(())
-    }
-    fn can_scatter(&self) -> bool {
-        true
-    }
-    fn scatter_rows(
-        &self,
-        layer: usize,
-        head: usize,
-        k: &TensorView,
-        v: &TensorView,
-        pairs: &[(usize, u32, u32)],
-        _stream: Stream,
-    ) -> Result<()> {
-        super::cpu::scatter_rows(&self.cfg, &self.layout[layer], head, k, v, pairs);
         Ok(())
     }
     fn decode(

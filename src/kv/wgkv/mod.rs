@@ -38,6 +38,7 @@
 //! Forks share every page (copy-on-write): ring slots are rewritten in place, so a shared
 //! ring page is copied before a write into it.
 
+mod cuda;
 pub mod gate;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,7 +49,8 @@ use super::config::{KvPoolConfig, SeqId};
 use super::decode::{self, DecodeIo, DecodeOptions, MAX_QUERY_TOKENS};
 use super::pool::{KvPool, KvStorage};
 use super::state::{PoolState, SeqState};
-use crate::backend::{Context, Stream};
+use crate::backend::cpu::element::Element;
+use crate::backend::{Backend, Context, Stream};
 use crate::error::{Error, Result};
 use crate::pool::{as_batch_3d, as_batch_4d, read_host_i32, SlotTable};
 use crate::tensor::{DType, MemoryKind, TensorView};
@@ -133,8 +135,7 @@ impl WgKvConfig {
             page_size: self.page_size,
             dtype: self.dtype,
             capacity_pages: self.capacity_pages,
-            // One more inner sequence: the scratch rows of `commit`.
-            max_seqs: rows + 1,
+            max_seqs: rows,
             max_seq_len: len,
         };
         if self.layers == 0 || self.kv_heads == 0 || self.max_seqs == 0 {
@@ -237,42 +238,45 @@ pub struct WgKvPool {
     inner: KvPool,
     rows: Mutex<SlotTable<Vec<Row>>>,
     gate: Mutex<Option<Arc<GateWeights>>>,
+    /// The CUDA row copies (None on the CPU).
+    cuda: Option<cuda::WgCuda>,
 }
 
-/// A view of rows `[rows, head_dim]` with a row stride.
-fn rows_view(
-    addr: usize,
+/// Where scattered rows come from: K and V base addresses (the context's memory), their
+/// dtype, and the element stride along head_dim.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RowSource {
+    k: usize,
+    v: usize,
     dtype: DType,
-    mem: MemoryKind,
-    rows: usize,
-    rs: isize,
-    ds: isize,
-    d: usize,
-) -> Result<TensorView> {
-    TensorView::new(addr, dtype, mem, &[rows, d], &[rs, ds])
+    k_ds: isize,
+    v_ds: isize,
 }
+
+/// One copied row: (K element offset, V element offset) from the source, destination
+/// (page, slot).
+pub(crate) type Pair = (i64, i64, u32, u32);
 
 impl WgKvPool {
     /// Creates a write-gated pool on `ctx` (memory owned by the pool, zeroed).
     pub fn new(ctx: Arc<Context>, cfg: WgKvConfig) -> Result<WgKvPool> {
         let inner_cfg = cfg.inner()?;
         let inner = KvPool::new(ctx, inner_cfg, KvStorage::Owned)?;
-        {
-            let mut st = inner.lock();
-            let scratch = inner_cfg.max_seqs - 1;
-            st.seqs.fill(
-                scratch,
-                SeqState {
-                    pages: Vec::new(),
-                    len: 0,
-                },
-            );
-        }
+        let cuda = match inner.context().handle() {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(c) => Some(cuda::WgCuda::new(
+                c,
+                cfg.dtype,
+                cfg.head_dim,
+                *inner.layer_layout(0).expect("one layer"),
+            )),
+        };
         Ok(WgKvPool {
             cfg,
             inner,
             rows: Mutex::new(SlotTable::new(cfg.max_seqs)),
             gate: Mutex::new(None),
+            cuda,
         })
     }
 
@@ -287,19 +291,6 @@ impl WgKvPool {
     /// The inner sequence of row (seq, layer, head).
     pub fn row_id(&self, seq: SeqId, layer: usize, head: usize) -> SeqId {
         (seq as usize * self.cfg.rows_per_seq() + layer * self.cfg.kv_heads + head) as SeqId
-    }
-    fn scratch_slot(&self) -> usize {
-        self.cfg.max_seqs * self.cfg.rows_per_seq()
-    }
-
-    fn require_scatter(&self) -> Result<()> {
-        if self.inner.exec.can_scatter() {
-            Ok(())
-        } else {
-            Err(Error::Unsupported(
-                "appends to a write-gated pool are not implemented on CUDA yet (decode is)".into(),
-            ))
-        }
     }
 
     fn lock_rows(&self) -> MutexGuard<'_, SlotTable<Vec<Row>>> {
@@ -456,39 +447,61 @@ impl WgKvPool {
         }
     }
 
-    /// The pool's memory as rows `[pages * page_size, head_dim]` (K, V).
-    fn pool_rows(&self) -> Result<(TensorView, TensorView)> {
+    /// The pool's own memory as a row source.
+    fn pool_source(&self) -> RowSource {
         let lay = self.inner.layer_layout(0).expect("one layer");
-        let c = self.inner.config();
-        let n = c.capacity_pages * c.page_size;
-        let mem = self.inner.context().memory();
-        Ok((
-            rows_view(
-                lay.k,
-                c.dtype,
-                mem,
-                n,
-                lay.k_strides[2] as isize,
-                1,
-                c.head_dim,
-            )?,
-            rows_view(
-                lay.v,
-                c.dtype,
-                mem,
-                n,
-                lay.v_strides[2] as isize,
-                1,
-                c.head_dim,
-            )?,
-        ))
+        RowSource {
+            k: lay.k,
+            v: lay.v,
+            dtype: self.cfg.dtype,
+            k_ds: 1,
+            v_ds: 1,
+        }
     }
 
-    /// Physical row (page * page_size + slot) of inner position `pos` of `slot`.
-    fn phys(&self, st: &PoolState, slot: usize, pos: usize) -> usize {
-        let ps = self.cfg.page_size;
-        st.seq(slot).pages[pos / ps] as usize * ps + pos % ps
+    /// Source offsets (K, V) of the row at `(page, slot)` of the pool.
+    fn pool_offsets(&self, (page, slot): (u32, u32)) -> (i64, i64) {
+        let lay = self.inner.layer_layout(0).expect("one layer");
+        let at = |[sp, _, st]: [usize; 3]| (page as usize * sp + slot as usize * st) as i64;
+        (at(lay.k_strides), at(lay.v_strides))
     }
+
+    /// Copies rows into the pool (CPU now, or queued on CUDA).
+    fn scatter(&self, src: &RowSource, pairs: &[Pair], stream: Stream) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        if let Some(c) = &self.cuda {
+            return c.scatter(src, pairs, stream);
+        }
+        let lay = self.inner.layer_layout(0).expect("one layer");
+        let d = self.cfg.head_dim;
+        crate::with_element!(self.cfg.dtype, E => {
+            for (base, [sp, _, st], src_base, ds, is_v) in [
+                (lay.k, lay.k_strides, src.k, src.k_ds, false),
+                (lay.v, lay.v_strides, src.v, src.v_ds, true),
+            ] {
+                for &(ko, vo, page, slot) in pairs {
+                    let off = if is_v { vo } else { ko };
+                    let dst = (base as *mut E).wrapping_add(page as usize * sp + slot as usize * st);
+                    crate::with_element!(src.dtype, S => {
+                        let p0 = (src_base as *const S).wrapping_offset(off as isize);
+                        for i in 0..d {
+                            // SAFETY: offsets were computed from checked views (or the
+                            // pool's layout) and destinations lie in the pool; no
+                            // destination row is a source row of the same call.
+                            unsafe {
+                                let x = p0.offset(i as isize * ds).read();
+                                dst.add(i).write(E::from_f32(x.to_f32()));
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Ok(())
+    }
+
     /// (page, slot) of inner position `pos` of `slot`.
     fn dest(&self, st: &PoolState, slot: usize, pos: usize) -> (u32, u32) {
         let ps = self.cfg.page_size;
@@ -591,32 +604,6 @@ impl WgKvPool {
         Ok((layers, n))
     }
 
-    /// The `[n, head_dim]` rows of head `h` of pool layer `l` (index `li` of the
-    /// tensor's layers) in a K or V tensor.
-    fn head_rows(t: &TensorView, li: usize, h: usize) -> Result<TensorView> {
-        let s = t.strides();
-        let (base, rs, hs, ds, n, d) = if t.ndim() == 4 {
-            (
-                li as isize * s[0],
-                s[1],
-                s[2],
-                s[3],
-                t.shape()[1],
-                t.shape()[3],
-            )
-        } else {
-            (0, s[0], s[1], s[2], t.shape()[0], t.shape()[2])
-        };
-        let off = (base + h as isize * hs) * t.dtype().size() as isize;
-        TensorView::new(
-            (t.addr() as isize + off) as usize,
-            t.dtype(),
-            t.memory(),
-            &[n, d],
-            &[rs, ds],
-        )
-    }
-
     /// Appends `n` tokens to `seq` for one layer (`Some(l)`, K/V `[n, kv_heads,
     /// head_dim]`, scores `[n][kv_heads]`) or all layers (`None`, K/V `[layers, n,
     /// kv_heads, head_dim]`, scores `[layers][n][kv_heads]`). Committed tokens
@@ -645,7 +632,6 @@ impl WgKvPool {
         if let Some(s) = scores.iter().find(|s| !s.is_finite()) {
             return Err(Error::InvalidArgument(format!("a score is {s}")));
         }
-        self.require_scatter()?;
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
         let srows = rows.get(seq)?.clone();
@@ -750,39 +736,66 @@ impl WgKvPool {
         }
         self.inner.flush(&mut st, stream)?;
         // Promotions of ring tokens (before the ring slots are rewritten).
-        let (pk, pv) = self.pool_rows()?;
-        let mut promos: Vec<(usize, u32, u32)> = Vec::new();
+        let mut promos: Vec<Pair> = Vec::new();
         for p in &plans {
             let slot = base + p.r;
             for &(ring, gpos) in &p.promote_old {
                 let (page, s) = self.dest(&st, slot, gpos);
-                promos.push((self.phys(&st, slot, ring), page, s));
+                let (ko, vo) = self.pool_offsets(self.dest(&st, slot, ring));
+                promos.push((ko, vo, page, s));
             }
         }
-        if !promos.is_empty() {
-            self.inner
-                .exec
-                .scatter_rows(0, 0, &pk, &pv, &promos, stream)?;
-        }
-        for p in &plans {
-            let slot = base + p.r;
-            let pairs: Vec<(usize, u32, u32)> = p
-                .place_new
-                .iter()
-                .map(|&(j, pos)| {
-                    let (page, s) = self.dest(&st, slot, pos);
-                    (j, page, s)
-                })
-                .collect();
-            if pairs.is_empty() {
-                continue;
+        self.scatter(&self.pool_source(), &promos, stream)?;
+        // The new tokens, all rows in one scatter (host K/V staged once on CUDA).
+        let mut staged = Vec::new();
+        let result = (|| -> Result<()> {
+            let (kd, vd) = match &self.cuda {
+                Some(c) => {
+                    let (kd, a) = c.stage(k, stream)?;
+                    staged.extend(a);
+                    let (vd, b) = c.stage(v, stream)?;
+                    staged.extend(b);
+                    (kd, vd)
+                }
+                None => (*k, *v),
+            };
+            let (ks, vs) = (kd.strides(), vd.strides());
+            let four = kd.ndim() == 4;
+            let off = |s: &[isize], li: usize, j: usize, h: usize| -> i64 {
+                if four {
+                    (li as isize * s[0] + j as isize * s[1] + h as isize * s[2]) as i64
+                } else {
+                    (j as isize * s[0] + h as isize * s[1]) as i64
+                }
+            };
+            let mut pairs: Vec<Pair> = Vec::new();
+            for p in &plans {
+                let slot = base + p.r;
+                for &(j, pos) in &p.place_new {
+                    let (page, sl) = self.dest(&st, slot, pos);
+                    pairs.push((off(ks, p.li, j, p.h), off(vs, p.li, j, p.h), page, sl));
+                }
             }
-            let kr = Self::head_rows(k, p.li, p.h)?;
-            let vr = Self::head_rows(v, p.li, p.h)?;
-            self.inner
-                .exec
-                .scatter_rows(0, 0, &kr, &vr, &pairs, stream)?;
+            let src = RowSource {
+                k: kd.addr(),
+                v: vd.addr(),
+                dtype: kd.dtype(),
+                k_ds: ks[ks.len() - 1],
+                v_ds: vs[vs.len() - 1],
+            };
+            if kd.dtype() != vd.dtype() {
+                return Err(Error::DTypeMismatch(format!(
+                    "k ({}) and v ({}) must have the same dtype",
+                    kd.dtype(),
+                    vd.dtype()
+                )));
+            }
+            self.scatter(&src, &pairs, stream)
+        })();
+        if let Some(c) = &self.cuda {
+            c.free(&staged, stream)?;
         }
+        result?;
         let rs = rows.get_mut(seq)?;
         for p in plans {
             rs[p.r] = p.after;
@@ -839,7 +852,6 @@ impl WgKvPool {
     /// the ring, with the evictions and promotions a committed append makes) and drops the
     /// rest. Needs free pages for the moved drafts while it runs. All or nothing.
     pub fn commit(&self, seq: SeqId, accepted: usize, stream: Stream) -> Result<()> {
-        self.require_scatter()?;
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
         let srows = rows.get(seq)?.clone();
@@ -917,28 +929,19 @@ impl WgKvPool {
                 needed + scratch_pages
             )));
         }
-        let (pk, pv) = self.pool_rows()?;
         // 1. Moved drafts -> scratch rows.
-        let scratch = self.scratch_slot();
         let scratch_pages = st.alloc.alloc_n(scratch_pages).expect("counted");
         let mut to_scratch = Vec::with_capacity(n_moved);
         let mut i = 0usize;
         for (r, p) in plans.iter().enumerate() {
             let c = srows[r].committed_len(w);
             for &(j, _) in &p.moved {
-                to_scratch.push((
-                    self.phys(&st, base + r, c + j),
-                    scratch_pages[i / ps],
-                    (i % ps) as u32,
-                ));
+                let (ko, vo) = self.pool_offsets(self.dest(&st, base + r, c + j));
+                to_scratch.push((ko, vo, scratch_pages[i / ps], (i % ps) as u32));
                 i += 1;
             }
         }
-        if !to_scratch.is_empty() {
-            self.inner
-                .exec
-                .scatter_rows(0, 0, &pk, &pv, &to_scratch, stream)?;
-        }
+        self.scatter(&self.pool_source(), &to_scratch, stream)?;
         // 2. Host state: drop the drafts' tail, grow for promotions, copy-on-write.
         for (r, p) in plans.iter().enumerate() {
             let slot = base + r;
@@ -953,35 +956,28 @@ impl WgKvPool {
         }
         self.inner.flush(&mut st, stream)?;
         // 3. Promotions, 4. scratch -> ring.
-        let mut promos = Vec::new();
-        let mut from_scratch = Vec::with_capacity(n_moved);
+        let mut promos: Vec<Pair> = Vec::new();
+        let mut from_scratch: Vec<Pair> = Vec::with_capacity(n_moved);
         let mut i = 0usize;
         for (r, p) in plans.iter().enumerate() {
             let slot = base + r;
             for &(ring, gpos) in &p.promote_old {
                 let (page, s) = self.dest(&st, slot, gpos);
-                promos.push((self.phys(&st, slot, ring), page, s));
+                let (ko, vo) = self.pool_offsets(self.dest(&st, slot, ring));
+                promos.push((ko, vo, page, s));
             }
             for &(_, ring) in &p.moved {
                 let (page, s) = self.dest(&st, slot, ring);
-                from_scratch.push((scratch_pages[i / ps] as usize * ps + i % ps, page, s));
+                let (ko, vo) = self.pool_offsets((scratch_pages[i / ps], (i % ps) as u32));
+                from_scratch.push((ko, vo, page, s));
                 i += 1;
             }
         }
-        if !promos.is_empty() {
-            self.inner
-                .exec
-                .scatter_rows(0, 0, &pk, &pv, &promos, stream)?;
-        }
-        if !from_scratch.is_empty() {
-            self.inner
-                .exec
-                .scatter_rows(0, 0, &pk, &pv, &from_scratch, stream)?;
-        }
+        self.scatter(&self.pool_source(), &promos, stream)?;
+        self.scatter(&self.pool_source(), &from_scratch, stream)?;
         for p in scratch_pages {
             st.alloc.release(p);
         }
-        let _ = scratch;
         let rs = rows.get_mut(seq)?;
         for (r, p) in plans.into_iter().enumerate() {
             rs[r] = p.after;
