@@ -131,8 +131,10 @@ typedef struct {
 /* Row i: K elements k_src + k_off[i] + d * k_src_ds (d < d; offsets in elements of
  * src_dtype) go to k_dst + page[i] * k_sp + slot[i] * k_st + d (contiguous, dst_dtype;
  * the head's offset is folded into k_dst); V likewise. No destination row is a source row
- * of the same launch. */
+ * of the same launch. With `rows` set the pairs come from device memory instead, n_pairs
+ * entries of {k_off, v_off, page << 32 | slot} (int64), and the inline arrays are unused. */
 typedef struct {
+  KVR_PTR(const int64_t) rows;
   KVR_PTR(const void) k_src;
   KVR_PTR(const void) v_src;
   KVR_PTR(void) k_dst;

@@ -2,7 +2,8 @@
 //   kvr_wgkv_scatter   rows of a source (new tokens from the host's K/V, or the pool's own
 //                      rows: ring -> global promotions, drafts -> scratch -> ring) to
 //                      (page, slot) positions, with dtype conversion; one warp per row.
-// Everything travels in the parameters: asynchronous, no staging memory, capturable.
+// Up to KVR_WGKV_MAX_PAIRS rows travel in the parameters; larger batches (a prefill) read
+// their rows from a device array the host uploads on the stream.
 #include "mma.cuh"
 
 namespace kvr {
@@ -24,16 +25,25 @@ __device__ __forceinline__ void wg_store(void* p, int64_t i, int dtype, float x)
 extern "C" __global__ void kvr_wgkv_scatter(const __grid_constant__ kvr_wgkv_scatter_args p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int64_t rows = 2 * static_cast<int64_t>(p.n_pairs);
-  for (int64_t r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-    const int i = static_cast<int>(r >> 1);
+  const int64_t n_rows = 2 * static_cast<int64_t>(p.n_pairs);
+  for (int64_t r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < n_rows; r += warps) {
+    const int64_t i = r >> 1;
     const bool is_v = r & 1;
     const void* src = is_v ? p.v_src : p.k_src;
     void* dst = is_v ? p.v_dst : p.k_dst;
-    const int64_t s0 = is_v ? p.v_off[i] : p.k_off[i];
+    int64_t s0, pg, sl;
+    if (p.rows) {
+      const int64_t* e = p.rows + 3 * static_cast<int64_t>(i);
+      s0 = is_v ? e[1] : e[0];
+      pg = e[2] >> 32;
+      sl = e[2] & 0xffffffff;
+    } else {
+      s0 = is_v ? p.v_off[i] : p.k_off[i];
+      pg = p.page[i];
+      sl = p.slot[i];
+    }
     const int64_t sd = is_v ? p.v_src_ds : p.k_src_ds;
-    const int64_t d0 = static_cast<int64_t>(p.page[i]) * (is_v ? p.v_sp : p.k_sp) +
-                       static_cast<int64_t>(p.slot[i]) * (is_v ? p.v_st : p.k_st);
+    const int64_t d0 = pg * (is_v ? p.v_sp : p.k_sp) + sl * (is_v ? p.v_st : p.k_st);
     for (int d = lane; d < p.d; d += 32)
       kvr::wg_store(dst, d0 + d, p.dst_dtype, kvr::wg_load(src, s0 + d * sd, p.src_dtype));
   }

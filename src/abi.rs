@@ -248,6 +248,7 @@ abi_structs! {
 
     /// `kvr_wgkv_scatter`.
     struct WgKvScatterArgs = "kvr_wgkv_scatter_args" {
+        rows: u64,
         k_src: u64,
         v_src: u64,
         k_dst: u64,
