@@ -727,3 +727,85 @@ fn gate_from_gguf_and_bad_weight_files() {
         hid
     );
 }
+
+/// lse through the folded and the per-head paths, against the fp64 log-sum-exp over the
+/// kept tokens.
+#[test]
+fn lse_folded_and_per_head() {
+    let ctx = cpu_ctx();
+    let cfg = config(1, 2, 16, 4, 8, DType::F32, 1000);
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(31);
+    let a = pool.seq_add(S).unwrap();
+    let b = pool.seq_add(S).unwrap();
+    let mut ma = SeqModel::new(2);
+    let mut mb = SeqModel::new(2);
+    append(&pool, &mut ma, &mut rng, a, None, 37, false);
+    append(&pool, &mut mb, &mut rng, b, None, 6, false);
+    let (hq, d) = (6, 16);
+    let ids = [b, -1, a];
+    let q = rng.vec(3 * hq * d, -1.0, 1.0);
+    let scale = 0.25f64;
+    for lse_stride in [1usize, 2] {
+        let mut out = vec![f32::NAN; 3 * hq * d];
+        // Stride 2 with a padded row: lse rows not foldable (one decode per head).
+        let row = if lse_stride == 1 { hq } else { 2 * hq + 1 };
+        let mut lse = vec![f32::NAN; 3 * row];
+        let idv = view_i32(&ids);
+        let qv = view(&q, &[3, hq, d]);
+        let ov = kvreplay::TensorView::contiguous(
+            out.as_mut_ptr() as usize,
+            DType::F32,
+            kvreplay::MemoryKind::Host,
+            &[3, hq, d],
+        )
+        .unwrap();
+        let lv = kvreplay::TensorView::new(
+            lse.as_mut_ptr() as usize,
+            DType::F32,
+            kvreplay::MemoryKind::Host,
+            &[3, hq],
+            &[row as isize, lse_stride as isize],
+        )
+        .unwrap();
+        pool.decode(
+            0,
+            &kvreplay::kv::DecodeIo {
+                seq_ids: &idv,
+                q: &qv,
+                out: &ov,
+                lse: Some(&lv),
+            },
+            &Default::default(),
+            S,
+        )
+        .unwrap();
+        let want = reference(&[Some(&mb), None, Some(&ma)], &cfg, 0, &q, 1, hq, scale);
+        assert!(max_err(&out, &want) < 1e-5);
+        for (bi, m) in [(0usize, Some(&mb)), (1, None), (2, Some(&ma))] {
+            for h in 0..hq {
+                let got = lse[bi * lv.strides()[0] as usize + h * lv.strides()[1] as usize];
+                let Some(m) = m else {
+                    assert_eq!(got, f32::NEG_INFINITY);
+                    continue;
+                };
+                let kh = h / 3;
+                let qv = &q[(bi * hq + h) * d..(bi * hq + h + 1) * d];
+                let s: Vec<f64> = m
+                    .kept(kh, &cfg)
+                    .iter()
+                    .map(|t| {
+                        t.k.iter()
+                            .zip(qv)
+                            .map(|(&x, &y)| x as f64 * y as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let want = mx + s.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+                assert!((got as f64 - want).abs() < 1e-4, "{got} vs {want}");
+            }
+        }
+    }
+}
