@@ -104,6 +104,12 @@ typedef struct kvr_mamba2_pool kvr_mamba2_pool;
 typedef struct kvr_model kvr_model;
 
 /**
+ * A paged KV pool in write-gated mode (opaque). Created by `kvr_wgkv_pool_new`, freed by
+ * `kvr_wgkv_pool_free`.
+ */
+typedef struct kvr_wgkv_pool kvr_wgkv_pool;
+
+/**
  * Result of every fallible call: `KVR_STATUS_OK` (0) or a negative error code. Values are
  * explicit and never reused; `kvr_error_last_message()` gives the details of a failure.
  */
@@ -1112,6 +1118,154 @@ typedef struct kvr_model_sizing {
 } kvr_model_sizing;
 
 /**
+ * Admission options of `kvr_wgkv_pool_new`; fill with `kvr_wgkv_params_default`.
+ */
+typedef struct kvr_wgkv_params {
+    /**
+     * `sizeof(kvr_wgkv_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Ring size W per (sequence, layer, KV head): a multiple of the page size, >= 8
+     * (default 256).
+     */
+    int32_t local_window;
+    /**
+     * Promotion threshold: a token leaving the ring is kept if its score is > tau (strict;
+     * default 0.1), 0 <= tau < 1.
+     */
+    float tau;
+    /**
+     * The first `sinks` tokens of each sequence are always kept (default 0).
+     */
+    int32_t sinks;
+    /**
+     * Hidden size of the gate MLP: 0 (default) = whatever the weights have; otherwise
+     * `kvr_wgkv_pool_set_gate` / `_load_gate` refuse other sizes.
+     */
+    int32_t gate_hidden;
+    /**
+     * Reserved, 0.
+     */
+    int32_t reserved;
+    /**
+     * Most tokens the global cache of one (sequence, layer, head) holds; 0 (default) =
+     * the pool's `max_seq_len`. Sets the block-table width (host and device memory:
+     * `max_seqs * n_layers * n_kv_heads * (local_window + max_global_tokens + 8) /
+     * page_size * 4` bytes).
+     */
+    int64_t max_global_tokens;
+} kvr_wgkv_params;
+
+/**
+ * One layer's gate weights in host memory, f32, row-major (see `kvr_wgkv_pool_set_gate`).
+ */
+typedef struct kvr_wgkv_gate_layer {
+    /**
+     * RMSNorm weight of the pre-RoPE key, `[head_dim]` (shared by the layer's heads).
+     */
+    const float *norm_pre;
+    /**
+     * RMSNorm weight of the post-RoPE key, `[head_dim]`.
+     */
+    const float *norm_post;
+    /**
+     * First linear layer, `[n_kv_heads][hidden][2 * head_dim]` (inputs 0..head_dim are
+     * the normalized pre-RoPE key, the rest the post-RoPE key).
+     */
+    const float *fc1_weight;
+    /**
+     * Its bias, `[n_kv_heads][hidden]`.
+     */
+    const float *fc1_bias;
+    /**
+     * Second linear layer, `[n_kv_heads][hidden]`.
+     */
+    const float *fc2_weight;
+    /**
+     * Its bias, `[n_kv_heads]`.
+     */
+    const float *fc2_bias;
+} kvr_wgkv_gate_layer;
+
+/**
+ * Flags of `kvr_wgkv_pool_append`.
+ */
+typedef uint32_t kvr_wgkv_append_flags;
+
+/**
+ * Occupancy of a write-gated pool, filled by `kvr_wgkv_pool_get_stats`.
+ */
+typedef struct kvr_wgkv_pool_stats {
+    /**
+     * Set to `sizeof(kvr_wgkv_pool_stats)` before the call.
+     */
+    uint32_t struct_size;
+    /**
+     * Reserved, 0.
+     */
+    uint32_t reserved;
+    /**
+     * Pages in the pool.
+     */
+    int64_t pages_total;
+    /**
+     * Pages referenced by a sequence.
+     */
+    int64_t pages_used;
+    /**
+     * Pages free.
+     */
+    int64_t pages_free;
+    /**
+     * Pages shared by forks.
+     */
+    int64_t pages_shared;
+    /**
+     * Live sequences.
+     */
+    int64_t sequences;
+    /**
+     * Tokens attention reads, summed over (sequence, layer, head): ring + global + drafts.
+     */
+    int64_t kept_tokens;
+    /**
+     * Tokens a full cache would hold, summed the same way.
+     */
+    int64_t full_tokens;
+    /**
+     * Pages of the same size a full paged cache would use for the live sequences.
+     */
+    int64_t full_pages;
+    /**
+     * Bytes of K and V per page (one layer, one head).
+     */
+    int64_t page_bytes;
+} kvr_wgkv_pool_stats;
+
+/**
+ * Counts of one (sequence, layer, KV head), from `kvr_wgkv_pool_get_seq_rows`.
+ */
+typedef struct kvr_wgkv_row_stats {
+    /**
+     * Tokens in the local ring.
+     */
+    int64_t ring;
+    /**
+     * Tokens in the global cache (promoted).
+     */
+    int64_t global;
+    /**
+     * Pending drafts.
+     */
+    int64_t drafts;
+    /**
+     * Committed tokens appended (kept or not).
+     */
+    int64_t total;
+} kvr_wgkv_row_stats;
+
+/**
  * A memory layout `kvr_model_compute_sizing` compares: the index into the per-layout arrays
  * of `kvr_model_sizing` (`bytes_per_seq[KVR_MODEL_LAYOUT_PAGED_RING]`, ...).
  */
@@ -1357,6 +1511,17 @@ typedef int32_t kvr_model_layout;
  * CUDA device memory of the context's device (CUDA backend).
  */
 #define KVR_DEVICE_CUDA ((kvr_device_type)1)
+
+/**
+ * Committed tokens: they enter the ring (evicting, promoting or dropping its oldest).
+ */
+#define KVR_WGKV_COMMITTED ((kvr_wgkv_append_flags)0)
+
+/**
+ * Speculative drafts: kept after the global cache until `kvr_wgkv_pool_commit` (at most 8
+ * pending per sequence); nothing is evicted or promoted for them.
+ */
+#define KVR_WGKV_DRAFT ((kvr_wgkv_append_flags)1)
 
 #ifdef __cplusplus
 extern "C" {
@@ -2847,6 +3012,282 @@ const char *kvr_library_build_info(void);
  * On failure: cannot fail.
  */
 bool kvr_library_kernels_compiled(void);
+
+/**
+ * Fills `*params` with the defaults (ring 256, tau 0.1, no sinks, gate size from the
+ * weights, global cache up to the pool's `max_seq_len`).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
+ */
+KVR_NODISCARD kvr_status kvr_wgkv_params_default(struct kvr_wgkv_params *params);
+
+/**
+ * Creates a write-gated pool on `ctx` and stores it in `*out`. `kv` gives the shape and
+ * capacity as for `kvr_kv_pool_new` (`n_layers`, `n_kv_heads`, `head_dim`, `page_size`,
+ * `dtype`, `capacity_pages` or `capacity_bytes`, `max_seqs`, `max_seq_len`); here one
+ * page holds `page_size` tokens of one (sequence, layer, KV head), so `capacity_bytes`
+ * buys `capacity_bytes / (2 * page_size * head_dim * sizeof(dtype))` pages. The pool
+ * owns its memory (`kv->layers` must be NULL). `wg` may be NULL for the defaults.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (sizes,
+ * `local_window` not a multiple of the page size or < 8, tau outside [0, 1), negative
+ * `sinks`, `gate_hidden` or `max_global_tokens`, `struct_size`, not a live context);
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (max_seqs x layers x heads >=
+ * 2^20, tables past the 32-bit device indices); `KVR_STATUS_UNSUPPORTED` (external
+ * memory); `KVR_STATUS_OUT_OF_MEMORY`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the caller owns the new pool and frees it with `kvr_wgkv_pool_free`; the
+ * pool keeps `ctx` alive; `kv` and `wg` are copied.
+ * Thread safety: thread-safe.
+ * On failure: `*out` is not written and nothing is left allocated.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_new(const struct kvr_context *ctx,
+                             const struct kvr_kv_pool_params *kv,
+                             const struct kvr_wgkv_params *wg,
+                             struct kvr_wgkv_pool **out);
+
+/**
+ * Frees a write-gated pool, its sequences and its memory. NULL is a no-op. On CUDA, work
+ * queued that uses the pool must be complete.
+ *
+ * Returns: nothing.
+ * Ownership: ends the caller's ownership of `pool` and releases its reference to the
+ * context.
+ * Thread safety: thread-safe; a call already running on another thread keeps the pool
+ * alive until it returns, and calls that start later get `KVR_STATUS_INVALID_ARG`.
+ * On failure: a handle that is not a live pool is ignored and recorded in
+ * `kvr_error_last_message`; nothing changes.
+ */
+void kvr_wgkv_pool_free(struct kvr_wgkv_pool *pool);
+
+/**
+ * Sets the pool's gate from host arrays: `layers` holds `n_layers` entries (one per pool
+ * layer), each MLP of hidden size `hidden`. Per token, layer and KV head the score is
+ * `max(sigmoid(fc2 . GELU(fc1 [RMSNorm(k_pre); RMSNorm(k)] + b1) + b2), 1e-3)` (exact erf
+ * GELU, RMSNorm eps 1e-6). The weights are copied.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `layers` or a NULL array in
+ * it); `KVR_STATUS_INVALID_ARG` (handle, `hidden` < 1 or not the pool's `gate_hidden`, a
+ * non-finite weight).
+ * Ownership: the arrays stay the caller's (read during the call only).
+ * Thread safety: thread-safe; appends running on other threads use the old or the new
+ * gate.
+ * On failure: the pool keeps its previous gate.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_set_gate(struct kvr_wgkv_pool *pool,
+                                  const struct kvr_wgkv_gate_layer *layers,
+                                  int32_t hidden);
+
+/**
+ * Loads the pool's gate from a GGUF file: for pool layer j the tensors
+ * `blk.{b}.wg_gate.norm_pre.weight` `[head_dim]`, `.norm_post.weight` `[head_dim]`,
+ * `.fc1.weight` `[n_kv_heads, hidden, 2 * head_dim]`, `.fc1.bias` `[n_kv_heads, hidden]`,
+ * `.fc2.weight` `[n_kv_heads, hidden]`, `.fc2.bias` `[n_kv_heads]` (row-major shapes; f32,
+ * f16 or bf16), with b = `blocks[j]` (`blocks` NULL: b = j). scripts/wgkv_convert.py
+ * writes such a file from a WG-KV checkpoint.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`path`); `KVR_STATUS_INVALID_ARG`
+ * (handle, `path` not UTF-8, `n_blocks` not the pool's layer count when `blocks` is set,
+ * a tensor of the wrong shape, a hidden size other than the pool's `gate_hidden`, a
+ * non-finite weight); `KVR_STATUS_UNKNOWN_ID` (a tensor is missing);
+ * `KVR_STATUS_DTYPE_MISMATCH` (a tensor that is not f32, f16 or bf16);
+ * `KVR_STATUS_IO_ERROR`; `KVR_STATUS_MALFORMED_FILE`.
+ * Ownership: the file is read during the call only; the weights are copied.
+ * Thread safety: thread-safe.
+ * On failure: the pool keeps its previous gate.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_load_gate(struct kvr_wgkv_pool *pool,
+                                   const char *path,
+                                   const int32_t *blocks,
+                                   int32_t n_blocks);
+
+/**
+ * Adds an empty sequence (the lowest free id) and stores its id in `*out_seq`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_POOL_EXHAUSTED` (all ids in use); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the pool owns the sequence until `kvr_wgkv_pool_seq_free` or
+ * `kvr_wgkv_pool_free`.
+ * Thread safety: thread-safe (calls on one pool take its lock); on CUDA the device work
+ * of calls on one pool must be ordered by the caller.
+ * On failure: `*out_seq` is not written and the pool is unchanged.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_seq_add(struct kvr_wgkv_pool *pool,
+                                 void *stream,
+                                 kvr_seq_id *out_seq);
+
+/**
+ * Frees sequence `seq` and releases its pages (pages shared with forks stay with them).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the sequence's pages return to the pool.
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: the pool is unchanged.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_seq_free(struct kvr_wgkv_pool *pool,
+                                  kvr_seq_id seq,
+                                  void *stream);
+
+/**
+ * Creates a sequence sharing all of `src`'s pages and admission state (copy-on-write:
+ * either side copies a shared page before writing into it) and stores its id in
+ * `*out_seq`. Pending drafts are forked too.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_POOL_EXHAUSTED` (no free id);
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: the pool owns the new sequence.
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: `*out_seq` is not written and the pool is unchanged.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_seq_fork(struct kvr_wgkv_pool *pool,
+                                  kvr_seq_id src,
+                                  void *stream,
+                                  kvr_seq_id *out_seq);
+
+/**
+ * Appends n tokens to `seq` for one layer (`layer` >= 0: `k`, `v` `[n, n_kv_heads,
+ * head_dim]`) or every layer (`KVR_LAYER_ALL`: `[n_layers, n, n_kv_heads, head_dim]`).
+ * Exactly one of `scores` and `k_pre` is given: `scores` are the gate's outputs, f32 host
+ * `[n, n_kv_heads]` (`[n_layers, n, n_kv_heads]` for all layers); `k_pre` (the keys before
+ * RoPE, shaped like `k`, host memory, with `k` in host memory too) has the pool's gate
+ * (`kvr_wgkv_pool_set_gate`) computed on the CPU. `k` is the cached, post-RoPE key. With
+ * `KVR_WGKV_COMMITTED` each token enters its (layer, head)'s ring; the ring's oldest token
+ * is promoted to the global cache if its score is > tau or it is one of the first `sinks`
+ * tokens, and dropped otherwise (a prefill does this for every token older than the last
+ * `local_window` at once). With `KVR_WGKV_DRAFT` the tokens wait as drafts. On CUDA, K/V
+ * may be host or device memory (host K/V are copied in on `stream`); the copies into the
+ * pool are queued on `stream` (not graph-capturable: which rows move is decided on the
+ * host).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, both or neither of `scores` / `k_pre`, a non-finite score, no gate set,
+ * committed tokens while drafts are pending, unknown flags); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (layer, more than 8 drafts, a
+ * global cache past `max_global_tokens`); `KVR_STATUS_POOL_EXHAUSTED`;
+ * `KVR_STATUS_OUT_OF_MEMORY` / `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors stay the caller's (read during the call).
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: all or nothing: the sequence does not change, except after
+ * `KVR_STATUS_CUDA_ERROR` / `KVR_STATUS_OUT_OF_MEMORY` while queuing the copies, which can
+ * leave queued device work half done (free the pool).
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_append(struct kvr_wgkv_pool *pool,
+                                kvr_seq_id seq,
+                                kvr_layer_select layer,
+                                const struct kvr_tensor *k,
+                                const struct kvr_tensor *v,
+                                const struct kvr_tensor *k_pre,
+                                const struct kvr_tensor *scores,
+                                kvr_wgkv_append_flags flags,
+                                void *stream);
+
+/**
+ * Accepts the first `n_accepted` pending drafts of `seq` (every layer and head): they
+ * enter the ring in order, evicting and promoting exactly as committed appends would; the
+ * other drafts are dropped.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`n_accepted` negative or more than
+ * the drafts pending); `KVR_STATUS_POOL_EXHAUSTED` (the moved drafts need free pages
+ * while the call runs); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: released pages return to the pool.
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: the sequence is unchanged, except after `KVR_STATUS_CUDA_ERROR`, which can
+ * leave queued device work half done (free the pool).
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_commit(struct kvr_wgkv_pool *pool,
+                                kvr_seq_id seq,
+                                int32_t n_accepted,
+                                void *stream);
+
+/**
+ * Rolls `seq` back to `len` tokens (committed plus drafts), dropping the drafts past it.
+ * Only drafts can be rolled back: `len` must lie between the committed length and the
+ * committed length plus the pending drafts.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: released pages return to the pool.
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: the sequence is unchanged.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_seq_truncate(struct kvr_wgkv_pool *pool,
+                                      kvr_seq_id seq,
+                                      int64_t len,
+                                      void *stream);
+
+/**
+ * Attention for a batch of sequences over layer `layer`'s ring + global cache (+ drafts)
+ * of each (sequence, KV head), as `kvr_kv_pool_decode`: `q`/`out` `[B, Hq, head_dim]` or
+ * `[B, T, Hq, head_dim]` (T > 1: the last T tokens must be pending drafts, causal among
+ * themselves), `lse` optional, `seq_ids` i32 `[B]` in host memory. (sequence, KV head)
+ * are folded into the decode's batch when q/out/lse keep each row's heads contiguous
+ * (one launch), else one launch per KV head. `params` may be NULL; its `window` must be 0.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, a sequence listed twice, a window); `KVR_STATUS_DTYPE_MISMATCH`;
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (layer, T > drafts, an empty
+ * sequence, group > 16); `KVR_STATUS_UNSUPPORTED` (device `seq_ids`, CUDA dtypes / head
+ * dims as `kvr_kv_pool_decode`); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors stay the caller's.
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: `out` and `lse` are not written; the pool never changes.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_decode(struct kvr_wgkv_pool *pool,
+                                int32_t layer,
+                                const struct kvr_tensor *seq_ids,
+                                const struct kvr_tensor *q,
+                                const struct kvr_tensor *out,
+                                const struct kvr_tensor *lse,
+                                const struct kvr_kv_decode_params *params,
+                                void *stream);
+
+/**
+ * Fills `*out` with the pool's occupancy (memory used against a full cache). Set
+ * `out->struct_size` first.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * `struct_size` too small).
+ * Ownership: `*out` is the caller's.
+ * Thread safety: thread-safe (a snapshot under the pool's lock).
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_get_stats(const struct kvr_wgkv_pool *pool,
+                                   struct kvr_wgkv_pool_stats *out);
+
+/**
+ * Copies the counts of every (layer, KV head) of `seq` (layer-major: entry `layer *
+ * n_kv_heads + head`) into `rows` (room for `capacity` entries) and stores the number of
+ * entries in `*out_count`.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`capacity` too small).
+ * Ownership: `rows` and `*out_count` are the caller's.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written, except that `KVR_STATUS_OUT_OF_RANGE` stores the entry
+ * count in `*out_count` (the room to make).
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_get_seq_rows(const struct kvr_wgkv_pool *pool,
+                                      kvr_seq_id seq,
+                                      struct kvr_wgkv_row_stats *rows,
+                                      int64_t capacity,
+                                      int64_t *out_count);
 
 #ifdef __cplusplus
 }  // extern "C"

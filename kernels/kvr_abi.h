@@ -123,6 +123,31 @@ typedef struct {
   int32_t dst[KVR_KV_MAX_PAGE_COPIES];
 } kvr_kv_page_copy_args;
 
+/* ---- kernels/wgkv.cu: kvr_wgkv_scatter (write-gated KV, src/kv/wgkv) ---- */
+
+#define KVR_WGKV_MAX_PAIRS 160
+#define KVR_WGKV_SCATTER_THREADS 256
+
+/* Row i: K elements k_src + k_off[i] + d * k_src_ds (d < d; offsets in elements of
+ * src_dtype) go to k_dst + page[i] * k_sp + slot[i] * k_st + d (contiguous, dst_dtype;
+ * the head's offset is folded into k_dst); V likewise. No destination row is a source row
+ * of the same launch. With `rows` set the pairs come from device memory instead, n_pairs
+ * entries of {k_off, v_off, page << 32 | slot} (int64), and the inline arrays are unused. */
+typedef struct {
+  KVR_PTR(const int64_t) rows;
+  KVR_PTR(const void) k_src;
+  KVR_PTR(const void) v_src;
+  KVR_PTR(void) k_dst;
+  KVR_PTR(void) v_dst;
+  int64_t k_src_ds, v_src_ds;
+  int64_t k_sp, k_st, v_sp, v_st;
+  int32_t d, n_pairs, src_dtype, dst_dtype;
+  int64_t k_off[KVR_WGKV_MAX_PAIRS];
+  int64_t v_off[KVR_WGKV_MAX_PAIRS];
+  int32_t page[KVR_WGKV_MAX_PAIRS];
+  int32_t slot[KVR_WGKV_MAX_PAIRS];
+} kvr_wgkv_scatter_args;
+
 /* ---- kernels/kv_decode.cu: kvr_kv_decode_<kv>_d<head_dim> ---- */
 
 #define KVR_KV_DECODE_THREADS 192 /* 4 consumer warps + 2 producer warps */

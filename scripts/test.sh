@@ -4,14 +4,15 @@
 #      staleness check, scripts/gen-header.sh --check, makes sure the header is current)
 #   1. cargo test (unit + integration tests; GPU tests skip themselves with a message)
 #   2. the release static and shared libraries, and a check that the system libraries
-#      documented for static linking still match what rustc prints
+#      documented for static linking still match what rustc prints; the WG-KV checkpoint
+#      converter's test (scripts/test_wgkv_convert.py, loads its output with the library)
 #   3. ffi-tests: C and C++ against the header and both libraries, the pools from C
 #      (test_pools: every pool function and error path; test_threads: pools used from
-#      several threads), ASan+UBSan builds, and valgrind over the static-library tests
+#      several threads; test_wgkv: the write-gated pool), ASan+UBSan builds, and valgrind over the static-library tests
 #   4. examples: built with Make (static and shared) and with CMake; the demo (`make -C
 #      examples run`: the tiny Qwen3-Next; also every tiny model, the 80B header file, and
-#      a missing and a malformed file, which must fail), info, the paged KV and GDN
-#      speculative-decoding examples (CPU backend) and the GGUF planner run
+#      a missing and a malformed file, which must fail), info, the paged KV, write-gated KV
+#      and GDN speculative-decoding examples (CPU backend) and the GGUF planner run
 #   5. llama.cpp with kvreplay (integrations/llama.cpp/check.sh cpu): the pinned llama.cpp,
 #      patched, built (cached in target/llama.cpp; the first build takes minutes), tiny
 #      qwen3next / qwen35 models decoded with kvreplay on and off: identical tokens and
@@ -32,6 +33,9 @@ cargo test --all-targets
 step "release libraries"
 cargo build --release --lib
 test -f target/release/libkvreplay.a && test -f target/release/libkvreplay.so
+
+step "WG-KV checkpoint converter"
+python3 scripts/test_wgkv_convert.py
 
 step "native-static-libs"
 documented="$(sed -n 's/^NATIVE_LIBS := //p' ffi-tests/Makefile)"
@@ -87,6 +91,7 @@ done
 rm -f "$truncated"
 ./examples/build/info
 ./examples/build/paged_decode cpu
+./examples/build/write_gated cpu
 ./examples/build/spec_decode_gdn cpu
 ./examples/build/gguf_plan tests/data/tiny-qwen3next.gguf 1 128 4
 ./examples/build/gguf_plan tests/data/qwen3next-80b-a3b-header.gguf 40 8192 4 | tail -n 8

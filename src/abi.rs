@@ -99,6 +99,9 @@ abi_consts! {
     /// Tokens per K/V tile of the decode kernel.
     KVR_KV_DECODE_TILE: usize = 64;
     KVR_KV_MAX_INLINE_BATCH: usize = 512;
+    /// Rows per write-gated scatter launch, and its threads (kernels/wgkv.cu).
+    KVR_WGKV_MAX_PAIRS: usize = 160;
+    KVR_WGKV_SCATTER_THREADS: u32 = 256;
     /// `KvDecodeArgs::q_vec`: element loads; 16-byte loads of KV-typed q; of f32 q.
     KVR_KV_Q_SCALAR: i32 = 0;
     KVR_KV_Q_VEC_KV: i32 = 1;
@@ -241,6 +244,29 @@ abi_structs! {
         n_pairs: i32,
         src: [i32; KVR_KV_MAX_PAGE_COPIES],
         dst: [i32; KVR_KV_MAX_PAGE_COPIES],
+    }
+
+    /// `kvr_wgkv_scatter`.
+    struct WgKvScatterArgs = "kvr_wgkv_scatter_args" {
+        rows: u64,
+        k_src: u64,
+        v_src: u64,
+        k_dst: u64,
+        v_dst: u64,
+        k_src_ds: i64,
+        v_src_ds: i64,
+        k_sp: i64,
+        k_st: i64,
+        v_sp: i64,
+        v_st: i64,
+        d: i32,
+        n_pairs: i32,
+        src_dtype: i32,
+        dst_dtype: i32,
+        k_off: [i64; KVR_WGKV_MAX_PAIRS],
+        v_off: [i64; KVR_WGKV_MAX_PAIRS],
+        page: [i32; KVR_WGKV_MAX_PAIRS],
+        slot: [i32; KVR_WGKV_MAX_PAIRS],
     }
 
     /// `kvr_kv_decode_<kv>_d<head_dim>`.

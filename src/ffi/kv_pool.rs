@@ -111,7 +111,7 @@ pub(crate) fn default_pool_params() -> kvr_kv_pool_params {
     }
 }
 
-fn positive(name: &str, v: i64) -> Result<usize> {
+pub(crate) fn positive(name: &str, v: i64) -> Result<usize> {
     if v <= 0 {
         return Err(Error::InvalidArgument(format!(
             "{name} must be >= 1 (got {v})"
@@ -143,7 +143,7 @@ pub extern "C" fn kvr_kv_pool_params_default(params: *mut kvr_kv_pool_params) ->
     })
 }
 
-fn config_from(p: &kvr_kv_pool_params) -> Result<(KvPoolConfig, KvStorage)> {
+pub(crate) fn config_from(p: &kvr_kv_pool_params) -> Result<(KvPoolConfig, KvStorage)> {
     let dtype = dtype_from_c(p.dtype)?;
     let mut cfg = KvPoolConfig {
         layers: positive("n_layers", p.n_layers as i64)?,
@@ -809,31 +809,7 @@ pub extern "C" fn kvr_kv_pool_decode(
     guard("kvr_kv_pool_decode", || {
         let pool = pool_from(pool)?;
         let layer = one_layer(layer)?;
-        let p = if params.is_null() {
-            default_decode_params()
-        } else {
-            // SAFETY: non-NULL; `struct_size` readable bytes.
-            unsafe {
-                read_versioned(
-                    params,
-                    default_decode_params(),
-                    DECODE_PARAMS_V1,
-                    "kvr_kv_decode_params",
-                )?
-            }
-        };
-        if p.window < 0 || p.max_ctas < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "window ({}) and max_ctas ({}) must be >= 0",
-                p.window, p.max_ctas
-            )));
-        }
-        let opts = DecodeOptions {
-            scale: if p.scale == 0.0 { None } else { Some(p.scale) },
-            softcap: p.softcap,
-            window: p.window as usize,
-            max_ctas: p.max_ctas as usize,
-        };
+        let opts = decode_options_from(params)?;
         // SAFETY: NULL-checked descriptors.
         let (ids, q, out) = unsafe {
             (
@@ -856,4 +832,34 @@ pub extern "C" fn kvr_kv_pool_decode(
         };
         pool.decode(layer, &io, &opts, Stream(stream as usize))
     })
+}
+
+/// Reads optional decode parameters (NULL: defaults) into core options.
+pub(crate) fn decode_options_from(params: *const kvr_kv_decode_params) -> Result<DecodeOptions> {
+    let p = if params.is_null() {
+        default_decode_params()
+    } else {
+        // SAFETY: non-NULL; `struct_size` readable bytes.
+        unsafe {
+            read_versioned(
+                params,
+                default_decode_params(),
+                DECODE_PARAMS_V1,
+                "kvr_kv_decode_params",
+            )?
+        }
+    };
+    if p.window < 0 || p.max_ctas < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "window ({}) and max_ctas ({}) must be >= 0",
+            p.window, p.max_ctas
+        )));
+    }
+    let opts = DecodeOptions {
+        scale: if p.scale == 0.0 { None } else { Some(p.scale) },
+        softcap: p.softcap,
+        window: p.window as usize,
+        max_ctas: p.max_ctas as usize,
+    };
+    Ok(opts)
 }

@@ -30,6 +30,7 @@ pub(crate) mod replay;
 pub mod status;
 pub mod tensor;
 pub mod version;
+pub mod wgkv;
 
 pub use context::*;
 pub use gdn::*;
@@ -40,3 +41,4 @@ pub use model::*;
 pub use status::*;
 pub use tensor::*;
 pub use version::*;
+pub use wgkv::*;

@@ -11,6 +11,7 @@ mod exec;
 pub mod pool;
 pub mod sizing;
 mod state;
+pub mod wgkv;
 
 pub use allocator::BlockAllocator;
 pub use config::{KvPoolConfig, LayerLayout, SeqId};

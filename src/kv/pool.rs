@@ -93,7 +93,7 @@ pub struct KvPool {
     layout: Vec<LayerLayout>,
     _owned: Option<Buffer>,
     state: Mutex<PoolState>,
-    exec: Box<dyn KvExecutor>,
+    pub(crate) exec: Box<dyn KvExecutor>,
 }
 
 impl KvPool {
@@ -175,7 +175,7 @@ impl KvPool {
 
     /// Issues pending table work (page copies, then table/length patches) on `stream`.
     /// On failure the pending work is kept for the next call.
-    fn flush(&self, st: &mut PoolState, stream: Stream) -> Result<()> {
+    pub(crate) fn flush(&self, st: &mut PoolState, stream: Stream) -> Result<()> {
         self.exec.sync_tables(st, stream)
     }
 
@@ -232,6 +232,12 @@ impl KvPool {
                 "cannot truncate sequence {seq} to {len} tokens: it has {cur}"
             )));
         }
+        self.truncate_locked(&mut st, slot, len);
+        self.flush(&mut st, stream)
+    }
+
+    /// Shortens live `slot` to `len` (<= its length) on the host, releasing whole pages.
+    pub(crate) fn truncate_locked(&self, st: &mut PoolState, slot: usize, len: usize) {
         let keep = len.div_ceil(self.cfg.page_size);
         let released: Vec<u32> = {
             let s = st.seq_mut(slot);
@@ -242,7 +248,19 @@ impl KvPool {
             st.alloc.release(p);
         }
         st.set_len(slot, len);
-        self.flush(&mut st, stream)
+    }
+
+    /// Gives live `slot` its own copy of its page `index` if another sequence shares it
+    /// (the copy is queued for the next flush); needs one free page in that case.
+    pub(crate) fn make_page_private(&self, st: &mut PoolState, slot: usize, index: usize) {
+        let page = st.seq(slot).pages[index];
+        if st.alloc.refcount(page) > 1 {
+            let fresh = st.alloc.alloc_n(1).expect("counted by the caller")[0];
+            st.page_copies.push((page, fresh));
+            st.alloc.release(page);
+            st.seq_mut(slot).pages[index] = fresh;
+            st.set_table(slot, index, fresh);
+        }
     }
 
     /// Length of a sequence.
@@ -325,7 +343,7 @@ impl KvPool {
         self.flush(&mut st, stream)
     }
 
-    fn extend_locked(&self, st: &mut PoolState, grow: &[(SeqId, usize)]) -> Result<()> {
+    pub(crate) fn extend_locked(&self, st: &mut PoolState, grow: &[(SeqId, usize)]) -> Result<()> {
         let mut needed = 0usize;
         // Copy-on-write pages already counted in this batch: (page, copies). A sequence
         // that copies a shared page drops its reference, so a later sequence of the batch

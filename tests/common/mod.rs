@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod kv;
 pub mod recur;
 pub mod ssm;
+pub mod wgkv;
 
 mod rng;
 pub use rng::Rng;

@@ -103,6 +103,8 @@ pub(crate) enum Kernel {
         dk: usize,
         ring: usize,
     },
+    /// `kvr_wgkv_scatter` (kernels/wgkv.cu): row copies of the write-gated KV mode.
+    WgKvScatter,
 }
 
 /// Ring lengths the warp-streaming decode kernels are compiled for (0: recurrent pools).
@@ -130,7 +132,8 @@ const GDN_VPREP_BASE: usize = 76;
 const GDN_RECUR_BASE: usize = 79;
 const GDN_DPREP_BASE: usize = 91;
 const GDN_WDECODE_BASE: usize = 97;
-const KERNEL_COUNT: usize = 115;
+const WGKV_SCATTER: usize = 115;
+const KERNEL_COUNT: usize = 116;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -207,6 +210,7 @@ impl Kernel {
                 }
             }
         }
+        v.push(Kernel::WgKvScatter);
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -262,6 +266,7 @@ impl Kernel {
                     + if state == DType::BF16 { 3 } else { 0 }
                     + r.expect("a compiled ring length")
             }
+            Kernel::WgKvScatter => WGKV_SCATTER,
         }
     }
 
@@ -308,6 +313,7 @@ impl Kernel {
             Kernel::GdnWDecode { state, dk, ring } => {
                 format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
             }
+            Kernel::WgKvScatter => "kvr_wgkv_scatter".into(),
         }
     }
 }

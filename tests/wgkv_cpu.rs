@@ -1,0 +1,811 @@
+//! Write-gated KV mode on the CPU: decode equals dense attention over exactly the kept
+//! tokens (ring + admitted + sinks + drafts), drafts and rollback, forks, page accounting
+//! under random operations, the gate MLP against an fp64 statement, bad gate weights.
+
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+
+use common::wgkv::*;
+use common::Rng;
+use kvreplay::kv::wgkv::{GateWeights, WgKvConfig, WgKvPool};
+use kvreplay::{DType, Error, Stream};
+
+const S: Stream = Stream::DEFAULT;
+
+fn append(
+    pool: &WgKvPool,
+    m: &mut SeqModel,
+    rng: &mut Rng,
+    seq: i32,
+    layer: Option<usize>,
+    n: usize,
+    draft: bool,
+) {
+    let c = *pool.config();
+    let nl = if layer.is_some() { 1 } else { c.layers };
+    let (k, v, s) = random_tokens(rng, nl, n, c.kv_heads, c.head_dim);
+    let shape: Vec<usize> = match layer {
+        Some(_) => vec![n, c.kv_heads, c.head_dim],
+        None => vec![c.layers, n, c.kv_heads, c.head_dim],
+    };
+    pool.append(
+        seq,
+        layer,
+        &view(&k, &shape),
+        &view(&v, &shape),
+        &s,
+        draft,
+        S,
+    )
+    .unwrap();
+    let layers = match layer {
+        Some(l) => l..l + 1,
+        None => 0..c.layers,
+    };
+    record(m, &c, layers, n, &k, &v, &s, draft);
+}
+
+fn check_decode(pool: &WgKvPool, rng: &mut Rng, seqs: &[(i32, &SeqModel)], t: usize, g: usize) {
+    let c = *pool.config();
+    let hq = c.kv_heads * g;
+    for layer in 0..c.layers {
+        let ids: Vec<i32> = seqs.iter().map(|s| s.0).collect();
+        let q = rng.vec(ids.len() * t * hq * c.head_dim, -1.0, 1.0);
+        let got = decode(pool, layer, &ids, &q, t, hq).unwrap();
+        let models: Vec<Option<&SeqModel>> = seqs.iter().map(|s| Some(s.1)).collect();
+        let want = reference(
+            &models,
+            &c,
+            layer,
+            &q,
+            t,
+            hq,
+            1.0 / (c.head_dim as f64).sqrt(),
+        );
+        let e = max_err(&got, &want);
+        let tol = if c.dtype == DType::F32 { 1e-5 } else { 1e-3 };
+        assert!(e < tol, "layer {layer} T {t}: error {e}");
+    }
+}
+
+fn check_rows(pool: &WgKvPool, seq: i32, m: &SeqModel) {
+    let c = *pool.config();
+    for (r, st) in pool.seq_rows(seq).unwrap().iter().enumerate() {
+        assert_eq!(st.total, m.rows[r].0.len(), "row {r}");
+        assert_eq!(st.drafts, m.rows[r].1.len(), "row {r}");
+        assert_eq!(st.global, m.global(r, &c), "row {r}");
+        assert_eq!(st.ring, m.rows[r].0.len().min(c.local_window), "row {r}");
+    }
+}
+
+#[test]
+fn decode_equals_dense_over_kept_tokens() {
+    for (dtype, sinks, tau, ps, w) in [
+        (DType::F32, 0, 0.1, 4, 8),
+        (DType::F32, 3, 0.5, 4, 16),
+        (DType::F16, 0, 0.1, 1, 8),
+        (DType::BF16, 2, 0.9, 8, 8),
+    ] {
+        let ctx = cpu_ctx();
+        let mut cfg = config(2, 2, 16, ps, w, dtype, 4000);
+        cfg.sinks = sinks;
+        cfg.tau = tau;
+        let pool = WgKvPool::new(ctx, cfg).unwrap();
+        let mut rng = Rng::new(7);
+        let a = pool.seq_add(S).unwrap();
+        let b = pool.seq_add(S).unwrap();
+        let (mut ma, mut mb) = (SeqModel::new(4), SeqModel::new(4));
+        append(&pool, &mut ma, &mut rng, a, None, 41, false); // prefill past the ring
+        append(&pool, &mut mb, &mut rng, b, None, 5, false); // ring not full
+        check_rows(&pool, a, &ma);
+        check_rows(&pool, b, &mb);
+        check_decode(&pool, &mut rng, &[(a, &ma), (b, &mb)], 1, 2);
+        for step in 0..30 {
+            if step % 3 == 0 {
+                // Layer by layer, as an engine appends.
+                for l in 0..2 {
+                    append(&pool, &mut ma, &mut rng, a, Some(l), 1, false);
+                    append(&pool, &mut mb, &mut rng, b, Some(l), 1, false);
+                }
+            } else {
+                append(&pool, &mut ma, &mut rng, a, None, 1, false);
+                append(&pool, &mut mb, &mut rng, b, None, 1 + step % 2, false);
+            }
+            check_decode(&pool, &mut rng, &[(b, &mb), (a, &ma)], 1, 1 + step % 3);
+        }
+        check_rows(&pool, a, &ma);
+        check_rows(&pool, b, &mb);
+        // Memory against a full cache.
+        let st = pool.stats();
+        assert!(st.pages_used <= st.full_pages, "{st:?}");
+        assert_eq!(
+            st.kept_tokens,
+            (0..4)
+                .map(|r| ma.kept(r, &cfg).len() + mb.kept(r, &cfg).len())
+                .sum::<usize>()
+        );
+    }
+}
+
+#[test]
+fn drafts_decode_commit_and_rollback_inside_and_across_the_ring() {
+    let ctx = cpu_ctx();
+    let cfg = config(2, 2, 16, 4, 8, DType::F32, 4000);
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(11);
+    // Ring partly filled (5 of 8): drafts cross the ring boundary; then a full ring.
+    for prefill in [5usize, 3, 30] {
+        let a = pool.seq_add(S).unwrap();
+        let mut m = SeqModel::new(4);
+        append(&pool, &mut m, &mut rng, a, None, prefill, false);
+        for round in 0..6 {
+            let t = 1 + (round + prefill) % 6;
+            append(&pool, &mut m, &mut rng, a, None, t, true);
+            check_rows(&pool, a, &m);
+            for tq in 1..=t {
+                check_decode(&pool, &mut rng, &[(a, &m)], tq, 2);
+            }
+            // Roll back some drafts, then accept part of the rest.
+            let back = round % 3;
+            let keep = t.saturating_sub(back);
+            let committed = m.rows[0].0.len();
+            pool.truncate(a, committed + keep, S).unwrap();
+            for r in &mut m.rows {
+                r.1.truncate(keep);
+            }
+            // Committed tokens cannot be rolled back.
+            assert!(
+                matches!(
+                    pool.truncate(a, committed.saturating_sub(1), S),
+                    Err(Error::OutOfRange(_))
+                ) || committed == 0
+            );
+            let acc = keep.saturating_sub(round % 2);
+            pool.commit(a, acc, S).unwrap();
+            commit(&mut m, acc);
+            check_rows(&pool, a, &m);
+            check_decode(&pool, &mut rng, &[(a, &m)], 1, 1);
+            append(&pool, &mut m, &mut rng, a, None, 1, false);
+            check_decode(&pool, &mut rng, &[(a, &m)], 1, 2);
+        }
+        pool.seq_free(a, S).unwrap();
+    }
+    assert_eq!(pool.stats().pages_used, 0);
+}
+
+#[test]
+fn fork_is_copy_on_write() {
+    let ctx = cpu_ctx();
+    let cfg = config(1, 2, 16, 4, 8, DType::F32, 4000);
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(3);
+    let a = pool.seq_add(S).unwrap();
+    let mut ma = SeqModel::new(2);
+    append(&pool, &mut ma, &mut rng, a, None, 22, false);
+    let used = pool.stats().pages_used;
+    let b = pool.seq_fork(a, S).unwrap();
+    let mut mb = ma.clone();
+    assert_eq!(pool.stats().pages_used, used);
+    assert_eq!(pool.stats().pages_shared, used);
+    for _ in 0..12 {
+        append(&pool, &mut ma, &mut rng, a, None, 1, false);
+        check_decode(&pool, &mut rng, &[(a, &ma), (b, &mb)], 1, 2);
+        append(&pool, &mut mb, &mut rng, b, None, 1, false);
+        check_decode(&pool, &mut rng, &[(b, &mb), (a, &ma)], 1, 2);
+    }
+    // Drafts on a fork, committed, while the parent keeps its ring.
+    append(&pool, &mut mb, &mut rng, b, None, 3, true);
+    pool.commit(b, 3, S).unwrap();
+    commit(&mut mb, 3);
+    check_decode(&pool, &mut rng, &[(a, &ma), (b, &mb)], 1, 2);
+    pool.seq_free(a, S).unwrap();
+    check_decode(&pool, &mut rng, &[(b, &mb)], 1, 2);
+    pool.seq_free(b, S).unwrap();
+    assert_eq!(pool.stats().pages_used, 0);
+}
+
+#[test]
+fn strided_queries_decode_per_head() {
+    let ctx = cpu_ctx();
+    let cfg = config(1, 2, 16, 4, 8, DType::F32, 1000);
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(5);
+    let a = pool.seq_add(S).unwrap();
+    let mut m = SeqModel::new(2);
+    append(&pool, &mut m, &mut rng, a, None, 20, false);
+    // q [1, 4, 16] inside a wider buffer: batch stride 100 (heads not folded).
+    let (b, hq, d) = (1, 4, 16);
+    let buf = rng.vec(200, -1.0, 1.0);
+    let q: Vec<f32> = (0..hq * d).map(|i| buf[i]).collect();
+    let mut out = vec![0f32; 200];
+    let qv = kvreplay::TensorView::new(
+        buf.as_ptr() as usize,
+        DType::F32,
+        kvreplay::MemoryKind::Host,
+        &[b, hq, d],
+        &[100, 16, 1],
+    )
+    .unwrap();
+    let ov = kvreplay::TensorView::new(
+        out.as_mut_ptr() as usize,
+        DType::F32,
+        kvreplay::MemoryKind::Host,
+        &[b, hq, d],
+        &[100, 16, 1],
+    )
+    .unwrap();
+    let ids = [a];
+    let idv = view_i32(&ids);
+    pool.decode(
+        0,
+        &kvreplay::kv::DecodeIo {
+            seq_ids: &idv,
+            q: &qv,
+            out: &ov,
+            lse: None,
+        },
+        &Default::default(),
+        S,
+    )
+    .unwrap();
+    let want = reference(&[Some(&m)], &cfg, 0, &q, 1, hq, 0.25);
+    assert!(max_err(&out[..hq * d], &want) < 1e-5);
+}
+
+fn view_i32(ids: &[i32]) -> kvreplay::TensorView {
+    kvreplay::TensorView::contiguous(
+        ids.as_ptr() as usize,
+        DType::I32,
+        kvreplay::MemoryKind::Host,
+        &[ids.len()],
+    )
+    .unwrap()
+}
+
+#[test]
+fn bad_calls_change_nothing() {
+    let ctx = cpu_ctx();
+    let cfg = config(1, 2, 16, 4, 8, DType::F32, 12);
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(9);
+    let a = pool.seq_add(S).unwrap();
+    let mut m = SeqModel::new(2);
+    append(&pool, &mut m, &mut rng, a, None, 10, false);
+    let before = (pool.stats(), pool.seq_rows(a).unwrap());
+    let (k, v, s) = random_tokens(&mut rng, 1, 200, 2, 16);
+    // Exhausted: 200 tokens at ~90 % admitted need more than the 12 pages.
+    let r = pool.append(
+        a,
+        None,
+        &view(&k, &[1, 200, 2, 16]),
+        &view(&v, &[1, 200, 2, 16]),
+        &s,
+        false,
+        S,
+    );
+    assert!(matches!(r, Err(Error::PoolExhausted(_))), "{r:?}");
+    // Wrong shapes, scores, ids, NaN scores, too many drafts.
+    assert!(pool
+        .append(
+            a,
+            None,
+            &view(&k, &[1, 200, 1, 32]),
+            &view(&v, &[1, 200, 2, 16]),
+            &s,
+            false,
+            S
+        )
+        .is_err());
+    assert!(pool
+        .append(
+            a,
+            None,
+            &view(&k, &[1, 2, 2, 16]),
+            &view(&v, &[1, 2, 2, 16]),
+            &s,
+            false,
+            S
+        )
+        .is_err());
+    assert!(matches!(
+        pool.append(
+            7,
+            None,
+            &view(&k, &[1, 2, 2, 16]),
+            &view(&v, &[1, 2, 2, 16]),
+            &s[..4],
+            false,
+            S
+        ),
+        Err(Error::UnknownId(_))
+    ));
+    let nan = [f32::NAN, 0.5, 0.5, 0.5];
+    assert!(pool
+        .append(
+            a,
+            None,
+            &view(&k, &[1, 2, 2, 16]),
+            &view(&v, &[1, 2, 2, 16]),
+            &nan,
+            false,
+            S
+        )
+        .is_err());
+    assert!(matches!(
+        pool.append(
+            a,
+            None,
+            &view(&k, &[1, 9, 2, 16]),
+            &view(&v, &[1, 9, 2, 16]),
+            &s[..18],
+            true,
+            S
+        ),
+        Err(Error::OutOfRange(_))
+    ));
+    assert!(matches!(pool.commit(a, 1, S), Err(Error::OutOfRange(_))));
+    assert!(matches!(pool.truncate(a, 5, S), Err(Error::OutOfRange(_))));
+    assert_eq!((pool.stats(), pool.seq_rows(a).unwrap()), before);
+    check_decode(&pool, &mut rng, &[(a, &m)], 1, 2);
+    // Decode: T > drafts, window, bad ids.
+    let q = rng.vec(2 * 4 * 16, -1.0, 1.0);
+    assert!(matches!(
+        decode(&pool, 0, &[a], &q, 2, 4),
+        Err(Error::OutOfRange(_))
+    ));
+    assert!(matches!(
+        decode(&pool, 0, &[3], &q[..64], 1, 4),
+        Err(Error::UnknownId(_))
+    ));
+    assert!(decode(&pool, 0, &[a, a], &q[..128], 1, 4).is_err());
+    assert!(matches!(
+        decode(&pool, 1, &[a], &q[..64], 1, 4),
+        Err(Error::OutOfRange(_))
+    ));
+    // Config checks.
+    for bad in [
+        WgKvConfig {
+            local_window: 6,
+            ..cfg
+        },
+        WgKvConfig {
+            local_window: 4,
+            page_size: 2,
+            ..cfg
+        },
+        WgKvConfig { tau: 1.0, ..cfg },
+        WgKvConfig {
+            tau: f32::NAN,
+            ..cfg
+        },
+        WgKvConfig { layers: 0, ..cfg },
+    ] {
+        assert!(WgKvPool::new(cpu_ctx(), bad).is_err(), "{bad:?}");
+    }
+}
+
+/// 10^5 random operations: after each, the pages the rows hold equal the allocator's
+/// count, no page is owned twice except by forks (refcounts), every row holds exactly the
+/// pages its length needs, and the row counts follow the model; decodes are checked
+/// against the reference every 500 operations.
+#[test]
+fn random_operations_keep_exact_page_accounting() {
+    let ctx = cpu_ctx();
+    let mut cfg = config(1, 2, 8, 4, 8, DType::F32, 400);
+    cfg.sinks = 1;
+    cfg.max_seqs = 6;
+    cfg.max_global_tokens = 200;
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(2026);
+    let mut live: Vec<(i32, SeqModel)> = Vec::new();
+    let ops: usize = std::env::var("KVR_WGKV_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    for op in 0..ops {
+        let choice = rng.below(100);
+        if live.is_empty() || (choice < 8 && live.len() < 6) {
+            if let Ok(s) = pool.seq_add(S) {
+                live.push((s, SeqModel::new(2)));
+            }
+            continue;
+        }
+        let i = rng.below(live.len());
+        let (seq, m) = &mut live[i];
+        let seq = *seq;
+        let drafts = m.rows[0].1.len();
+        let n_rows = 2;
+        match choice {
+            8..=11 => {
+                if live.len() < 6 {
+                    let m2 = live[i].1.clone();
+                    let s2 = pool.seq_fork(seq, S).unwrap();
+                    live.push((s2, m2));
+                }
+            }
+            12..=15 => {
+                pool.seq_free(seq, S).unwrap();
+                live.swap_remove(i);
+            }
+            16..=55 => {
+                let draft = drafts > 0 || rng.below(4) == 0;
+                let n = if draft {
+                    (1 + rng.below(MAXD)).min(MAXD - drafts)
+                } else {
+                    let max = if rng.below(10) == 0 { 30 } else { 3 };
+                    1 + rng.below(max)
+                };
+                if n == 0 {
+                    continue;
+                }
+                let (k, v, s) = random_tokens(&mut rng, 1, n, 2, 8);
+                let r = pool.append(
+                    seq,
+                    None,
+                    &view(&k, &[1, n, 2, 8]),
+                    &view(&v, &[1, n, 2, 8]),
+                    &s,
+                    draft,
+                    S,
+                );
+                match r {
+                    Ok(()) => record(m, &cfg, 0..1, n, &k, &v, &s, draft),
+                    Err(Error::PoolExhausted(_)) | Err(Error::OutOfRange(_)) => {}
+                    Err(e) => panic!("op {op}: {e}"),
+                }
+            }
+            56..=75 => {
+                if drafts > 0 {
+                    let acc = rng.below(drafts + 1);
+                    match pool.commit(seq, acc, S) {
+                        Ok(()) => commit(m, acc),
+                        Err(Error::PoolExhausted(_)) | Err(Error::OutOfRange(_)) => {}
+                        Err(e) => panic!("op {op}: {e}"),
+                    }
+                }
+            }
+            _ => {
+                if drafts > 0 {
+                    let keep = rng.below(drafts + 1);
+                    let c = m.rows[0].0.len();
+                    pool.truncate(seq, c + keep, S).unwrap();
+                    for r in &mut m.rows {
+                        r.1.truncate(keep);
+                    }
+                }
+            }
+        }
+        // Accounting.
+        let inner = pool.inner();
+        let st = inner.stats();
+        let mut owners = std::collections::HashMap::<u32, usize>::new();
+        for (s, m) in &live {
+            for r in 0..n_rows {
+                let id = pool.row_id(*s, 0, r);
+                let pages = inner.seq_pages(id).unwrap();
+                let len = inner.seq_len(id).unwrap();
+                assert_eq!(pages.len(), len.div_ceil(cfg.page_size), "op {op}");
+                for p in pages {
+                    *owners.entry(p).or_default() += 1;
+                }
+                let _ = m;
+            }
+            check_rows(&pool, *s, m);
+        }
+        assert_eq!(st.pages_used, owners.len(), "op {op}: pages leaked or lost");
+        assert_eq!(
+            st.pages_shared,
+            owners.values().filter(|&&n| n > 1).count(),
+            "op {op}"
+        );
+        if op % 500 == 0 {
+            let seqs: Vec<(i32, &SeqModel)> = live
+                .iter()
+                .filter(|(_, m)| m.rows.iter().all(|r| !r.0.is_empty() || !r.1.is_empty()))
+                .map(|(s, m)| (*s, m))
+                .collect();
+            if !seqs.is_empty() {
+                check_decode(&pool, &mut rng, &seqs, 1, 2);
+            }
+        }
+    }
+    for (s, _) in live {
+        pool.seq_free(s, S).unwrap();
+    }
+    assert_eq!(pool.inner().stats().pages_used, 0);
+}
+
+const MAXD: usize = kvreplay::kv::wgkv::MAX_DRAFTS;
+
+// ---- gate ----
+
+extern "C" {
+    fn erf(x: f64) -> f64;
+}
+
+/// The gate formula in f64, written from the paper / reference code.
+fn gate_f64(g: &GateWeights, l: usize, h: usize, pre: &[f32], post: &[f32]) -> f64 {
+    let d = g.head_dim;
+    let lay = &g.layers[l];
+    let norm = |x: &[f32], w: &[f32]| -> Vec<f64> {
+        let ms = x.iter().map(|&a| (a as f64).powi(2)).sum::<f64>() / d as f64;
+        x.iter()
+            .zip(w)
+            .map(|(&a, &b)| a as f64 / (ms + 1e-6).sqrt() * b as f64)
+            .collect()
+    };
+    let mut x = norm(pre, &lay.norm_pre);
+    x.extend(norm(post, &lay.norm_post));
+    let hid = g.hidden;
+    let mut z = lay.fc2_bias[h] as f64;
+    for j in 0..hid {
+        let mut a = lay.fc1_bias[h * hid + j] as f64;
+        for i in 0..2 * d {
+            a += lay.fc1_weight[(h * hid + j) * 2 * d + i] as f64 * x[i];
+        }
+        // SAFETY: libm.
+        let gelu = 0.5 * a * (1.0 + unsafe { erf(a / std::f64::consts::SQRT_2) });
+        z += gelu * lay.fc2_weight[h * hid + j] as f64;
+    }
+    (1.0 / (1.0 + (-z).exp())).max(1e-3)
+}
+
+fn random_gate(
+    rng: &mut Rng,
+    l: usize,
+    h: usize,
+    d: usize,
+    hid: usize,
+) -> (Vec<[Vec<f32>; 6]>, GateWeights) {
+    let mut raw = Vec::new();
+    for _ in 0..l {
+        raw.push([
+            rng.vec(d, 0.5, 1.5),
+            rng.vec(d, 0.5, 1.5),
+            rng.vec(h * hid * 2 * d, -0.2, 0.2),
+            rng.vec(h * hid, -0.5, 0.5),
+            rng.vec(h * hid, -0.6, 0.6),
+            rng.vec(h, -1.0, 1.0),
+        ]);
+    }
+    let views: Vec<[kvreplay::TensorView; 6]> = raw
+        .iter()
+        .map(|p| {
+            [
+                view(&p[0], &[d]),
+                view(&p[1], &[d]),
+                view(&p[2], &[h, hid, 2 * d]),
+                view(&p[3], &[h, hid]),
+                view(&p[4], &[h, hid]),
+                view(&p[5], &[h]),
+            ]
+        })
+        .collect();
+    let g = GateWeights::from_views(h, d, &views).unwrap();
+    (raw, g)
+}
+
+#[test]
+fn gate_matches_fp64_formula_and_drives_admission() {
+    let mut rng = Rng::new(17);
+    let (l, h, d, hid) = (2, 3, 32, 24);
+    let (_, g) = random_gate(&mut rng, l, h, d, hid);
+    let n = 40;
+    let pre = rng.vec(l * n * h * d, -2.0, 2.0);
+    let post = rng.vec(l * n * h * d, -2.0, 2.0);
+    let mut lo = f64::MAX;
+    let mut hi = f64::MIN;
+    for li in 0..l {
+        let off = li * n * h * d;
+        let s = g
+            .scores(
+                li,
+                &view(&pre[off..off + n * h * d], &[n, h, d]),
+                &view(&post[off..off + n * h * d], &[n, h, d]),
+            )
+            .unwrap();
+        for t in 0..n {
+            for hh in 0..h {
+                let at = off + (t * h + hh) * d;
+                let want = gate_f64(&g, li, hh, &pre[at..at + d], &post[at..at + d]);
+                let got = s[t * h + hh] as f64;
+                assert!(
+                    (got - want).abs() < 2e-6 * want.max(1e-3) / 1e-3 || (got - want).abs() < 2e-6,
+                    "{got} vs {want}"
+                );
+                lo = lo.min(want);
+                hi = hi.max(want);
+            }
+        }
+    }
+    assert!(
+        lo < 0.1 && hi > 0.1,
+        "scores {lo}..{hi} do not straddle tau"
+    );
+    // append_gated == append with those scores.
+    let cfg = config(l, h, d, 4, 8, DType::F32, 4000);
+    let pool = WgKvPool::new(cpu_ctx(), cfg).unwrap();
+    pool.set_gate(Some(g.clone())).unwrap();
+    let a = pool.seq_add(S).unwrap();
+    let v = rng.vec(l * n * h * d, -1.0, 1.0);
+    let shape = [l, n, h, d];
+    pool.append_gated(
+        a,
+        None,
+        &view(&pre, &shape),
+        &view(&post, &shape),
+        &view(&v, &shape),
+        false,
+        S,
+    )
+    .unwrap();
+    let scores = pool
+        .gate_scores(&g, None, &view(&pre, &shape), &view(&post, &shape))
+        .unwrap();
+    let mut m = SeqModel::new(l * h);
+    record(&mut m, &cfg, 0..l, n, &post, &v, &scores, false);
+    check_rows(&pool, a, &m);
+    check_decode(&pool, &mut rng, &[(a, &m)], 1, 2);
+    // A gate of another shape is refused.
+    let (_, g2) = random_gate(&mut rng, l, h, 16, hid);
+    assert!(pool.set_gate(Some(g2)).is_err());
+}
+
+#[test]
+fn gate_from_gguf_and_bad_weight_files() {
+    use common::gguf::Builder;
+    const F32: u32 = 0;
+    const F16: u32 = 1;
+    const I32: u32 = 26;
+    let mut rng = Rng::new(23);
+    let (l, h, d, hid) = (2, 2, 16, 8);
+    let (raw, g) = random_gate(&mut rng, l, h, d, hid);
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let dims = |i: usize| -> Vec<u64> {
+        match i {
+            0 | 1 => vec![d as u64],
+            2 => vec![2 * d as u64, hid as u64, h as u64],
+            3 | 4 => vec![hid as u64, h as u64],
+            _ => vec![h as u64],
+        }
+    };
+    let build = |skip: Option<(usize, usize)>,
+                 shape_bad: Option<(usize, usize)>,
+                 type_bad: Option<(usize, usize)>|
+     -> Vec<u8> {
+        let mut b = Builder::new("llama");
+        for li in 0..l {
+            let names = kvreplay::kv::wgkv::gate_tensor_names(li);
+            for i in 0..6 {
+                if skip == Some((li, i)) {
+                    continue;
+                }
+                let mut dm = dims(i);
+                let mut data = bytes(&raw[li][i]);
+                if shape_bad == Some((li, i)) {
+                    dm[0] -= 1;
+                    data.truncate(data.len() / dims(i)[0] as usize * dm[0] as usize);
+                }
+                let ty = if type_bad == Some((li, i)) { I32 } else { F32 };
+                b.tensor(&names[i], &dm, ty, &data);
+            }
+        }
+        b.build()
+    };
+    let ok = kvreplay::gguf::GgufFile::from_bytes(&build(None, None, None)).unwrap();
+    assert_eq!(GateWeights::from_gguf(&ok, &[0, 1], h, d).unwrap(), g);
+    let missing = kvreplay::gguf::GgufFile::from_bytes(&build(Some((1, 2)), None, None)).unwrap();
+    let e = GateWeights::from_gguf(&missing, &[0, 1], h, d).unwrap_err();
+    assert!(
+        matches!(e, Error::UnknownId(_)) && e.to_string().contains("blk.1.wg_gate.fc1.weight"),
+        "{e}"
+    );
+    let shaped = kvreplay::gguf::GgufFile::from_bytes(&build(None, Some((0, 4)), None)).unwrap();
+    let e = GateWeights::from_gguf(&shaped, &[0, 1], h, d).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("fc2.weight"),
+        "{e}"
+    );
+    let typed = kvreplay::gguf::GgufFile::from_bytes(&build(None, None, Some((1, 0)))).unwrap();
+    let e = GateWeights::from_gguf(&typed, &[0, 1], h, d).unwrap_err();
+    assert!(matches!(e, Error::DTypeMismatch(_)), "{e}");
+    // f16 weights are accepted (converted).
+    let mut b = Builder::new("llama");
+    for li in 0..l {
+        for (i, n) in kvreplay::kv::wgkv::gate_tensor_names(li).iter().enumerate() {
+            let data: Vec<u8> = raw[li][i]
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect();
+            b.tensor(n, &dims(i), F16, &data);
+        }
+    }
+    let f = kvreplay::gguf::GgufFile::from_bytes(&b.build()).unwrap();
+    assert_eq!(
+        GateWeights::from_gguf(&f, &[0, 1], h, d).unwrap().hidden,
+        hid
+    );
+}
+
+/// lse through the folded and the per-head paths, against the fp64 log-sum-exp over the
+/// kept tokens.
+#[test]
+fn lse_folded_and_per_head() {
+    let ctx = cpu_ctx();
+    let cfg = config(1, 2, 16, 4, 8, DType::F32, 1000);
+    let pool = WgKvPool::new(ctx, cfg).unwrap();
+    let mut rng = Rng::new(31);
+    let a = pool.seq_add(S).unwrap();
+    let b = pool.seq_add(S).unwrap();
+    let mut ma = SeqModel::new(2);
+    let mut mb = SeqModel::new(2);
+    append(&pool, &mut ma, &mut rng, a, None, 37, false);
+    append(&pool, &mut mb, &mut rng, b, None, 6, false);
+    let (hq, d) = (6, 16);
+    let ids = [b, -1, a];
+    let q = rng.vec(3 * hq * d, -1.0, 1.0);
+    let scale = 0.25f64;
+    for lse_stride in [1usize, 2] {
+        let mut out = vec![f32::NAN; 3 * hq * d];
+        // Stride 2 with a padded row: lse rows not foldable (one decode per head).
+        let row = if lse_stride == 1 { hq } else { 2 * hq + 1 };
+        let mut lse = vec![f32::NAN; 3 * row];
+        let idv = view_i32(&ids);
+        let qv = view(&q, &[3, hq, d]);
+        let ov = kvreplay::TensorView::contiguous(
+            out.as_mut_ptr() as usize,
+            DType::F32,
+            kvreplay::MemoryKind::Host,
+            &[3, hq, d],
+        )
+        .unwrap();
+        let lv = kvreplay::TensorView::new(
+            lse.as_mut_ptr() as usize,
+            DType::F32,
+            kvreplay::MemoryKind::Host,
+            &[3, hq],
+            &[row as isize, lse_stride as isize],
+        )
+        .unwrap();
+        pool.decode(
+            0,
+            &kvreplay::kv::DecodeIo {
+                seq_ids: &idv,
+                q: &qv,
+                out: &ov,
+                lse: Some(&lv),
+            },
+            &Default::default(),
+            S,
+        )
+        .unwrap();
+        let want = reference(&[Some(&mb), None, Some(&ma)], &cfg, 0, &q, 1, hq, scale);
+        assert!(max_err(&out, &want) < 1e-5);
+        for (bi, m) in [(0usize, Some(&mb)), (1, None), (2, Some(&ma))] {
+            for h in 0..hq {
+                let got = lse[bi * lv.strides()[0] as usize + h * lv.strides()[1] as usize];
+                let Some(m) = m else {
+                    assert_eq!(got, f32::NEG_INFINITY);
+                    continue;
+                };
+                let kh = h / 3;
+                let qv = &q[(bi * hq + h) * d..(bi * hq + h + 1) * d];
+                let s: Vec<f64> = m
+                    .kept(kh, &cfg)
+                    .iter()
+                    .map(|t| {
+                        t.k.iter()
+                            .zip(qv)
+                            .map(|(&x, &y)| x as f64 * y as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let want = mx + s.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+                assert!((got as f64 - want).abs() < 1e-4, "{got} vs {want}");
+            }
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! The write-gated pool through the C API: create, append with scores or a gate, decode
+//! against the fp64 reference, drafts, stats; bad input gets a status and a message and
+//! changes nothing.
+
+mod common;
+
+use std::ffi::c_void;
+use std::ptr::{null, null_mut};
+
+use common::wgkv::{record, reference, SeqModel};
+use common::*;
+use kvreplay::ffi::*;
+use kvreplay::kv::wgkv::WgKvConfig;
+
+const L: usize = 2;
+const H: usize = 2;
+const D: usize = 16;
+
+fn t32(data: &[f32], shape: &[i64]) -> kvr_tensor {
+    tensor(
+        data.as_ptr() as *mut c_void,
+        KVR_DTYPE_F32,
+        KVR_DEVICE_HOST,
+        shape,
+        &contiguous_strides(shape),
+    )
+}
+
+fn new_pool(ctx: *mut kvr_context, pages: i64) -> (*mut kvr_wgkv_pool, WgKvConfig) {
+    let mut kv = std::mem::MaybeUninit::uninit();
+    ok(kvr_kv_pool_params_default(kv.as_mut_ptr()));
+    let mut kv: kvr_kv_pool_params = unsafe { kv.assume_init() };
+    kv.n_layers = L as i32;
+    kv.n_kv_heads = H as i32;
+    kv.head_dim = D as i32;
+    kv.page_size = 4;
+    kv.dtype = KVR_DTYPE_F32;
+    kv.capacity_pages = pages;
+    kv.max_seqs = 4;
+    kv.max_seq_len = 4096;
+    let mut wg = std::mem::MaybeUninit::uninit();
+    ok(kvr_wgkv_params_default(wg.as_mut_ptr()));
+    let mut wg: kvr_wgkv_params = unsafe { wg.assume_init() };
+    assert_eq!((wg.local_window, wg.tau, wg.sinks), (256, 0.1, 0));
+    wg.local_window = 8;
+    wg.sinks = 1;
+    let mut pool = null_mut();
+    ok(kvr_wgkv_pool_new(ctx, &kv, &wg, &mut pool));
+    let cfg = WgKvConfig {
+        layers: L,
+        kv_heads: H,
+        head_dim: D,
+        page_size: 4,
+        dtype: kvreplay::DType::F32,
+        capacity_pages: pages as usize,
+        max_seqs: 4,
+        max_global_tokens: 4096,
+        local_window: 8,
+        tau: 0.1,
+        sinks: 1,
+    };
+    (pool, cfg)
+}
+
+fn stats(pool: *const kvr_wgkv_pool) -> kvr_wgkv_pool_stats {
+    let mut s: kvr_wgkv_pool_stats = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_wgkv_pool_stats>() as u32;
+    ok(kvr_wgkv_pool_get_stats(pool, &mut s));
+    s
+}
+
+fn rows(pool: *const kvr_wgkv_pool, seq: i32) -> Vec<kvr_wgkv_row_stats> {
+    let mut r = vec![kvr_wgkv_row_stats::default(); L * H];
+    let mut n = 0;
+    ok(kvr_wgkv_pool_get_seq_rows(
+        pool,
+        seq,
+        r.as_mut_ptr(),
+        r.len() as i64,
+        &mut n,
+    ));
+    assert_eq!(n as usize, L * H);
+    r
+}
+
+fn decode_check(
+    pool: *mut kvr_wgkv_pool,
+    cfg: &WgKvConfig,
+    seq: i32,
+    m: &SeqModel,
+    rng: &mut Rng,
+    t: usize,
+) {
+    let hq = 2 * H;
+    for layer in 0..L {
+        let q = rng.vec(t * hq * D, -1.0, 1.0);
+        let out = vec![f32::NAN; t * hq * D];
+        let ids = [seq];
+        let idt = tensor(
+            ids.as_ptr() as *mut c_void,
+            KVR_DTYPE_I32,
+            KVR_DEVICE_HOST,
+            &[1],
+            &[1],
+        );
+        let shape = [1, t as i64, hq as i64, D as i64];
+        ok(kvr_wgkv_pool_decode(
+            pool,
+            layer as i32,
+            &idt,
+            &t32(&q, &shape),
+            &t32(&out, &shape),
+            null(),
+            null(),
+            null_mut(),
+        ));
+        let want = reference(&[Some(m)], cfg, layer, &q, t, hq, 0.25);
+        let e = common::wgkv::max_err(&out, &want);
+        assert!(e < 1e-5, "layer {layer}: {e}");
+    }
+}
+
+#[test]
+fn append_decode_drafts_and_stats_through_the_c_api() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, cfg) = new_pool(ctx, 2000);
+    let mut rng = Rng::new(1);
+    let mut seq = -1;
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut seq));
+    let mut m = SeqModel::new(L * H);
+    let n = 30;
+    let k = rng.vec(L * n * H * D, -1.0, 1.0);
+    let v = rng.vec(L * n * H * D, -1.0, 1.0);
+    let s = rng.vec(L * n * H, 0.0, 1.0);
+    let shape = [L as i64, n as i64, H as i64, D as i64];
+    ok(kvr_wgkv_pool_append(
+        pool,
+        seq,
+        KVR_LAYER_ALL,
+        &t32(&k, &shape),
+        &t32(&v, &shape),
+        null(),
+        &t32(&s, &[L as i64, n as i64, H as i64]),
+        KVR_WGKV_COMMITTED,
+        null_mut(),
+    ));
+    record(&mut m, &cfg, 0..L, n, &k, &v, &s, false);
+    decode_check(pool, &cfg, seq, &m, &mut rng, 1);
+    // Per layer, drafts, decode over them, commit 2 of 3.
+    for l in 0..L {
+        let k = rng.vec(3 * H * D, -1.0, 1.0);
+        let v = rng.vec(3 * H * D, -1.0, 1.0);
+        let s = rng.vec(3 * H, 0.0, 1.0);
+        let sh = [3, H as i64, D as i64];
+        ok(kvr_wgkv_pool_append(
+            pool,
+            seq,
+            l as i32,
+            &t32(&k, &sh),
+            &t32(&v, &sh),
+            null(),
+            &t32(&s, &[3, H as i64]),
+            KVR_WGKV_DRAFT,
+            null_mut(),
+        ));
+        record(&mut m, &cfg, l..l + 1, 3, &k, &v, &s, true);
+    }
+    decode_check(pool, &cfg, seq, &m, &mut rng, 3);
+    ok(kvr_wgkv_pool_commit(pool, seq, 2, null_mut()));
+    common::wgkv::commit(&mut m, 2);
+    decode_check(pool, &cfg, seq, &m, &mut rng, 1);
+    let r = rows(pool, seq);
+    for (i, row) in r.iter().enumerate() {
+        assert_eq!(row.total as usize, n + 2);
+        assert_eq!(row.global as usize, m.global(i, &cfg));
+        assert_eq!(row.ring, 8);
+    }
+    let st = stats(pool);
+    assert_eq!(st.sequences, 1);
+    assert_eq!(st.full_tokens as usize, L * H * (n + 2));
+    assert!(
+        st.kept_tokens < st.full_tokens && st.pages_used <= st.full_pages,
+        "{st:?}"
+    );
+    // Fork, free.
+    let mut child = -1;
+    ok(kvr_wgkv_pool_seq_fork(pool, seq, null_mut(), &mut child));
+    assert_eq!(stats(pool).pages_shared, st.pages_used);
+    ok(kvr_wgkv_pool_seq_free(pool, seq, null_mut()));
+    decode_check(pool, &cfg, child, &m, &mut rng, 1);
+    ok(kvr_wgkv_pool_seq_free(pool, child, null_mut()));
+    assert_eq!(stats(pool).pages_used, 0);
+    kvr_wgkv_pool_free(pool);
+    kvr_wgkv_pool_free(null_mut());
+    kvr_context_free(ctx);
+}
+
+#[test]
+fn bad_input_gets_a_status_and_changes_nothing() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, _cfg) = new_pool(ctx, 40);
+    let mut rng = Rng::new(2);
+    let mut seq = -1;
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut seq));
+    let n = 4;
+    let k = rng.vec(L * n * H * D, -1.0, 1.0);
+    let s = rng.vec(L * n * H, 0.0, 1.0);
+    let shape = [L as i64, n as i64, H as i64, D as i64];
+    let sshape = [L as i64, n as i64, H as i64];
+    ok(kvr_wgkv_pool_append(
+        pool,
+        seq,
+        KVR_LAYER_ALL,
+        &t32(&k, &shape),
+        &t32(&k, &shape),
+        null(),
+        &t32(&s, &sshape),
+        0,
+        null_mut(),
+    ));
+    let before = (
+        format!("{:?}", stats(pool)),
+        format!("{:?}", rows(pool, seq)),
+    );
+    let kt = t32(&k, &shape);
+    let st = t32(&s, &sshape);
+    let big = rng.vec(L * 200 * H * D, -1.0, 1.0);
+    let bigs = vec![0.9f32; L * 200 * H];
+    let cases: Vec<(kvr_status, Box<dyn Fn() -> kvr_status>)> = vec![
+        (
+            KVR_STATUS_NULL_ARG,
+            Box::new(|| {
+                kvr_wgkv_pool_append(pool, seq, -1, null(), &kt, null(), &st, 0, null_mut())
+            }),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            Box::new(|| {
+                kvr_wgkv_pool_append(pool, seq, -1, &kt, &kt, null(), null(), 0, null_mut())
+            }),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            Box::new(|| kvr_wgkv_pool_append(pool, seq, -1, &kt, &kt, &kt, null(), 0, null_mut())),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            Box::new(|| kvr_wgkv_pool_append(pool, seq, -1, &kt, &kt, null(), &st, 4, null_mut())),
+        ),
+        (
+            KVR_STATUS_UNKNOWN_ID,
+            Box::new(|| kvr_wgkv_pool_append(pool, 3, -1, &kt, &kt, null(), &st, 0, null_mut())),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            Box::new(|| kvr_wgkv_pool_append(pool, seq, 5, &kt, &kt, null(), &st, 0, null_mut())),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            Box::new(|| kvr_wgkv_pool_append(pool, seq, 0, &kt, &kt, null(), &st, 0, null_mut())),
+        ),
+        (
+            KVR_STATUS_POOL_EXHAUSTED,
+            Box::new(|| {
+                let shape = [L as i64, 200, H as i64, D as i64];
+                kvr_wgkv_pool_append(
+                    pool,
+                    seq,
+                    -1,
+                    &t32(&big, &shape),
+                    &t32(&big, &shape),
+                    null(),
+                    &t32(&bigs, &[L as i64, 200, H as i64]),
+                    0,
+                    null_mut(),
+                )
+            }),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            Box::new(|| kvr_wgkv_pool_commit(pool, seq, 1, null_mut())),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            Box::new(|| kvr_wgkv_pool_commit(pool, seq, -1, null_mut())),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            Box::new(|| kvr_wgkv_pool_seq_truncate(pool, seq, 2, null_mut())),
+        ),
+        (
+            KVR_STATUS_NULL_ARG,
+            Box::new(|| kvr_wgkv_pool_set_gate(pool, null(), 4)),
+        ),
+        (
+            KVR_STATUS_NULL_ARG,
+            Box::new(|| kvr_wgkv_pool_load_gate(pool, null(), null(), 0)),
+        ),
+        (
+            KVR_STATUS_IO_ERROR,
+            Box::new(|| {
+                kvr_wgkv_pool_load_gate(pool, c"/nonexistent/gate.gguf".as_ptr(), null(), 0)
+            }),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            Box::new(|| {
+                kvr_wgkv_pool_append(
+                    0x5550 as *mut kvr_wgkv_pool,
+                    seq,
+                    -1,
+                    &kt,
+                    &kt,
+                    null(),
+                    &st,
+                    0,
+                    null_mut(),
+                )
+            }),
+        ),
+    ];
+    for (i, (want, f)) in cases.iter().enumerate() {
+        let got = f();
+        assert_eq!(
+            got,
+            *want,
+            "case {i}: {} ({})",
+            status_name(got),
+            last_error()
+        );
+        assert!(!last_error().is_empty());
+        assert_eq!(
+            (
+                format!("{:?}", stats(pool)),
+                format!("{:?}", rows(pool, seq))
+            ),
+            before,
+            "case {i}"
+        );
+    }
+    // Appending with k_pre but no gate set.
+    assert_eq!(
+        kvr_wgkv_pool_append(pool, seq, -1, &kt, &kt, &kt, null(), 0, null_mut()),
+        KVR_STATUS_INVALID_ARG
+    );
+    assert!(last_error().contains("gate"), "{}", last_error());
+    // Decode: window refused, device ids refused, T > drafts.
+    let q = vec![0.5f32; 4 * D];
+    let out = vec![0f32; 4 * D];
+    let ids = [seq];
+    let idt = tensor(
+        ids.as_ptr() as *mut c_void,
+        KVR_DTYPE_I32,
+        KVR_DEVICE_HOST,
+        &[1],
+        &[1],
+    );
+    let qt = t32(&q, &[1, 4, D as i64]);
+    let ot = t32(&out, &[1, 4, D as i64]);
+    let mut dp = std::mem::MaybeUninit::uninit();
+    ok(kvr_kv_decode_params_default(dp.as_mut_ptr()));
+    let mut dp: kvr_kv_decode_params = unsafe { dp.assume_init() };
+    dp.window = 4;
+    assert_eq!(
+        kvr_wgkv_pool_decode(pool, 0, &idt, &qt, &ot, null(), &dp, null_mut()),
+        KVR_STATUS_INVALID_ARG
+    );
+    assert!(out.iter().all(|&x| x == 0.0));
+    let q2 = vec![0.5f32; 2 * 4 * D];
+    let out2 = vec![0f32; 2 * 4 * D];
+    let sh2 = [1, 2, 4, D as i64];
+    assert_eq!(
+        kvr_wgkv_pool_decode(
+            pool,
+            0,
+            &idt,
+            &t32(&q2, &sh2),
+            &t32(&out2, &sh2),
+            null(),
+            null(),
+            null_mut()
+        ),
+        KVR_STATUS_OUT_OF_RANGE
+    );
+    // Params: bad window / tau / external layers.
+    let mut kv = std::mem::MaybeUninit::uninit();
+    ok(kvr_kv_pool_params_default(kv.as_mut_ptr()));
+    let mut kv: kvr_kv_pool_params = unsafe { kv.assume_init() };
+    kv.n_layers = 1;
+    kv.n_kv_heads = 1;
+    kv.head_dim = 8;
+    kv.capacity_bytes = 1 << 20;
+    kv.max_seqs = 2;
+    kv.max_seq_len = 1024;
+    let mut wg = std::mem::MaybeUninit::uninit();
+    ok(kvr_wgkv_params_default(wg.as_mut_ptr()));
+    let wg: kvr_wgkv_params = unsafe { wg.assume_init() };
+    let mut p = 0x55usize as *mut kvr_wgkv_pool;
+    for (edit, want) in [
+        (
+            Box::new(|w: &mut kvr_wgkv_params| w.local_window = 20)
+                as Box<dyn Fn(&mut kvr_wgkv_params)>,
+            KVR_STATUS_INVALID_ARG,
+        ),
+        (
+            Box::new(|w: &mut kvr_wgkv_params| w.tau = 1.5),
+            KVR_STATUS_INVALID_ARG,
+        ),
+        (
+            Box::new(|w: &mut kvr_wgkv_params| w.sinks = -1),
+            KVR_STATUS_INVALID_ARG,
+        ),
+        (
+            Box::new(|w: &mut kvr_wgkv_params| w.struct_size = 4),
+            KVR_STATUS_INVALID_ARG,
+        ),
+    ] {
+        let mut w = wg;
+        edit(&mut w);
+        assert_eq!(
+            kvr_wgkv_pool_new(ctx, &kv, &w, &mut p),
+            want,
+            "{}",
+            last_error()
+        );
+        assert_eq!(p as usize, 0x55);
+    }
+    // capacity_bytes buys write-gated pages (2 * 16 * 8 * 2 bytes each).
+    ok(kvr_wgkv_pool_new(ctx, &kv, null(), &mut p));
+    assert_eq!(stats(p).pages_total, (1 << 20) / 512);
+    assert_eq!(stats(p).page_bytes, 512);
+    kvr_wgkv_pool_free(p);
+    kvr_wgkv_pool_free(pool);
+    kvr_context_free(ctx);
+}
+
+#[test]
+fn gate_through_the_c_api() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, cfg) = new_pool(ctx, 2000);
+    let mut rng = Rng::new(5);
+    let hid = 12;
+    let raw: Vec<[Vec<f32>; 6]> = (0..L)
+        .map(|_| {
+            [
+                rng.vec(D, 0.5, 1.5),
+                rng.vec(D, 0.5, 1.5),
+                rng.vec(H * hid * 2 * D, -0.3, 0.3),
+                rng.vec(H * hid, -0.5, 0.5),
+                rng.vec(H * hid, -0.8, 0.8),
+                rng.vec(H, -1.0, 1.0),
+            ]
+        })
+        .collect();
+    let layers: Vec<kvr_wgkv_gate_layer> = raw
+        .iter()
+        .map(|r| kvr_wgkv_gate_layer {
+            norm_pre: r[0].as_ptr(),
+            norm_post: r[1].as_ptr(),
+            fc1_weight: r[2].as_ptr(),
+            fc1_bias: r[3].as_ptr(),
+            fc2_weight: r[4].as_ptr(),
+            fc2_bias: r[5].as_ptr(),
+        })
+        .collect();
+    ok(kvr_wgkv_pool_set_gate(pool, layers.as_ptr(), hid as i32));
+    let mut bad = layers.clone();
+    bad[1].fc2_bias = null();
+    assert_eq!(
+        kvr_wgkv_pool_set_gate(pool, bad.as_ptr(), hid as i32),
+        KVR_STATUS_NULL_ARG
+    );
+    let mut seq = -1;
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut seq));
+    let n = 25;
+    let kp = rng.vec(L * n * H * D, -2.0, 2.0);
+    let k = rng.vec(L * n * H * D, -2.0, 2.0);
+    let v = rng.vec(L * n * H * D, -1.0, 1.0);
+    let shape = [L as i64, n as i64, H as i64, D as i64];
+    ok(kvr_wgkv_pool_append(
+        pool,
+        seq,
+        KVR_LAYER_ALL,
+        &t32(&k, &shape),
+        &t32(&v, &shape),
+        &t32(&kp, &shape),
+        null(),
+        0,
+        null_mut(),
+    ));
+    // The same scores through the Rust gate.
+    let views: Vec<[kvreplay::TensorView; 6]> = raw
+        .iter()
+        .map(|r| {
+            let vw = common::wgkv::view;
+            [
+                vw(&r[0], &[D]),
+                vw(&r[1], &[D]),
+                vw(&r[2], &[H, hid, 2 * D]),
+                vw(&r[3], &[H, hid]),
+                vw(&r[4], &[H, hid]),
+                vw(&r[5], &[H]),
+            ]
+        })
+        .collect();
+    let g = kvreplay::kv::wgkv::GateWeights::from_views(H, D, &views).unwrap();
+    let mut scores = Vec::new();
+    for l in 0..L {
+        let o = l * n * H * D;
+        let sh = [n, H, D];
+        scores.extend(
+            g.scores(
+                l,
+                &common::wgkv::view(&kp[o..o + n * H * D], &sh),
+                &common::wgkv::view(&k[o..o + n * H * D], &sh),
+            )
+            .unwrap(),
+        );
+    }
+    let mut m = SeqModel::new(L * H);
+    record(&mut m, &cfg, 0..L, n, &k, &v, &scores, false);
+    decode_check(pool, &cfg, seq, &m, &mut rng, 1);
+    kvr_wgkv_pool_free(pool);
+    kvr_context_free(ctx);
+}
