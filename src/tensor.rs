@@ -243,16 +243,18 @@ impl TensorView {
         if self.numel() <= 1 {
             return true;
         }
-        let mut dims: Vec<(usize, usize)> = self
-            .shape()
-            .iter()
-            .zip(self.strides())
-            .filter(|(&n, _)| n > 1)
-            .map(|(&n, &s)| (s as usize, n))
-            .collect();
+        let mut dims = [(0usize, 0usize); MAX_DIMS];
+        let mut nd = 0;
+        for (&n, &s) in self.shape().iter().zip(self.strides()) {
+            if n > 1 {
+                dims[nd] = (s as usize, n);
+                nd += 1;
+            }
+        }
+        let dims = &mut dims[..nd];
         dims.sort_unstable();
         let mut extent = 1usize; // elements spanned by the faster dimensions
-        for (stride, n) in dims {
+        for &mut (stride, n) in dims {
             if stride < extent {
                 return false;
             }

@@ -65,7 +65,7 @@ run() {
     fi
   fi
   if [ $ok = 1 ]; then
-    if "$bin/kvr-llama-check" cmp "$out/$name-on" "$out/$name-off" >"$out/$name-cmp.txt" 2>&1; then
+    if "$bin/kvr-llama-check" cmp "$out/$name-on" "$out/$name-off" --tol "$tol" >"$out/$name-cmp.txt" 2>&1; then
       note="$(sed -E 's/.*: ([0-9]+ tokens identical, [0-9]+ vectors, max relative difference [^ ]+).*/\1/' "$out/$name-cmp.txt")"
     else
       ok=0
@@ -78,6 +78,11 @@ run() {
 
 backend=CPU
 [ "$mode" = cuda ] && backend=CUDA
+# Logit tolerance, relative to the largest logit: 1e-4 on the CPU; 1e-3 on CUDA, where the
+# built-in kernel and kvreplay's sum in fp32 in different orders and the 4-sequence MoE
+# model carries that to ~1e-4 (tokens must be identical in both modes).
+tol=1e-4
+[ "$mode" = cuda ] && tol=1e-3
 suffixes=("")
 [ "$mode" = cuda ] && suffixes=("" "-nographs" "-fused")
 for sfx in "${suffixes[@]}"; do

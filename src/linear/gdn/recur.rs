@@ -106,7 +106,7 @@ fn same_view(a: &TensorView, b: &TensorView) -> bool {
 /// Checks a call; an error leaves every tensor untouched.
 fn plan(ctx: &Context, io: &RecurrentIo<'_>, opts: &RecurrentOptions) -> Result<Plan> {
     let memory = ctx.memory();
-    let mut named: Vec<(&str, &TensorView)> = vec![
+    let mut buf: [(&str, &TensorView); 9] = [
         ("q", io.q),
         ("k", io.k),
         ("v", io.v),
@@ -114,14 +114,18 @@ fn plan(ctx: &Context, io: &RecurrentIo<'_>, opts: &RecurrentOptions) -> Result<
         ("beta", io.beta),
         ("state_in", io.state_in),
         ("out", io.out),
+        ("", io.out),
+        ("", io.out),
     ];
-    if let Some(s) = io.state_out {
-        named.push(("state_out", s));
+    let mut n = 7;
+    for (name, t) in [("state_out", io.state_out), ("snapshots", io.snapshots)] {
+        if let Some(t) = t {
+            buf[n] = (name, t);
+            n += 1;
+        }
     }
-    if let Some(s) = io.snapshots {
-        named.push(("snapshots", s));
-    }
-    for (name, t) in &named {
+    let named = &buf[..n];
+    for (name, t) in named {
         t.expect_memory(memory, name)?;
     }
     let ranks = [
@@ -135,7 +139,7 @@ fn plan(ctx: &Context, io: &RecurrentIo<'_>, opts: &RecurrentOptions) -> Result<
         ("state_out", 4),
         ("snapshots", 5),
     ];
-    for (name, t) in &named {
+    for (name, t) in named {
         let want = ranks.iter().find(|r| r.0 == *name).map_or(0, |r| r.1);
         if t.ndim() != want {
             return Err(Error::InvalidArgument(format!(
@@ -207,24 +211,26 @@ fn plan(ctx: &Context, io: &RecurrentIo<'_>, opts: &RecurrentOptions) -> Result<
     }
     // Outputs: no element written twice, and no overlap with any other tensor, except a
     // state updated in place (state_out exactly state_in).
-    let outputs: Vec<(&str, &TensorView)> = named
-        .iter()
-        .filter(|(n, _)| matches!(*n, "out" | "state_out" | "snapshots"))
-        .copied()
-        .collect();
-    for (name, o) in &outputs {
+    // (Byte ranges computed once: this runs on every call of an engine's decode step.)
+    let mut ranges = [(0usize, 0usize); 9];
+    for (r, (_, t)) in ranges.iter_mut().zip(named) {
+        let b = byte_range(t);
+        *r = (b.start, b.end);
+    }
+    let is_output = |n: &str| matches!(n, "out" | "state_out" | "snapshots");
+    for (i, (name, o)) in named.iter().enumerate().filter(|(_, (n, _))| is_output(n)) {
         if !o.is_non_overlapping() {
             return Err(Error::InvalidArgument(format!(
                 "{name} has overlapping elements"
             )));
         }
-        for (other, x) in &named {
-            if other == name {
+        for (j, (other, x)) in named.iter().enumerate() {
+            if i == j {
                 continue;
             }
             let in_place = *name == "state_out" && *other == "state_in" && same_view(o, x);
-            let (r, s) = (byte_range(o), byte_range(x));
-            if !in_place && r.start < s.end && s.start < r.end {
+            let (r, s) = (ranges[i], ranges[j]);
+            if !in_place && r.0 < s.1 && s.0 < r.1 {
                 return Err(Error::InvalidArgument(format!(
                     "{name} overlaps {other} (only state_out may be state_in itself, for an \
                      update in place)"
@@ -512,13 +518,16 @@ fn dev(t: &TensorView) -> DevTensor {
 
 /// Value rows per warp: the most (fewer warps, fewer redundant q/k loads and reductions)
 /// that still gives the device `8 x SMs` warps (H200, Qwen3-Next shape: 2 rows at batch 1,
-/// 4 from batch 2); `KVR_GDN_RECUR_ROWS` (1, 2 or 4) forces it.
+/// 4 from batch 2); `KVR_GDN_RECUR_ROWS` (1, 2 or 4, read once) forces it.
 fn rows_per_warp(cuda: &CudaBackend, rows_total: usize) -> usize {
-    if let Some(r) = std::env::var("KVR_GDN_RECUR_ROWS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|r| GDN_RECUR_ROWS.contains(r))
-    {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        std::env::var("KVR_GDN_RECUR_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|r| GDN_RECUR_ROWS.contains(r))
+    });
+    if let Some(r) = *forced {
         return r;
     }
     let target = 8 * cuda.sm_count().max(1) as usize;
