@@ -1158,7 +1158,9 @@ impl WgKvPool {
             folds(&q4, 2) && folds(&o4, 2) && l3.as_ref().is_none_or(|l| folds(l, 2)) && b > 0;
         // (ids, q, out, lse) per inner decode.
         let mut calls: Vec<(Vec<i32>, TensorView, TensorView, Option<TensorView>)> = Vec::new();
-        let sub4 = |v: &TensorView, hh: usize, folded: bool| -> Result<TensorView> {
+        // The rows of KV head `hh` (or, folded, of every (sequence, KV head)) of q / out
+        // `[B, T, Hq, D]` or lse `[B, T, Hq]`: `[rows, T, g (, D)]`.
+        let sub = |v: &TensorView, hh: usize, folded: bool| -> Result<TensorView> {
             let s = v.strides();
             let off = hh as isize * g as isize * s[2] * v.dtype().size() as isize;
             let (rows_n, rs) = if folded {
@@ -1166,28 +1168,19 @@ impl WgKvPool {
             } else {
                 (b, s[0])
             };
+            let n = v.ndim();
+            let mut shape = [rows_n, t, g, 0];
+            let mut strides = [rs, s[1], s[2], 0];
+            if n == 4 {
+                shape[3] = v.shape()[3];
+                strides[3] = s[3];
+            }
             TensorView::new(
                 (v.addr() as isize + off) as usize,
                 v.dtype(),
                 v.memory(),
-                &[rows_n, t, g, v.shape()[3]],
-                &[rs, s[1], s[2], s[3]],
-            )
-        };
-        let sub3 = |v: &TensorView, hh: usize, folded: bool| -> Result<TensorView> {
-            let s = v.strides();
-            let off = hh as isize * g as isize * s[2] * 4;
-            let (rows_n, rs) = if folded {
-                (b * hkv, g as isize * s[2])
-            } else {
-                (b, s[0])
-            };
-            TensorView::new(
-                (v.addr() as isize + off) as usize,
-                v.dtype(),
-                v.memory(),
-                &[rows_n, t, g],
-                &[rs, s[1], s[2]],
+                &shape[..n],
+                &strides[..n],
             )
         };
         if fold {
@@ -1198,17 +1191,17 @@ impl WgKvPool {
                 .collect();
             calls.push((
                 inner,
-                sub4(&q4, 0, true)?,
-                sub4(&o4, 0, true)?,
-                l3.as_ref().map(|l| sub3(l, 0, true)).transpose()?,
+                sub(&q4, 0, true)?,
+                sub(&o4, 0, true)?,
+                l3.as_ref().map(|l| sub(l, 0, true)).transpose()?,
             ));
         } else {
             for hh in 0..hkv {
                 calls.push((
                     ids.iter().map(|&id| inner_id(id, hh)).collect(),
-                    sub4(&q4, hh, false)?,
-                    sub4(&o4, hh, false)?,
-                    l3.as_ref().map(|l| sub3(l, hh, false)).transpose()?,
+                    sub(&q4, hh, false)?,
+                    sub(&o4, hh, false)?,
+                    l3.as_ref().map(|l| sub(l, hh, false)).transpose()?,
                 ));
             }
         }
