@@ -249,7 +249,7 @@ def decode_sweep(ceil_copy, results):
         # each decode kernel on the same work, for comparison (the default columns above are
         # what the library picks): the streaming kernel (kernels/gdn_stream.cu), the
         # warp-per-rows kernel (kernels/gdn_decode.cu) and the general step kernel (kernels/gdn.cu)
-        for which in ("stream", "warp", "general"):
+        for which in ("wdecode", "stream", "warp", "general"):
             os.environ["KVR_GDN_DECODE"] = which
             for name, L in ((f"{which}_recurrent", 0), (f"{which}_replay16", 16)):
                 p, seqs = pool(B, L, ns)
@@ -274,7 +274,7 @@ def decode_sweep(ceil_copy, results):
             t = row[f"replay{L}_us"]
             by = row[f"replay{L}_bytes"]
             line += f"L{L} {t:7.1f} ({100 * by / (ceil_copy * 1e6) / t:3.0f}%)  "
-        for which in ("stream", "warp", "general"):
+        for which in ("wdecode", "stream", "warp", "general"):
             line += f"{which}: rec {row[which + '_recurrent_us']:7.1f} L16 {row[which + '_replay16_us']:7.1f}  "
         if "fla_us" in row:
             line += "x fla: " + " ".join(f"{row['fla_us'] / row[f'replay{L}_us']:.2f}" for L in RINGS)

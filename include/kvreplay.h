@@ -451,6 +451,51 @@ typedef struct kvr_gdn_step_params {
 typedef int32_t kvr_layer_select;
 
 /**
+ * Which key head a value head reads when q and k have fewer heads (Hq) than v (Hv), in
+ * `kvr_context_gdn_recurrent` (`kvr_gdn_recurrent_params.head_map`).
+ */
+typedef int32_t kvr_gdn_head_map;
+
+/**
+ * Options of `kvr_context_gdn_recurrent`; fill with `kvr_gdn_recurrent_params_default`.
+ */
+typedef struct kvr_gdn_recurrent_params {
+    /**
+     * `sizeof(kvr_gdn_recurrent_params)` as the caller compiled it.
+     */
+    uint32_t struct_size;
+    /**
+     * Scale of the output (the same as scaling q); 0 (default) = 1/sqrt(dk).
+     */
+    float scale;
+    /**
+     * Non-zero: L2-normalize q and k first (`x / sqrt(sum x^2 + 1e-6)`, default 0).
+     */
+    int32_t l2norm_qk;
+    /**
+     * `KVR_GDN_HEADS_GROUPED` (default) or `KVR_GDN_HEADS_TILED`.
+     */
+    kvr_gdn_head_map head_map;
+    /**
+     * First work item this call computes. Item `b * Hv + h` is (sequence b, value head h):
+     * its outputs, snapshots and new state. Default 0.
+     */
+    int64_t item_begin;
+    /**
+     * One past the last work item; -1 (default) = B * Hv. Splitting [0, B * Hv) over
+     * several calls lets an engine run the step from its own worker threads (on a CPU
+     * context of one thread each call runs on its caller alone).
+     */
+    int64_t item_end;
+    /**
+     * Non-zero, CUDA sm_90+: launch with programmatic dependent launch, so the kernel
+     * starts while the previous kernel on the stream finishes (it waits for that kernel
+     * before touching memory). Ignored elsewhere. Default 0.
+     */
+    int32_t pdl;
+} kvr_gdn_recurrent_params;
+
+/**
  * One layer's K and V memory for a pool over caller-owned tensors. Element `d` of head `h`
  * at slot `s` of page `p` is at `k + (p * k_stride_page + h * k_stride_head +
  * s * k_stride_token + d) * sizeof(dtype)` (likewise V). Strides are in elements; the head
@@ -1109,6 +1154,18 @@ typedef int32_t kvr_model_layout;
  * State read and written every step (pools with `ring_len` 0).
  */
 #define KVR_GDN_MODE_RECURRENT ((kvr_gdn_mode)2)
+
+/**
+ * Value head h reads key head h / (Hv / Hq): consecutive value heads share a key head
+ * (`repeat_interleave`; Qwen3-Next checkpoints and the GDN pools).
+ */
+#define KVR_GDN_HEADS_GROUPED ((kvr_gdn_head_map)0)
+
+/**
+ * Value head h reads key head h % Hq (`ggml_repeat`; llama.cpp's broadcast in
+ * `ggml_gated_delta_net`).
+ */
+#define KVR_GDN_HEADS_TILED ((kvr_gdn_head_map)1)
 
 /**
  * No sequence: a new one in `kvr_kv_pool_admit`, an unused row in a batch's `seq_ids`.
@@ -1808,6 +1865,69 @@ kvr_status kvr_gdn_pool_materialize(const struct kvr_gdn_pool *pool,
                                     const struct kvr_tensor *out,
                                     const struct kvr_tensor *conv_out,
                                     void *stream);
+
+/**
+ * Fills `*params` with the defaults (scale 1/sqrt(dk), no L2 norm, grouped heads, every
+ * work item, no programmatic dependent launch).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+ * Ownership: `*params` is the caller's; nothing is kept.
+ * Thread safety: thread-safe.
+ * On failure: nothing is written.
+ */
+KVR_NODISCARD kvr_status kvr_gdn_recurrent_params_default(struct kvr_gdn_recurrent_params *params);
+
+/**
+ * One Gated DeltaNet recurrence over the caller's tensors, stateless: T tokens for each of
+ * B sequences, from `state_in` to `state_out` and/or per-token `snapshots`. Nothing is kept
+ * between calls (no pool): the step of engines that own their recurrent states, such as
+ * llama.cpp's `GGML_OP_GATED_DELTA_NET`.
+ *
+ * Per (sequence b, value head h) and token t, with S the `dv x dk` state and q, k of key
+ * head h / (Hv / Hq) or h % Hq (`head_map`): S <- e^g S; u = beta (v - S k);
+ * S <- S + u k^T; out = scale * S q. Tensors (any strides on the CPU): q, k `[B, T, Hq,
+ * dk]`; v, out `[B, T, Hv, dv]`; g (log decay), beta `[B, T, Hv]`, each f32, f16 or bf16;
+ * `state_in`, `state_out` `[B, Hv, dv, dk]` f32 (V-major: a K-major state is the same memory
+ * with the last two strides swapped, CPU only); `snapshots` `[S, B, Hv, dv, dk]` f32, slot s
+ * = the state after token T - 1 - s, written for s < min(S, T) (slots past T untouched).
+ * `state_out` and `snapshots` may each be NULL, not both. `state_out` may be `state_in`
+ * itself (an update in place: same address, shape and strides); otherwise no output may
+ * overlap another tensor, nor hold two elements at one address. Only the work items of
+ * `params` (default all) are read and written. `params` may be NULL for the defaults.
+ * CUDA: dk 32, 64, 128 or 256; the last dimension of q, k and the states contiguous and
+ * each of their rows aligned to min(dk / 32 elements, 16 bytes); queued on `stream`
+ * (NULL: the context's stream), never synchronizes or allocates: capturable in a CUDA Graph
+ * (after `kvr_context_load_kernels`). CPU: runs on the context's threads and returns when
+ * done.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx` or a required tensor, both
+ * `state_out` and `snapshots` NULL, NULL data of a non-empty tensor);
+ * `KVR_STATUS_INVALID_ARG` (dead handle, ranks, shapes, an empty dimension, Hv not a
+ * multiple of Hq, memory kind, overlapping outputs, CUDA strides or alignment, unknown
+ * `head_map`, a non-finite scale, `params->struct_size` too small or larger with a non-zero
+ * byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE` (work items outside
+ * [0, B * Hv], a launch too large); `KVR_STATUS_DTYPE_MISMATCH` (a state not f32, an input
+ * or `out` not a float type); `KVR_STATUS_UNSUPPORTED` (a dk the CUDA kernel is not built
+ * for); `KVR_STATUS_NOT_COMPILED`; `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: every tensor and `stream` stay the caller's; device memory must stay valid
+ * until the queued work has run.
+ * Thread safety: thread-safe; calls writing disjoint work items may run at once.
+ * On failure: nothing is written, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+ * queued device work half done.
+ */
+KVR_NODISCARD
+kvr_status kvr_context_gdn_recurrent(const struct kvr_context *ctx,
+                                     const struct kvr_tensor *q,
+                                     const struct kvr_tensor *k,
+                                     const struct kvr_tensor *v,
+                                     const struct kvr_tensor *g,
+                                     const struct kvr_tensor *beta,
+                                     const struct kvr_tensor *state_in,
+                                     const struct kvr_tensor *state_out,
+                                     const struct kvr_tensor *snapshots,
+                                     const struct kvr_tensor *out,
+                                     const struct kvr_gdn_recurrent_params *params,
+                                     void *stream);
 
 /**
  * Returns the message of the last failure on the calling thread.

@@ -227,6 +227,52 @@ __device__ __forceinline__ float reduce_scatter(float (&P)[N], int lane) {
   return x;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask for
+// it): let the next kernel on the stream start, and wait for the previous one to complete.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// A warp's 8 state rows x KL keys (s[r][c], key map shared with q and k): (S q) and (S k) of
+// row (lane & 7) in every lane, by one reduce_scatter of the 16 partial sums (lane 2 r holds
+// row r's S q, lane 16 + 2 r its S k). The decode kernels' hot dot products (gdn_decode.cu,
+// gdn_wdecode.cu).
+template <int KL>
+__device__ __forceinline__ float2 rows8_dots(const float (&s)[8][KL], const float (&q)[KL], const float (&k)[KL],
+                                             int lane) {
+  float P[16];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    float x = 0.f, z = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      x += s[r][c] * q[c];
+      z += s[r][c] * k[c];
+    }
+    P[r] = x;
+    P[8 + r] = z;
+  }
+  const float own = reduce_scatter<16>(P, lane);  // P[lane / 2]
+  const int rr = lane & 7;
+  return make_float2(__shfl_sync(0xffffffffu, own, 2 * rr), __shfl_sync(0xffffffffu, own, 16 + 2 * rr));
+}
+
+// s *= f for every element of a warp's rows.
+template <int RL, int KL>
+__device__ __forceinline__ void scale_rows(float (&s)[RL][KL], float f) {
+#pragma unroll
+  for (int r = 0; r < RL; ++r)
+#pragma unroll
+    for (int c = 0; c < KL; ++c) s[r][c] *= f;
+}
+
 // One token's conv inputs of batch row b: the share of (value head h, tile) of the conv_dim
 // channels goes into the sequence's window ring at slot conv_end (decode kernels, T = 1).
 __device__ __forceinline__ void conv_window_share(const StepParams& p, int b, int seq, int h, int tile, int conv_end,

@@ -41,9 +41,6 @@ template <bool VM, int DK> struct LaneMap {
   __device__ __forceinline__ static int key(int lane, int c) {
     return (c / VW) * (32 * VW) + lane * VW + c % VW;
   }
-  // Lanes holding, after state_dots' reduction, (S q) and (S k) of row r.
-  __device__ __forceinline__ static int src_q(int r) { return 2 * r; }
-  __device__ __forceinline__ static int src_k(int r) { return 16 + 2 * r; }
 };
 
 template <typename SD, bool VM, int DK>
@@ -186,28 +183,11 @@ __device__ void decode_body(const StepParams& p) {
 
   // (S q)[row0 + rr] and (S k)[row0 + rr] in every lane.
   auto state_dots = [&](float& sq, float& sk) {
-    float P[2 * RL];
-#pragma unroll
-    for (int r = 0; r < RL; ++r) {
-      float a = 0.f, c2 = 0.f;
-#pragma unroll
-      for (int c = 0; c < KL; ++c) {
-        a += s[r][c] * q[c];
-        c2 += s[r][c] * k[c];
-      }
-      P[r] = a;
-      P[RL + r] = c2;
-    }
-    const float own = reduce_scatter<2 * RL>(P, lane);  // index lane / 2
-    sq = __shfl_sync(0xffffffffu, own, M::src_q(rr));
-    sk = __shfl_sync(0xffffffffu, own, M::src_k(rr));
+    const float2 d = rows8_dots<KL>(s, q, k, lane);
+    sq = d.x;
+    sk = d.y;
   };
-  auto scale_state = [&](float f) {
-#pragma unroll
-    for (int r = 0; r < RL; ++r)
-#pragma unroll
-      for (int c = 0; c < KL; ++c) s[r][c] *= f;
-  };
+  auto scale_state = [&](float f) { scale_rows<RL, KL>(s, f); };
   auto round_state = [&]() {
     if constexpr (!IsSame<SD, float>::value) {
 #pragma unroll

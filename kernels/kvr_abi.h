@@ -219,6 +219,9 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_DECODE_ROWS_PER_WARP 8 /* kvr_gdn_decode_*: value rows per warp */
 #define KVR_GDN_DECODE_MAX_WARPS 4     /* ... warps per CTA at most */
 #define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_*, kvr_gdn_sverify_*, kvr_gdn_vprep_* */
+#define KVR_GDN_WDECODE_ROWS 8         /* kvr_gdn_wdecode_*: value rows per warp */
+#define KVR_GDN_WDECODE_MAX_RING 32    /* ... ring lengths up to this */
+#define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: one CTA per batch row */
 
 /* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
 #define KVR_GDN_META_MODE 0     /* KVR_GDN_KV_ONLY, KVR_GDN_REPLAY or KVR_GDN_RECURRENT */
@@ -440,6 +443,59 @@ KVR_ABI_FN struct kvr_gdn_vprep_record kvr_gdn_vprep_record_layout(int32_t dk, i
   struct kvr_gdn_vprep_record s = {0};
   const int32_t lc = l > 0 ? l : 1;
   s.floats = kvr_round4(2 * tm * (dk + lc + tm));
+  return s;
+}
+
+/* ---- kernels/gdn_recur.cu: kvr_gdn_recur_d<dk>_r<rows> (kvr_context_gdn_recurrent) ---- */
+
+/* Threads of the stateless recurrent kernel: 4 warps, each owning `rows` (1, 2 or 4) value
+ * rows of one (sequence, value head) with the whole key dimension in registers. */
+#define KVR_GDN_RECUR_THREADS 128
+
+/* A stateless recurrent step over the caller's tensors: q, k [B, T, Hq, dk]; v, out
+ * [B, T, Hv, dv]; g, beta [B, T, Hv] (s[0..2]); f32 states [B, Hv, dv, dk] and snapshots
+ * [slot, B, Hv, dv, dk] with the key dimension contiguous. Work item i = b * hv + h, for i
+ * in [item0, item_end); warp w of the launch takes item item0 + w / groups. */
+typedef struct {
+  kvr_gdn_tensor q, k, v, g, beta, out;
+  KVR_PTR(const float) state_in;
+  KVR_PTR(float) state_out;  /* 0: not written */
+  KVR_PTR(float) snaps;      /* 0: no snapshots */
+  int64_t si[3];             /* state_in strides (b, h, value row), elements */
+  int64_t so[3];             /* state_out strides */
+  int64_t sn[4];             /* snapshot strides (slot, b, h, value row) */
+  int64_t item0, item_end;
+  int32_t t, hq, hv, dv;
+  int32_t groups;            /* warps per item: ceil(dv / rows) */
+  int32_t tiled;             /* 1: value head h reads key head h % hq; 0: h / (hv / hq) */
+  int32_t l2norm;            /* 1: L2-normalize q and k (x / sqrt(sum x^2 + 1e-6)) */
+  int32_t n_snaps;           /* snapshot slots written: slot s = state after token t - 1 - s */
+  float scale;               /* output scale */
+  int32_t pad;
+} kvr_gdn_recur_args;
+
+/* The decode scratch of the warp-streaming decode (gdn_wdecode.cu, kvr_gdn_step_args.scratch),
+ * floats, for `b` batch rows, written by kvr_gdn_dprep_* and read by kvr_gdn_wdecode_*: per row
+ * a header of 4 int32 (start, buffered entries, flush, base) at hdr; per (row, value head) a
+ * record of rec_floats at rec: e^G, e^g, beta, k . q, then coefficients A [lc], B [lc] and
+ * weights W [lc] by ring slot (lc = max(l, 1)); per (row, key head) the ring key a flush step
+ * displaces [dk] at keys, and q, k normalized [2][dk] at qk; per row v [hv][dv] at vv (in
+ * v's dtype, dv * hv floats of room). */
+struct kvr_gdn_dscratch {
+  int32_t hdr, rec, rec_floats, keys, qk, vv, total;
+};
+
+KVR_ABI_FN struct kvr_gdn_dscratch kvr_gdn_dscratch_layout(int32_t b, int32_t hv, int32_t hk, int32_t dk,
+                                                           int32_t dv, int32_t l) {
+  struct kvr_gdn_dscratch s = {0, 0, 0, 0, 0, 0, 0};
+  const int32_t lc = l > 0 ? l : 1;
+  s.hdr = 0;
+  s.rec = 4 * b;
+  s.rec_floats = kvr_round4(4 + 3 * lc);
+  s.keys = s.rec + b * hv * s.rec_floats;
+  s.qk = s.keys + b * hk * dk;
+  s.vv = s.qk + 2 * b * hk * dk;
+  s.total = s.vv + b * hv * dv;
   return s;
 }
 

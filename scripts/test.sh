@@ -12,6 +12,10 @@
 #      examples run`: the tiny Qwen3-Next; also every tiny model, the 80B header file, and
 #      a missing and a malformed file, which must fail), info, the paged KV and GDN
 #      speculative-decoding examples (CPU backend) and the GGUF planner run
+#   5. llama.cpp with kvreplay (integrations/llama.cpp/check.sh cpu): the pinned llama.cpp,
+#      patched, built (cached in target/llama.cpp; the first build takes minutes), tiny
+#      qwen3next / qwen35 models decoded with kvreplay on and off: identical tokens and
+#      logits. KVR_SKIP_LLAMA=1 skips it.
 # Installs CMake into .tools/ (pip) when it is missing. Set KVR_REQUIRE_KERNELS=1 to fail
 # when the CUDA kernels cannot be compiled (CI does).
 set -euo pipefail
@@ -114,5 +118,12 @@ cmake -S examples -B target/cmake-examples-shared -DKVREPLAY_SHARED=ON >/dev/nul
 cmake --build target/cmake-examples-shared -j 2 >/dev/null
 target/cmake-examples-shared/info >/dev/null
 echo "cmake examples: ok"
+
+if [ "${KVR_SKIP_LLAMA:-0}" = 1 ]; then
+  step "llama.cpp with kvreplay: skipped (KVR_SKIP_LLAMA=1)"
+else
+  step "llama.cpp with kvreplay (integrations/llama.cpp/check.sh cpu)"
+  bash integrations/llama.cpp/check.sh cpu
+fi
 
 printf '\nall tests passed\n'

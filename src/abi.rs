@@ -121,6 +121,11 @@ abi_consts! {
     KVR_GDN_DECODE_ROWS_PER_WARP: usize = 8;
     KVR_GDN_DECODE_MAX_WARPS: usize = 4;
     KVR_GDN_STREAM_THREADS: u32 = 256;
+    /// Value rows per warp and ring lengths of the warp-streaming decode (gdn_wdecode.cu),
+    /// and the threads of its per-row prep kernel.
+    KVR_GDN_WDECODE_ROWS: usize = 8;
+    KVR_GDN_WDECODE_MAX_RING: usize = 32;
+    KVR_GDN_DPREP_THREADS: u32 = 512;
 
     /// Slots of the per-(layer, sequence) metadata record of `KVR_GDN_META_INTS` i32.
     KVR_GDN_META_MODE: usize = 0;
@@ -148,6 +153,9 @@ abi_consts! {
     KVR_GDN_DT_NONE: i32 = 0;
     KVR_GDN_DT_GATE: i32 = 1;
     KVR_GDN_DT_SOFTPLUS: i32 = 2;
+
+    /// Threads of the stateless recurrent kernel (kernels/gdn_recur.cu).
+    KVR_GDN_RECUR_THREADS: u32 = 128;
 }
 
 const _: () = assert!(KVR_COPY_MAX_DIMS == crate::tensor::MAX_DIMS);
@@ -388,6 +396,34 @@ abi_structs! {
         ids: [i32; KVR_GDN_MAX_COMMIT_INLINE],
         acc_inline: [i32; KVR_GDN_MAX_COMMIT_INLINE],
     }
+
+    /// `kvr_gdn_recur_d<dk>_r<rows>`: the stateless recurrent step (`kvr_context_gdn_recurrent`).
+    struct GdnRecurArgs = "kvr_gdn_recur_args" {
+        q: GdnTensor,
+        k: GdnTensor,
+        v: GdnTensor,
+        g: GdnTensor,
+        beta: GdnTensor,
+        out: GdnTensor,
+        state_in: u64,
+        state_out: u64,
+        snaps: u64,
+        si: [i64; 3],
+        so: [i64; 3],
+        sn: [i64; 4],
+        item0: i64,
+        item_end: i64,
+        t: i32,
+        hq: i32,
+        hv: i32,
+        dv: i32,
+        groups: i32,
+        tiled: i32,
+        l2norm: i32,
+        n_snaps: i32,
+        scale: f32,
+        pad: i32,
+    }
 }
 
 /// The kernels' code for a dtype (`KVR_DT_*`); i32 travels as f32 (4-byte bit copies).
@@ -507,6 +543,18 @@ pub(crate) fn gdn_verify_smem_bytes(
 /// Floats of one (row, key head) record of the verify scratch (`kvr_gdn_vprep_record_layout`).
 pub(crate) fn gdn_vprep_floats(dk: usize, ring_len: usize, max_drafts: usize) -> usize {
     (2 * max_drafts * (dk + ring_len.max(1) + max_drafts)).div_ceil(4) * 4
+}
+
+/// `kvr_gdn_dscratch_layout(b, hv, hk, dk, dv, l).total`: floats of the warp-streaming
+/// decode's scratch for `b` batch rows.
+pub(crate) fn gdn_dscratch_floats(
+    b: usize,
+    (hv, hk): (usize, usize),
+    (dk, dv): (usize, usize),
+    l: usize,
+) -> usize {
+    let rec = (4 + 3 * l.max(1)).div_ceil(4) * 4;
+    4 * b + b * hv * rec + 3 * b * hk * dk + b * hv * dv
 }
 
 #[cfg(test)]
@@ -772,6 +820,23 @@ mod tests {
                     &[1, 2, 3, 5, 8],
                 ]),
                 rust: |a| vec![gdn_vprep_floats(u(a[0]), u(a[1]), u(a[2])) as i64],
+            },
+            Formula {
+                c_fn: "kvr_gdn_dscratch_layout",
+                c_type: "kvr_gdn_dscratch",
+                c_fields: &["total"],
+                grid: grid(&[
+                    &[1, 7, 512],
+                    &[4, 32, 128],
+                    &[1, 16],
+                    &[64, 128, 256],
+                    &[32, 64, 128],
+                    &[0, 1, 16, 32],
+                ]),
+                rust: |a| {
+                    let (heads, dims) = ((u(a[1]), u(a[2])), (u(a[3]), u(a[4])));
+                    vec![gdn_dscratch_floats(u(a[0]), heads, dims, u(a[5])) as i64]
+                },
             },
         ]
     }

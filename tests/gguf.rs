@@ -512,6 +512,73 @@ fn bad_metadata_is_refused_when_planning() {
 }
 
 #[test]
+fn recurrent_layers_flags_take_precedence_over_the_interval() {
+    // llama.cpp's qwen3next / qwen35 loaders take `{arch}.attention.recurrent_layers` (a
+    // bool array from gguf-py or llama.cpp's saver, u32 flags, or one scalar for all layers)
+    // when present and only then fall back to full_attention_interval.
+    let base = |arch: &str| {
+        let mut b = Builder::new(arch);
+        b.u32(&format!("{arch}.block_count"), 4)
+            .u32(&format!("{arch}.embedding_length"), 64)
+            .u32(&format!("{arch}.attention.head_count"), 4)
+            .u32(&format!("{arch}.attention.head_count_kv"), 2)
+            .u32(&format!("{arch}.attention.key_length"), 32)
+            .u32(&format!("{arch}.attention.value_length"), 32)
+            .u32(&format!("{arch}.ssm.conv_kernel"), 4)
+            .u32(&format!("{arch}.ssm.inner_size"), 64)
+            .u32(&format!("{arch}.ssm.state_size"), 16)
+            .u32(&format!("{arch}.ssm.time_step_rank"), 4)
+            .u32(&format!("{arch}.ssm.group_count"), 2);
+        b
+    };
+    let layers = |b: &Builder| Model::from_bytes(&b.build()).unwrap().plan.layers;
+    let a = attn(4, 2, 32);
+    // Without the key: the interval (default 4).
+    assert_eq!(layers(&base("qwen3next")), vec![GDN, GDN, GDN, a]);
+    for arch in ["qwen3next", "qwen35"] {
+        let key = format!("{arch}.attention.recurrent_layers");
+        let mut b = base(arch);
+        // An interval that would say otherwise is not read (even 0, which alone is refused).
+        b.u32(&format!("{arch}.full_attention_interval"), 0)
+            .arr_bool(&key, &[true, false, true, false]);
+        assert_eq!(layers(&b), vec![GDN, a, GDN, a], "{arch}");
+        let mut b = base(arch);
+        b.arr_u32(&key, &[0, 1, 1, 0]);
+        assert_eq!(layers(&b), vec![a, GDN, GDN, a], "{arch}");
+        let mut b = base(arch);
+        b.bool(&key, true);
+        assert_eq!(layers(&b), vec![GDN; 4], "{arch}");
+        let mut b = base(arch);
+        b.u32(&key, 0);
+        assert_eq!(layers(&b), vec![a; 4], "{arch}");
+    }
+    // The flags cover every block, MTP ones included (llama.cpp's n_layer_all).
+    let mut b = base("qwen35");
+    b.u32("qwen35.nextn_predict_layers", 1).arr_bool(
+        "qwen35.attention.recurrent_layers",
+        &[true, true, false, false],
+    );
+    assert_eq!(layers(&b), vec![GDN, GDN, a, a]);
+    // A wrong length or a value that is not a flag is refused, as llama.cpp does.
+    let refused = |b: &Builder, what: &str| {
+        let e = Model::from_bytes(&b.build()).unwrap_err();
+        assert!(
+            matches!(&e, Error::MalformedFile(m) if m.contains("recurrent_layers") && m.contains(what)),
+            "{e:?}"
+        );
+    };
+    let mut b = base("qwen3next");
+    b.arr_bool("qwen3next.attention.recurrent_layers", &[true; 3]);
+    refused(&b, "3 entries for 4 layers");
+    let mut b = base("qwen3next");
+    b.arr_i32("qwen3next.attention.recurrent_layers", &[1, -1, 1, 0]);
+    refused(&b, "non-negative integer");
+    let mut b = base("qwen3next");
+    b.string("qwen3next.attention.recurrent_layers", "yes");
+    refused(&b, "non-negative integer");
+}
+
+#[test]
 fn files_that_cannot_be_opened() {
     assert!(matches!(
         Model::open("/nonexistent/kvreplay.gguf"),

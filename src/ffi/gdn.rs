@@ -13,7 +13,10 @@ use super::status::kvr_status;
 use super::tensor::{dtype_from_c, kvr_dtype, kvr_tensor, view_from_c, KVR_DTYPE_F32};
 use crate::backend::Stream;
 use crate::error::{Error, Result};
-use crate::linear::{GdnConfig, GdnIo, GdnOptions, GdnPool, StateLayout, StateStorage};
+use crate::linear::{
+    gdn_recurrent, GdnConfig, GdnIo, GdnOptions, GdnPool, HeadMap, RecurrentIo, RecurrentOptions,
+    StateLayout, StateStorage,
+};
 
 /// A Gated DeltaNet replay pool (opaque). Created by `kvr_gdn_pool_new`, freed by
 /// `kvr_gdn_pool_free`.
@@ -899,5 +902,206 @@ pub extern "C" fn kvr_gdn_pool_materialize(
 ) -> kvr_status {
     guard("kvr_gdn_pool_materialize", || {
         replay::materialize(&*pool_from(pool)?, seq, keep, out, conv_out, stream)
+    })
+}
+
+/// Which key head a value head reads when q and k have fewer heads (Hq) than v (Hv), in
+/// `kvr_context_gdn_recurrent` (`kvr_gdn_recurrent_params.head_map`).
+pub type kvr_gdn_head_map = i32;
+/// Value head h reads key head h / (Hv / Hq): consecutive value heads share a key head
+/// (`repeat_interleave`; Qwen3-Next checkpoints and the GDN pools).
+pub const KVR_GDN_HEADS_GROUPED: kvr_gdn_head_map = 0 as kvr_gdn_head_map;
+/// Value head h reads key head h % Hq (`ggml_repeat`; llama.cpp's broadcast in
+/// `ggml_gated_delta_net`).
+pub const KVR_GDN_HEADS_TILED: kvr_gdn_head_map = 1 as kvr_gdn_head_map;
+
+/// Options of `kvr_context_gdn_recurrent`; fill with `kvr_gdn_recurrent_params_default`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvr_gdn_recurrent_params {
+    /// `sizeof(kvr_gdn_recurrent_params)` as the caller compiled it.
+    pub struct_size: u32,
+    /// Scale of the output (the same as scaling q); 0 (default) = 1/sqrt(dk).
+    pub scale: f32,
+    /// Non-zero: L2-normalize q and k first (`x / sqrt(sum x^2 + 1e-6)`, default 0).
+    pub l2norm_qk: i32,
+    /// `KVR_GDN_HEADS_GROUPED` (default) or `KVR_GDN_HEADS_TILED`.
+    pub head_map: kvr_gdn_head_map,
+    /// First work item this call computes. Item `b * Hv + h` is (sequence b, value head h):
+    /// its outputs, snapshots and new state. Default 0.
+    pub item_begin: i64,
+    /// One past the last work item; -1 (default) = B * Hv. Splitting [0, B * Hv) over
+    /// several calls lets an engine run the step from its own worker threads (on a CPU
+    /// context of one thread each call runs on its caller alone).
+    pub item_end: i64,
+    /// Non-zero, CUDA sm_90+: launch with programmatic dependent launch, so the kernel
+    /// starts while the previous kernel on the stream finishes (it waits for that kernel
+    /// before touching memory). Ignored elsewhere. Default 0.
+    pub pdl: i32,
+}
+
+const RECURRENT_PARAMS_V1: usize = size_of::<kvr_gdn_recurrent_params>();
+
+fn default_recurrent_params() -> kvr_gdn_recurrent_params {
+    kvr_gdn_recurrent_params {
+        struct_size: size_of::<kvr_gdn_recurrent_params>() as u32,
+        scale: 0.0,
+        l2norm_qk: 0,
+        head_map: KVR_GDN_HEADS_GROUPED,
+        item_begin: 0,
+        item_end: -1,
+        pdl: 0,
+    }
+}
+
+/// Fills `*params` with the defaults (scale 1/sqrt(dk), no L2 norm, grouped heads, every
+/// work item, no programmatic dependent launch).
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
+/// Ownership: `*params` is the caller's; nothing is kept.
+/// Thread safety: thread-safe.
+/// On failure: nothing is written.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_gdn_recurrent_params_default(
+    params: *mut kvr_gdn_recurrent_params,
+) -> kvr_status {
+    guard("kvr_gdn_recurrent_params_default", || {
+        non_null(params, "params")?;
+        // SAFETY: non-NULL.
+        unsafe { params.write(default_recurrent_params()) };
+        Ok(())
+    })
+}
+
+fn recurrent_options(p: &kvr_gdn_recurrent_params) -> Result<RecurrentOptions> {
+    let head_map = match p.head_map {
+        KVR_GDN_HEADS_GROUPED => HeadMap::Grouped,
+        KVR_GDN_HEADS_TILED => HeadMap::Tiled,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "unknown head_map {other} (expected KVR_GDN_HEADS_GROUPED or KVR_GDN_HEADS_TILED)"
+            )))
+        }
+    };
+    let items = match (p.item_begin, p.item_end) {
+        (0, -1) => None,
+        (b, e) if b >= 0 && e >= 0 => Some(b as usize..e as usize),
+        (b, -1) if b >= 0 => Some(b as usize..usize::MAX),
+        (b, e) => {
+            return Err(Error::OutOfRange(format!(
+                "items {b}..{e}: item_begin must be >= 0 and item_end >= 0 or -1"
+            )))
+        }
+    };
+    Ok(RecurrentOptions {
+        scale: if p.scale == 0.0 { None } else { Some(p.scale) },
+        l2norm_qk: p.l2norm_qk != 0,
+        head_map,
+        items,
+        pdl: p.pdl != 0,
+    })
+}
+
+/// One Gated DeltaNet recurrence over the caller's tensors, stateless: T tokens for each of
+/// B sequences, from `state_in` to `state_out` and/or per-token `snapshots`. Nothing is kept
+/// between calls (no pool): the step of engines that own their recurrent states, such as
+/// llama.cpp's `GGML_OP_GATED_DELTA_NET`.
+///
+/// Per (sequence b, value head h) and token t, with S the `dv x dk` state and q, k of key
+/// head h / (Hv / Hq) or h % Hq (`head_map`): S <- e^g S; u = beta (v - S k);
+/// S <- S + u k^T; out = scale * S q. Tensors (any strides on the CPU): q, k `[B, T, Hq,
+/// dk]`; v, out `[B, T, Hv, dv]`; g (log decay), beta `[B, T, Hv]`, each f32, f16 or bf16;
+/// `state_in`, `state_out` `[B, Hv, dv, dk]` f32 (V-major: a K-major state is the same memory
+/// with the last two strides swapped, CPU only); `snapshots` `[S, B, Hv, dv, dk]` f32, slot s
+/// = the state after token T - 1 - s, written for s < min(S, T) (slots past T untouched).
+/// `state_out` and `snapshots` may each be NULL, not both. `state_out` may be `state_in`
+/// itself (an update in place: same address, shape and strides); otherwise no output may
+/// overlap another tensor, nor hold two elements at one address. Only the work items of
+/// `params` (default all) are read and written. `params` may be NULL for the defaults.
+/// CUDA: dk 32, 64, 128 or 256; the last dimension of q, k and the states contiguous and
+/// each of their rows aligned to min(dk / 32 elements, 16 bytes); queued on `stream`
+/// (NULL: the context's stream), never synchronizes or allocates: capturable in a CUDA Graph
+/// (after `kvr_context_load_kernels`). CPU: runs on the context's threads and returns when
+/// done.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (NULL `ctx` or a required tensor, both
+/// `state_out` and `snapshots` NULL, NULL data of a non-empty tensor);
+/// `KVR_STATUS_INVALID_ARG` (dead handle, ranks, shapes, an empty dimension, Hv not a
+/// multiple of Hq, memory kind, overlapping outputs, CUDA strides or alignment, unknown
+/// `head_map`, a non-finite scale, `params->struct_size` too small or larger with a non-zero
+/// byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE` (work items outside
+/// [0, B * Hv], a launch too large); `KVR_STATUS_DTYPE_MISMATCH` (a state not f32, an input
+/// or `out` not a float type); `KVR_STATUS_UNSUPPORTED` (a dk the CUDA kernel is not built
+/// for); `KVR_STATUS_NOT_COMPILED`; `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: every tensor and `stream` stay the caller's; device memory must stay valid
+/// until the queued work has run.
+/// Thread safety: thread-safe; calls writing disjoint work items may run at once.
+/// On failure: nothing is written, except after `KVR_STATUS_CUDA_ERROR`, which can leave
+/// queued device work half done.
+#[no_mangle]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn kvr_context_gdn_recurrent(
+    ctx: *const kvr_context,
+    q: *const kvr_tensor,
+    k: *const kvr_tensor,
+    v: *const kvr_tensor,
+    g: *const kvr_tensor,
+    beta: *const kvr_tensor,
+    state_in: *const kvr_tensor,
+    state_out: *const kvr_tensor,
+    snapshots: *const kvr_tensor,
+    out: *const kvr_tensor,
+    params: *const kvr_gdn_recurrent_params,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_context_gdn_recurrent", || {
+        let ctx = context_from(ctx)?;
+        let p = if params.is_null() {
+            default_recurrent_params()
+        } else {
+            // SAFETY: non-NULL; `struct_size` readable bytes.
+            unsafe {
+                read_versioned(
+                    params,
+                    default_recurrent_params(),
+                    RECURRENT_PARAMS_V1,
+                    "kvr_gdn_recurrent_params",
+                )?
+            }
+        };
+        let mut opts = recurrent_options(&p)?;
+        // SAFETY: NULL-checked descriptors.
+        let (q, k, v, g, beta, state_in, out) = unsafe {
+            (
+                view_from_c(q, "q")?,
+                view_from_c(k, "k")?,
+                view_from_c(v, "v")?,
+                view_from_c(g, "g")?,
+                view_from_c(beta, "beta")?,
+                view_from_c(state_in, "state_in")?,
+                view_from_c(out, "out")?,
+            )
+        };
+        let state_out = replay::optional_view(state_out, "state_out")?;
+        let snapshots = replay::optional_view(snapshots, "snapshots")?;
+        if let Some(r) = opts.items.as_mut().filter(|r| r.end == usize::MAX) {
+            // item_end -1 with a start: up to B * Hv.
+            r.end =
+                q.shape().first().copied().unwrap_or(0) * v.shape().get(2).copied().unwrap_or(0);
+        }
+        let io = RecurrentIo {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+            state_in: &state_in,
+            state_out: state_out.as_ref(),
+            snapshots: snapshots.as_ref(),
+            out: &out,
+        };
+        gdn_recurrent(&ctx, &io, &opts, Stream(stream as usize))
     })
 }

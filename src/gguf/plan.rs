@@ -20,13 +20,19 @@
 //! | `{arch}.ssm.state_size`               | `Keys.SSM.STATE_SIZE`               |
 //! | `{arch}.ssm.time_step_rank`           | `Keys.SSM.TIME_STEP_RANK`           |
 //! | `{arch}.ssm.group_count`              | `Keys.SSM.GROUP_COUNT`              |
+//! | `{arch}.attention.recurrent_layers`   | `Keys.Attention.RECURRENT_LAYERS` * |
+//!
+//! \* Not in gguf 0.19.0; in the gguf-py that llama.cpp 0c1e570 vendors (`add_recurrent_layers`
+//! writes a bool array), and written by llama.cpp's own model saver (`test-llama-archs -o`).
 //!
 //! Layer kinds (llama.cpp `llama-model.cpp`, `load_hparams`):
 //! - llama, qwen2, qwen3: every layer is softmax attention. None of these loaders applies
 //!   a sliding window.
-//! - qwen3next, qwen35: layer i is a Gated DeltaNet layer when
-//!   `(i + 1) % full_attention_interval != 0` (default 4) and it is not one of the
-//!   trailing `nextn_predict_layers` (MTP) blocks; the others are attention. GDN shapes:
+//! - qwen3next, qwen35: layer i is a Gated DeltaNet layer when flag i of
+//!   `attention.recurrent_layers` is set (one flag per layer, or one for all; bool or
+//!   integer, non-zero = set), or, without that key, when `(i + 1) % full_attention_interval
+//!   != 0` (default 4) and it is not one of the trailing `nextn_predict_layers` (MTP)
+//!   blocks; the others are attention. GDN shapes:
 //!   key heads = `ssm.group_count`, value heads = `ssm.time_step_rank`, dk =
 //!   `ssm.state_size`, dv = `ssm.inner_size / ssm.time_step_rank`; the causal conv runs over
 //!   q, k and v: `2 * Hk * dk + Hv * dv` channels.
@@ -186,6 +192,26 @@ impl Keys<'_> {
             Some(v) => Ok(Some(vec![self.number(&key, v, max)?; n])),
         }
     }
+
+    /// Per-layer flags, a scalar or one per layer (llama.cpp's get_key_or_arr into a u32
+    /// array: bool or integer elements, non-zero = set).
+    fn flags(&self, k: &str, n: usize) -> Result<Option<Vec<bool>>> {
+        let key = self.key(k);
+        let flag = |v: &Value| match v {
+            Value::Bool(b) => Ok(*b),
+            v => self.number(&key, v, u64::from(u32::MAX)).map(|x| x != 0),
+        };
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => {
+                if a.len() != n {
+                    return Err(bad(format!("{key} has {} entries for {n} layers", a.len())));
+                }
+                a.iter().map(flag).collect::<Result<Vec<_>>>().map(Some)
+            }
+            Some(v) => Ok(Some(vec![flag(v)?; n])),
+        }
+    }
 }
 
 const MAX_LAYERS: u64 = 4096;
@@ -307,20 +333,31 @@ pub fn plan(file: &GgufFile) -> Result<ModelPlan> {
                 conv_kernel: kernel,
                 conv_dim: 2 * hk * dk + inner,
             };
-            let interval = keys.u("full_attention_interval", MAX_LAYERS)?.unwrap_or(4);
-            if interval == 0 {
-                return Err(bad(format!("{} is 0", keys.key("full_attention_interval"))));
-            }
             let nextn = keys.u("nextn_predict_layers", MAX_LAYERS)?.unwrap_or(0);
             if nextn >= n {
                 return Err(bad(format!(
                     "nextn_predict_layers {nextn} leaves no trunk in {n} layers"
                 )));
             }
+            // llama.cpp (qwen3next.cpp, qwen35.cpp `load_arch_hparams`): the file's flags
+            // when it has them, else every full_attention_interval-th trunk layer is
+            // attention.
+            let recurrent = match keys.flags("attention.recurrent_layers", n)? {
+                Some(f) => f,
+                None => {
+                    let interval = keys.u("full_attention_interval", MAX_LAYERS)?.unwrap_or(4);
+                    if interval == 0 {
+                        return Err(bad(format!("{} is 0", keys.key("full_attention_interval"))));
+                    }
+                    (0..n)
+                        .map(|i| i < n - nextn && (i + 1) % interval != 0)
+                        .collect()
+                }
+            };
             let (heads, kv) = heads_kv(true)?;
             (0..n)
                 .map(|i| {
-                    if i < n - nextn && (i + 1) % interval != 0 {
+                    if recurrent[i] {
                         Ok(LayerPlan::Gdn(gdn))
                     } else {
                         attention(i, &heads, &kv)

@@ -10,6 +10,8 @@ pub mod mamba2;
 pub mod math;
 pub mod replay;
 
+/// The stateless recurrent GDN step over caller tensors (`kvr_context_gdn_recurrent`).
+pub use gdn::{recurrent as gdn_recurrent, HeadMap, RecurrentIo, RecurrentOptions};
 pub use gdn::{Gdn, GdnConfig, GdnIo, GdnOptions, GdnPool};
 pub use linattn::{LinAttn, LinAttnIo, LinAttnOptions, LinAttnPool};
 pub use mamba2::{Mamba2, Mamba2Io, Mamba2Options, Mamba2Pool};

@@ -5,6 +5,7 @@
 pub const T_U32: u32 = 4;
 pub const T_I32: u32 = 5;
 pub const T_F32: u32 = 6;
+pub const T_BOOL: u32 = 7;
 pub const T_STRING: u32 = 8;
 pub const T_ARRAY: u32 = 9;
 pub const T_U64: u32 = 10;
@@ -74,6 +75,23 @@ impl Builder {
     }
     pub fn string(&mut self, key: &str, v: &str) -> &mut Self {
         self.raw_kv(key, T_STRING, &str_bytes(v))
+    }
+    pub fn bool(&mut self, key: &str, v: bool) -> &mut Self {
+        self.raw_kv(key, T_BOOL, &[v as u8])
+    }
+    pub fn arr_bool(&mut self, key: &str, v: &[bool]) -> &mut Self {
+        let mut b = T_BOOL.to_le_bytes().to_vec();
+        b.extend((v.len() as u64).to_le_bytes());
+        b.extend(v.iter().map(|&x| x as u8));
+        self.raw_kv(key, T_ARRAY, &b)
+    }
+    pub fn arr_u32(&mut self, key: &str, v: &[u32]) -> &mut Self {
+        let mut b = T_U32.to_le_bytes().to_vec();
+        b.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            b.extend(x.to_le_bytes());
+        }
+        self.raw_kv(key, T_ARRAY, &b)
     }
     pub fn arr_i32(&mut self, key: &str, v: &[i32]) -> &mut Self {
         let mut b = T_I32.to_le_bytes().to_vec();

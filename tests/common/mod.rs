@@ -11,6 +11,7 @@ pub mod gdn;
 pub mod gguf;
 pub mod gpu;
 pub mod kv;
+pub mod recur;
 pub mod ssm;
 
 mod rng;

@@ -255,6 +255,73 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `launch`, optionally with programmatic dependent launch (`pdl`; used only where the
+    /// kernel's code was built for PTX 9.0+, i.e. from compute_90a on sm_90: code JIT-built
+    /// from the compute_80 PTX has no `griddepcontrol` and must not start early): the kernel
+    /// may start while the previous kernel on the stream finishes, so it must wait
+    /// (`griddepcontrol.wait`) before touching memory.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_ex(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        stream: Stream,
+        params: &mut [*mut c_void],
+        pdl: bool,
+    ) -> Result<()> {
+        if !pdl {
+            return self.launch(kernel, grid, block, shared_bytes, stream, params);
+        }
+        let module = self.module()?;
+        let f = module.function(kernel);
+        let _cur = self.make_current()?;
+        let mut ptx = 0;
+        // SAFETY: `f` belongs to this context's module; writes only `ptx`.
+        check("cuFuncGetAttribute", unsafe {
+            sys::cuFuncGetAttribute(
+                &mut ptx,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PTX_VERSION,
+                f,
+            )
+        })?;
+        if ptx < 90 {
+            drop(_cur);
+            return self.launch(kernel, grid, block, shared_bytes, stream, params);
+        }
+        // SAFETY: an all-zero attribute is a valid (empty) value of the C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: shared_bytes,
+            hStream: self.resolve_stream(stream),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch`; `config` and `attr` outlive the call.
+        let r =
+            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver::cuda_error(
+                "cuLaunchKernelEx",
+                r,
+                format!(
+                    " (kernel {}, grid {grid:?}, block {block:?}, programmatic dependent launch)",
+                    kernel.name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Asks for the largest shared-memory carveout for `kernel` (less L1), for kernels whose
     /// occupancy is set by their shared memory.
     pub(crate) fn prefer_shared_memory(&self, kernel: Kernel) -> Result<()> {

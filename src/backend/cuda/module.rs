@@ -88,10 +88,32 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_vprep_d<dk>` (kernels/gdn_sverify.cu): the drafts' q/k and key products of
     /// a verify, per (row, key head); dk is one of [`GDN_DECODE_DKS`].
     GdnVprep { dk: usize },
+    /// `kvr_gdn_recur_d<dk>_r<rows>` (kernels/gdn_recur.cu): the stateless recurrent step
+    /// over the caller's tensors; dk in [`GDN_RECUR_DKS`], rows per warp in [`GDN_RECUR_ROWS`].
+    GdnRecur { dk: usize, rows: usize },
+    /// `kvr_gdn_dprep_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the per-sequence part of the
+    /// warp-streaming decode (metadata, key products, weights, new key and decay); dk in
+    /// [`GDN_DECODE_DKS`], rings of up to 16 or 32 entries.
+    GdnDPrep { dk: usize, ring32: bool },
+    /// `kvr_gdn_wdecode_<state>_v_d<dk>_r<ring>` (kernels/gdn_wdecode.cu): the
+    /// warp-streaming decode of V-major states; `ring` is one of [`GDN_WDECODE_RINGS`]
+    /// (0: recurrent pools; else rings of up to that many entries).
+    GdnWDecode {
+        state: DType,
+        dk: usize,
+        ring: usize,
+    },
 }
+
+/// Ring lengths the warp-streaming decode kernels are compiled for (0: recurrent pools).
+pub const GDN_WDECODE_RINGS: [usize; 3] = [0, 16, 32];
 
 /// Key dimensions the fast GDN decode kernel is compiled for.
 pub const GDN_DECODE_DKS: [usize; 3] = [64, 128, 256];
+
+/// Key dimensions and value rows per warp of the stateless recurrent kernel.
+pub const GDN_RECUR_DKS: [usize; 4] = [32, 64, 128, 256];
+pub const GDN_RECUR_ROWS: [usize; 3] = [1, 2, 4];
 
 const COPY_BASE: usize = 0;
 const KV_PATCH: usize = 9;
@@ -105,7 +127,10 @@ const GDN_DECODE_BASE: usize = 40;
 const GDN_STREAM_BASE: usize = 52;
 const GDN_VERIFY_BASE: usize = 64;
 const GDN_VPREP_BASE: usize = 76;
-const KERNEL_COUNT: usize = 79;
+const GDN_RECUR_BASE: usize = 79;
+const GDN_DPREP_BASE: usize = 91;
+const GDN_WDECODE_BASE: usize = 97;
+const KERNEL_COUNT: usize = 115;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -165,6 +190,23 @@ impl Kernel {
         for dk in GDN_DECODE_DKS {
             v.push(Kernel::GdnVprep { dk });
         }
+        for dk in GDN_RECUR_DKS {
+            for rows in GDN_RECUR_ROWS {
+                v.push(Kernel::GdnRecur { dk, rows });
+            }
+        }
+        for dk in GDN_DECODE_DKS {
+            for ring32 in [false, true] {
+                v.push(Kernel::GdnDPrep { dk, ring32 });
+            }
+        }
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for ring in GDN_WDECODE_RINGS {
+                    v.push(Kernel::GdnWDecode { state, dk, ring });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -204,12 +246,21 @@ impl Kernel {
             Kernel::GdnVerify { state, vmajor, dk } => {
                 GDN_VERIFY_BASE + gdn_decode_slot(state, vmajor, dk)
             }
-            Kernel::GdnVprep { dk } => {
-                GDN_VPREP_BASE
-                    + GDN_DECODE_DKS
-                        .iter()
-                        .position(|&x| x == dk)
-                        .expect("a compiled dk")
+            Kernel::GdnVprep { dk } => GDN_VPREP_BASE + dk_slot(dk),
+            Kernel::GdnRecur { dk, rows } => {
+                let d = GDN_RECUR_DKS.iter().position(|&x| x == dk);
+                let r = GDN_RECUR_ROWS.iter().position(|&x| x == rows);
+                GDN_RECUR_BASE
+                    + d.expect("a compiled recurrent dk") * GDN_RECUR_ROWS.len()
+                    + r.expect("compiled rows per warp")
+            }
+            Kernel::GdnDPrep { dk, ring32 } => GDN_DPREP_BASE + 2 * dk_slot(dk) + ring32 as usize,
+            Kernel::GdnWDecode { state, dk, ring } => {
+                let r = GDN_WDECODE_RINGS.iter().position(|&x| x == ring);
+                GDN_WDECODE_BASE
+                    + 6 * dk_slot(dk)
+                    + if state == DType::BF16 { 3 } else { 0 }
+                    + r.expect("a compiled ring length")
             }
         }
     }
@@ -250,17 +301,28 @@ impl Kernel {
                 if vmajor { "v" } else { "k" }
             ),
             Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
+            Kernel::GdnRecur { dk, rows } => format!("kvr_gdn_recur_d{dk}_r{rows}"),
+            Kernel::GdnDPrep { dk, ring32 } => {
+                format!("kvr_gdn_dprep_d{dk}_r{}", if ring32 { 32 } else { 16 })
+            }
+            Kernel::GdnWDecode { state, dk, ring } => {
+                format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
+            }
         }
     }
 }
 
 /// Offset of a GDN decode variant inside its kernel family (dk, then state, then layout).
-fn gdn_decode_slot(state: DType, vmajor: bool, dk: usize) -> usize {
-    let d = GDN_DECODE_DKS
+/// Position of `dk` in [`GDN_DECODE_DKS`].
+fn dk_slot(dk: usize) -> usize {
+    GDN_DECODE_DKS
         .iter()
         .position(|&x| x == dk)
-        .expect("a compiled GDN decode dk");
-    4 * d + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
+        .expect("a compiled dk")
+}
+
+fn gdn_decode_slot(state: DType, vmajor: bool, dk: usize) -> usize {
+    4 * dk_slot(dk) + if state == DType::BF16 { 2 } else { 0 } + vmajor as usize
 }
 
 /// The fatbin loaded into a context, with every kernel resolved.

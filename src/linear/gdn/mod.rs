@@ -4,8 +4,10 @@
 //! (`math::verify_head`). Kernels: kernels/gdn*.cu.
 
 mod io;
+mod recur;
 
 pub use io::{Gdn, GdnIo, GdnOptions};
+pub use recur::{recurrent, HeadMap, RecurrentIo, RecurrentOptions};
 
 use crate::backend::Context;
 use crate::error::Result;

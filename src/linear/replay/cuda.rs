@@ -20,6 +20,10 @@ use crate::abi::{
     KVR_GDN_RULE_ADDITIVE, KVR_GDN_RULE_DELTA, KVR_GDN_STREAM_THREADS as STREAM_THREADS,
     KVR_GDN_THREADS as THREADS,
 };
+use crate::abi::{
+    gdn_dscratch_floats, KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_WDECODE_MAX_RING,
+    KVR_GDN_WDECODE_ROWS,
+};
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
 use crate::backend::cuda::patch::patch_i32;
@@ -164,6 +168,37 @@ pub(crate) struct ReplayCuda {
     verify_chunk: usize,
     /// KVR_GDN_VERIFY_ROWS: forced rows per CTA of the verify kernel (benchmarking).
     forced_verify_rows: Option<usize>,
+    /// The warp-streaming decode (kernels/gdn_wdecode.cu), where it applies.
+    wdecode: Option<WDecode>,
+}
+
+/// Warps per CTA of the warp-streaming decode kernel.
+const WDECODE_WARPS: usize = 4;
+
+/// The compiled ring length of the warp-streaming decode kernel for a pool's ring.
+fn wdecode_ring(ring_len: usize) -> usize {
+    match ring_len {
+        0 => 0,
+        1..=16 => 16,
+        _ => 32,
+    }
+}
+
+/// The warp-streaming decode of a pool: V-major states, no KV-only mode, rings of up to
+/// `KVR_GDN_WDECODE_MAX_RING` entries (or none).
+struct WDecode {
+    /// The kernels for rings of 17..=32 entries (else up to 16).
+    ring32: bool,
+    /// The prep kernel's records (replay pools), for `rows` batch rows a launch, one area
+    /// of `scratch_bytes` per layer (calls on different layers may run on different streams).
+    scratch: Option<DeviceBuffer>,
+    scratch_bytes: usize,
+    rows: usize,
+    /// Dynamic shared memory of the prep kernel.
+    prep_smem: u32,
+    /// Batch rows from which it is used (below, the streaming kernel's single launch measured
+    /// faster on the H200 for replay decode).
+    min_rows: usize,
 }
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
@@ -389,6 +424,66 @@ impl ReplayCuda {
                 verify_chunk * cfg.k_heads * record,
             )?)
         };
+        // The warp-streaming decode: V-major pools without KV-only mode whose states take
+        // 16-byte loads. KVR_GDN_DECODE=stream (or warp, general) selects the older kernels.
+        let lc = cfg.ring_len.max(1);
+        // The prep kernel's shared memory: key products, normalized keys, k . q [hk]; ring
+        // decays [hv][lc]; v of the row.
+        let prep_smem = (2 * lc + cfg.dk + 1) * cfg.k_heads * 4
+            + cfg.v_heads * lc * 4
+            + 16
+            + cfg.v_heads * cfg.dv * 4;
+        let wdecode = if cfg.layout == StateLayout::VMajor
+            && cfg.kv_only_threshold == 0
+            && GDN_DECODE_DKS.contains(&cfg.dk)
+            && cfg.ring_len <= KVR_GDN_WDECODE_MAX_RING
+            && cfg.dv % (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS) == 0
+            && cfg.v_heads % cfg.k_heads == 0
+            && prep_smem <= STREAM_SMEM_LIMIT
+            && aligned
+            && !matches!(which.as_str(), "general" | "warp" | "stream")
+        {
+            let ring32 = cfg.ring_len > 16;
+            let prep_smem = prep_smem as u32;
+            let prep = cuda.prepare_kernel(
+                Kernel::GdnDPrep { dk: cfg.dk, ring32 },
+                prep_smem,
+                DPREP_THREADS,
+            )?;
+            let main = cuda.prepare_kernel(
+                Kernel::GdnWDecode {
+                    state: cfg.state_dtype,
+                    dk: cfg.dk,
+                    ring: wdecode_ring(cfg.ring_len),
+                },
+                0,
+                (32 * WDECODE_WARPS) as u32,
+            )?;
+            let rows = cfg.max_seqs.min(MAX_INLINE);
+            let heads = (cfg.v_heads, cfg.k_heads);
+            let scratch_bytes =
+                gdn_dscratch_floats(rows, heads, (cfg.dk, cfg.dv), cfg.ring_len).div_ceil(4) * 16;
+            let scratch = if cfg.ring_len > 0 {
+                Some(DeviceBuffer::new(cuda, cfg.layers * scratch_bytes)?)
+            } else {
+                None
+            };
+            (prep > 0 && main > 0).then_some(WDecode {
+                ring32,
+                scratch,
+                scratch_bytes,
+                rows,
+                prep_smem,
+                // KVR_GDN_DECODE=wdecode: at every batch (tests, benchmarking).
+                min_rows: if cfg.ring_len > 0 && which != "wdecode" {
+                    8
+                } else {
+                    1
+                },
+            })
+        } else {
+            None
+        };
         let sync = DeviceBuffer::new(cuda, cfg.max_seqs * cfg.v_heads * 4)?;
         sync.upload(&vec![0u32; cfg.max_seqs * cfg.v_heads])?;
         let descs: Vec<LayerState> = lay
@@ -421,6 +516,7 @@ impl ReplayCuda {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|r| verify_rows.iter().any(|w| w.0 == *r)),
+            wdecode,
         })
     }
 
@@ -647,6 +743,47 @@ impl ReplayCuda {
         };
         let smem = stream_smem_bytes(cfg, launch.rows, launch.stages) as u32;
         self.run(kernel, launch.grid, STREAM_THREADS, smem, p, stream)
+    }
+
+    /// The warp-streaming decode: the prep kernel, then the state kernel as its programmatic
+    /// dependent (`p.tv` = 32 value rows per CTA).
+    fn launch_wdecode(
+        &self,
+        p: &mut StepParams,
+        (w, layer): (&WDecode, usize),
+        rows: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        p.scratch = w
+            .scratch
+            .as_ref()
+            .map_or(0, |s| (s.addr() + layer * w.scratch_bytes) as u64);
+        // Recurrent pools without a conv window need no prep: the state kernel counts the step.
+        let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
+        if prep {
+            let kernel = Kernel::GdnDPrep {
+                dk: cfg.dk,
+                ring32: w.ring32,
+            };
+            self.run(kernel, rows, DPREP_THREADS, w.prep_smem, p, stream)?;
+        }
+        let kernel = Kernel::GdnWDecode {
+            state: cfg.state_dtype,
+            dk: cfg.dk,
+            ring: wdecode_ring(cfg.ring_len),
+        };
+        let grid = rows * cfg.v_heads * p.tiles as usize;
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch_ex(
+            kernel,
+            (grid as u32, 1, 1),
+            ((32 * WDECODE_WARPS) as u32, 1, 1),
+            0,
+            stream,
+            &mut args,
+            prep,
+        )
     }
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
@@ -897,17 +1034,24 @@ impl Executor for ReplayCuda {
         let fast = plan.rule == Rule::Delta;
         let single = step.t == 1 && step.auto_commit && fast;
         let decode = self.decode_rows.filter(|_| single);
+        // The warp-streaming decode takes both rules.
+        let wd = self
+            .wdecode
+            .as_ref()
+            .filter(|_| step.t == 1 && step.auto_commit);
         let chunk_rows = match step.ids {
             BatchIds::Host(_) if !step.auto_commit && !self.verify_rows.is_empty() => {
                 self.verify_chunk
             }
             BatchIds::Host(_) => MAX_INLINE,
             BatchIds::Device(_) => usize::MAX,
-        };
+        }
+        .min(wd.map_or(usize::MAX, |w| w.rows));
         let mut b0 = 0;
         while b0 < step.b {
             let rows = (step.b - b0).min(chunk_rows);
-            let streamed = if single {
+            let wdecoded = wd.filter(|w| rows >= w.min_rows);
+            let streamed = if single && wdecoded.is_none() {
                 self.stream_launch(cfg, rows)
             } else {
                 None
@@ -917,8 +1061,9 @@ impl Executor for ReplayCuda {
             } else {
                 self.verify_launch(cfg, rows, step.t)
             };
-            let tv = streamed
-                .map(|s| s.rows)
+            let tv = wdecoded
+                .map(|_| WDECODE_WARPS * KVR_GDN_WDECODE_ROWS)
+                .or(streamed.map(|s| s.rows))
                 .or(verified)
                 .or(decode)
                 .unwrap_or_else(|| self.tile(cfg, rows));
@@ -939,7 +1084,9 @@ impl Executor for ReplayCuda {
                 BatchIds::Host(ids) => p.ids_inline[..rows].copy_from_slice(&ids[b0..b0 + rows]),
                 BatchIds::Device(addr) => p.ids = (addr + b0 * 4) as u64,
             }
-            if let Some(launch) = streamed {
+            if let Some(w) = wdecoded {
+                self.launch_wdecode(&mut p, (w, step.layer), rows, stream)?;
+            } else if let Some(launch) = streamed {
                 self.launch_stream(&mut p, launch, stream)?;
             } else if verified.is_some() {
                 self.launch_verify(&mut p, rows, stream)?;

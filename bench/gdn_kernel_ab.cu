@@ -1,0 +1,256 @@
+// Kernel-level A/B of the GDN decode kernels without the Rust library: the warp-streaming
+// decode (kernels/gdn_wdecode.cu, prep + state kernel under PDL) against the streaming kernel
+// (kernels/gdn_stream.cu) on the same pool contents (Qwen3-Next layer: 16/32 heads, d 128, f32
+// state V-major, f32 ring): outputs, states, ring and metadata compared after 40 steps; then µs
+// per step under graph replay (16-step cycles, so one flush per sequence), the prep and state
+// kernels alone, and the state kernel in recurrent mode. The device has nvcc, so a kernel edit
+// is measured in one call (about a minute) without a GPU bundle:
+//   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
+//     gdn_kernel_ab.cu -o ab && ./ab 16 [B]        # ring length, optional single batch size
+#include "../kernels/gdn_stream.cu"
+#include "../kernels/gdn_wdecode.cu"
+#include <cstdio>
+#define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
+#define MAIN (L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16)
+#define MAIN_SMEM 0
+#define MAIN_GRID(B) (B * HV * 4)
+#include <algorithm>
+#include <vector>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+
+constexpr int HK = 16, HV = 32, D = 128;
+using kvr::gdn::StepParams;
+
+struct Pool {
+  float *state, *ru, *rk, *rg, *scr;
+  int* meta;
+  size_t n_state, n_ru, n_rk, n_rg;
+};
+
+static float frand(uint64_t& s) {
+  s = s * 6364136223846793005ull + 1442695040888963407ull;
+  return ((s >> 40) & 0xffffff) / 16777216.f;
+}
+
+static kvr_gdn_tensor tens(void* p, int dt, int64_t s0, int64_t s1, int64_t s2, int64_t s3) {
+  kvr_gdn_tensor t;
+  memset(&t, 0, sizeof t);
+  t.p = p;
+  t.s[0] = s0; t.s[1] = s1; t.s[2] = s2; t.s[3] = s3;
+  t.dtype = dt;
+  return t;
+}
+
+int main(int argc, char** argv) {
+  const int L = argc > 1 ? atoi(argv[1]) : 16;
+  const int Bs[] = {1, 8, 32, 64, 128, 256};
+  const int sdk = KVR_DT_F32;
+  (void)sdk;
+  int nsm;
+  CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  CK(cudaFuncSetAttribute(kvr_gdn_sdecode_f32_v_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MAIN, 128, MAIN_SMEM));
+  printf("state kernel: %d CTAs per SM\n", per_sm);
+  printf("L=%d  B | stream us | wdecode us | speedup | floor us (4.25 TB/s) | wdecode %% floor | max rel err out / state / ring\n", L);
+  const int only = argc > 2 ? atoi(argv[2]) : 0;
+  for (int B : Bs) {
+    if (only && B != only) continue;
+    const int NSETS = 8;
+    Pool P[2];
+    for (auto& pl : P) {
+      pl.n_state = (size_t)B * HV * D * D;
+      pl.n_ru = (size_t)B * L * HV * D;
+      pl.n_rk = (size_t)B * L * HK * D;
+      pl.n_rg = (size_t)B * L * HV;
+      CK(cudaMalloc(&pl.state, pl.n_state * 4));
+      CK(cudaMalloc(&pl.ru, pl.n_ru * 4));
+      CK(cudaMalloc(&pl.rk, pl.n_rk * 4));
+      CK(cudaMalloc(&pl.rg, pl.n_rg * 4));
+      CK(cudaMalloc(&pl.meta, (size_t)B * 8 * 4));
+      const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(B, HV, HK, D, D, L);
+      CK(cudaMalloc(&pl.scr, (size_t)lay.total * 4));
+    }
+    // initial contents
+    {
+      uint64_t s = 1;
+      std::vector<float> h(P[0].n_state);
+      for (auto& x : h) x = (frand(s) - 0.5f) * 0.2f;
+      std::vector<int> m((size_t)B * 8, 0);
+      for (int b = 0; b < B; ++b) m[b * 8] = KVR_GDN_REPLAY;
+      for (auto& pl : P) {
+        CK(cudaMemcpy(pl.state, h.data(), pl.n_state * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemset(pl.ru, 0, pl.n_ru * 4));
+        CK(cudaMemset(pl.rk, 0, pl.n_rk * 4));
+        CK(cudaMemset(pl.rg, 0, pl.n_rg * 4));
+        CK(cudaMemcpy(pl.meta, m.data(), m.size() * 4, cudaMemcpyHostToDevice));
+      }
+    }
+    // input sets: q, k [B][HK][D] bf16, v [B][HV][D] bf16, g [B][HV] f32, beta [B][HV] bf16
+    __nv_bfloat16 *q, *k, *v, *beta;
+    float *g, *out[2];
+    CK(cudaMalloc(&q, (size_t)NSETS * B * HK * D * 2));
+    CK(cudaMalloc(&k, (size_t)NSETS * B * HK * D * 2));
+    CK(cudaMalloc(&v, (size_t)NSETS * B * HV * D * 2));
+    CK(cudaMalloc(&beta, (size_t)NSETS * B * HV * 2));
+    CK(cudaMalloc(&g, (size_t)NSETS * B * HV * 4));
+    CK(cudaMalloc(&out[0], (size_t)B * HV * D * 4));
+    CK(cudaMalloc(&out[1], (size_t)B * HV * D * 4));
+    {
+      uint64_t s = 7;
+      auto fill = [&](__nv_bfloat16* d, size_t n, float lo, float hi) {
+        std::vector<__nv_bfloat16> h(n);
+        for (auto& x : h) x = __float2bfloat16(lo + (hi - lo) * frand(s));
+        CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+      };
+      fill(q, (size_t)NSETS * B * HK * D, -1, 1);
+      fill(k, (size_t)NSETS * B * HK * D, -1, 1);
+      fill(v, (size_t)NSETS * B * HV * D, -1, 1);
+      fill(beta, (size_t)NSETS * B * HV, 0.1f, 0.9f);
+      std::vector<float> hg((size_t)NSETS * B * HV);
+      for (auto& x : hg) x = -0.4f + 0.39f * frand(s);
+      CK(cudaMemcpy(g, hg.data(), hg.size() * 4, cudaMemcpyHostToDevice));
+    }
+    auto params = [&](int which, int set, float* o) {
+      StepParams p;
+      memset(&p, 0, sizeof p);
+      Pool& pl = P[which];
+      p.state = (char*)pl.state;
+      p.ring_u = (char*)pl.ru;
+      p.ring_k = (char*)pl.rk;
+      p.ring_g = pl.rg;
+      p.meta = pl.meta;
+      p.scratch = pl.scr;
+      p.seq_stride = (int64_t)HV * D * D;
+      p.q = tens(q + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
+      p.k = tens(k + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
+      p.v = tens(v + (size_t)set * B * HV * D, KVR_DT_BF16, HV * D, HV * D, D, 1);
+      p.g = tens(g + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);
+      p.beta = tens(beta + (size_t)set * B * HV, KVR_DT_BF16, HV, HV, 1, 1);
+      p.out = tens(o, KVR_DT_F32, HV * D, HV * D, D, 1);
+      p.op = KVR_GDN_OP_STEP;
+      p.b = B; p.t = 1; p.hk = HK; p.hv = HV; p.dk = D; p.dv = D; p.l = L;
+      p.entry_dtype = KVR_DT_F32; p.conv_dtype = KVR_DT_F32;
+      p.auto_commit = 1; p.l2norm = 1; p.hmax = L; p.stages = 1;
+      p.scale = 1.f / sqrtf((float)D);
+      p.rule = KVR_GDN_RULE_DELTA; p.dt_mode = KVR_GDN_DT_NONE; p.export_prefix = -1;
+      p.dt_min = 0.f; p.dt_max = 1e30f;
+      for (int b = 0; b < B; ++b) p.ids_inline[b] = b;
+      return p;
+    };
+    const int R = B >= 32 ? 128 : (B >= 8 ? 32 : 16);
+    auto launch_stream = [&](int set, float* o) {
+      StepParams p = params(0, set, o);
+      p.tv = R;
+      p.tiles = D / R;
+      const kvr_gdn_stream_smem lay = kvr_gdn_stream_smem_layout(1, D, R, 4, L, 4, 1);
+      kvr_gdn_sdecode_f32_v_d128<<<B * HV * p.tiles, KVR_GDN_STREAM_THREADS, lay.total, st>>>(p);
+    };
+    auto launch_w = [&](int set, float* o) {
+      StepParams p = params(1, set, o);
+      p.tv = 32;
+      p.tiles = D / 32;
+      PREP<<<B, KVR_GDN_DPREP_THREADS, (2 * HK * (L > 0 ? L : 1) + HK * D + HK + HV * (L > 0 ? L : 1) + HV * D) * 4 + 16, st>>>(p);
+      cudaLaunchConfig_t cfg;
+      memset(&cfg, 0, sizeof cfg);
+      cfg.gridDim = dim3(MAIN_GRID(B));
+      cfg.dynamicSmemBytes = MAIN_SMEM;
+      cfg.blockDim = dim3(128);
+      cfg.stream = st;
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      at[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = at;
+      cfg.numAttrs = 1;
+      CK(cudaLaunchKernelEx(&cfg, MAIN, p));
+    };
+    // correctness: 40 steps
+    double e_out = 0;
+    std::vector<float> o0((size_t)B * HV * D), o1(o0.size());
+    for (int step = 0; step < 40; ++step) {
+      launch_stream(step % NSETS, out[0]);
+      launch_w(step % NSETS, out[1]);
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(o0.data(), out[0], o0.size() * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(o1.data(), out[1], o1.size() * 4, cudaMemcpyDeviceToHost));
+      double mx = 0, md = 0;
+      for (size_t i = 0; i < o0.size(); ++i) { mx = fmax(mx, fabs(o0[i])); md = fmax(md, fabs(o0[i] - o1[i])); }
+      e_out = fmax(e_out, md / (mx + 1e-30));
+    }
+    auto cmp = [&](float* a, float* b, size_t n) {
+      std::vector<float> x(n), y(n);
+      CK(cudaMemcpy(x.data(), a, n * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(y.data(), b, n * 4, cudaMemcpyDeviceToHost));
+      double mx = 0, md = 0;
+      for (size_t i = 0; i < n; ++i) { mx = fmax(mx, fabs(x[i])); md = fmax(md, fabs(x[i] - y[i])); }
+      return md / (mx + 1e-30);
+    };
+    const double e_state = cmp(P[0].state, P[1].state, P[0].n_state);
+    const double e_ring = fmax(fmax(cmp(P[0].ru, P[1].ru, P[0].n_ru), cmp(P[0].rk, P[1].rk, P[0].n_rk)),
+                               cmp(P[0].rg, P[1].rg, P[0].n_rg));
+    std::vector<int> m0((size_t)B * 8), m1(m0.size());
+    CK(cudaMemcpy(m0.data(), P[0].meta, m0.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(m1.data(), P[1].meta, m1.size() * 4, cudaMemcpyDeviceToHost));
+    bool meta_ok = true;
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < 5; ++i) meta_ok &= m0[b * 8 + i] == m1[b * 8 + i];
+    // timing: graphs of 16 steps
+    auto time = [&](auto launch) {
+      cudaGraph_t gr;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < 16; ++i) launch(i % NSETS, out[0]);
+      CK(cudaStreamEndCapture(st, &gr));
+      CK(cudaGraphInstantiate(&ge, gr, 0));
+      for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0);
+      cudaEventCreate(&e1);
+      const int reps = 20;
+      cudaEventRecord(e0, st);
+      for (int w = 0; w < reps; ++w) cudaGraphLaunch(ge, st);
+      cudaEventRecord(e1, st);
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      cudaEventElapsedTime(&ms, e0, e1);
+      cudaGraphExecDestroy(ge);
+      cudaGraphDestroy(gr);
+      return ms * 1e3 / (reps * 16);
+    };
+    const double ts = time(launch_stream);
+    const double tw = time(launch_w);
+    const double tprep = time([&](int set, float* o) {
+      StepParams p = params(1, set, o);
+      p.tv = 32; p.tiles = D / 32;
+      PREP<<<B, KVR_GDN_DPREP_THREADS, (2 * HK * (L > 0 ? L : 1) + HK * D + HK + HV * (L > 0 ? L : 1) + HV * D) * 4 + 16, st>>>(p);
+    });
+    const double tmain = time([&](int set, float* o) {
+      StepParams p = params(1, set, o);
+      p.tv = 32; p.tiles = D / 32;
+      MAIN<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
+    });
+    StepParams prec = params(1, 0, out[0]);
+    prec.l = 0; prec.tv = 32; prec.tiles = D / 32;
+    const double trec = time([&](int set, float* o) {
+      kvr_gdn_wdecode_f32_v_d128_r0<<<MAIN_GRID(B), 128, 0, st>>>(prec);
+    });
+    printf("      prep alone %.2f us, main alone %.2f us, main recurrent (L=0) %.2f us\n", tprep, tmain, trec);
+    // floor: state read once, (L-1)/2 ring u + k rows read on average, one entry written, the state written every L steps
+    const double per_head = D * D * 4.0 + (L - 1) / 2.0 * (D * 4.0 + D * 4.0 * HK / HV) + D * 4.0 + D * D * 4.0 / L;
+    const double floor_us = B * HV * per_head / 4.25e12 * 1e6;
+    printf("%4d | %9.2f | %10.2f | %6.2fx | %8.2f | %5.1f %% | %.1e / %.1e / %.1e %s\n", B, ts, tw, ts / tw, floor_us,
+           100 * floor_us / tw, e_out, e_state, e_ring, meta_ok ? "meta ok" : "META MISMATCH");
+    for (auto& pl : P) {
+      cudaFree(pl.state); cudaFree(pl.ru); cudaFree(pl.rk); cudaFree(pl.rg); cudaFree(pl.meta); cudaFree(pl.scr);
+    }
+    cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(beta); cudaFree(g); cudaFree(out[0]); cudaFree(out[1]);
+  }
+  return 0;
+}

@@ -1,0 +1,527 @@
+// Gated DeltaNet (and additive-rule) single-token decode, warp-streaming form, in two launches:
+//   kvr_gdn_dprep_d<dk>              one CTA per batch row: the sequence's bookkeeping
+//   kvr_gdn_wdecode_<state>_v_d<dk>  one warp per 8 value rows of a (row, value head): the
+//                                    state stream and everything per value row
+// for V-major states in pools without KV-only mode, ring length 0 (recurrent) or up to
+// KVR_GDN_WDECODE_MAX_RING (src/linear/replay/cuda.rs picks it).
+//
+// What limits decode is keeping enough state bytes in flight: a plain read of the states
+// through registers, 8 rows a warp, runs at the GPU's read ceiling from B = 32 on (H200:
+// 4.5 TB/s), while kernels that also wait on the ring's metadata and entries inside each CTA
+// (gdn_stream.cu, gdn_decode.cu) reach half of it. So the work that depends on the metadata is
+// split off into a small kernel that runs first, and the state kernel never waits on a
+// dependent global load before its state is in registers:
+//
+// kvr_gdn_dprep (per batch row; it lets the state kernel launch at once, programmatic
+// dependent launch): reads the metadata; per key head q and k normalized (into the scratch) and
+// the key products k_p . q and k_p . k of every ring slot p; per value head the suffix weights
+// w_j = e^{g_{j+1} + ... + g_{h-1}} of the buffered entries' decays, e^G, e^g, beta, k . q and
+// the coefficients A_p = w_p (k_p . q), B_p = w_p (k_p . k) by slot (0 where no entry is
+// buffered) into the decode scratch (kvr_gdn_dscratch_layout); the row's v (copied whole:
+// the state kernel's warps each need 8 values of a line, and scattered reads of the input
+// cost the state stream a third of its speed); the new entry's key and decay into the ring (in
+// a flush step the slot is the oldest entry, whose key the state kernel still folds: it is
+// first copied to the scratch); the conv window; the new metadata. Nothing else reads the
+// metadata in the step, so there is no arrival counting.
+//
+// kvr_gdn_wdecode (per warp: 8 value rows, the whole key dimension in registers): issues its
+// state rows and every ring slot's u values of its rows first (no metadata needed), then waits
+// for the prep kernel (griddepcontrol.wait) and reads its records (L2 hits):
+//   (S_{t-1} x)[v] = e^G (S x)[v] + sum_p A/B_p u_p[v]  for x in {q, k},
+//   u = beta (v - e^{g} S_{t-1} k) (delta rule) or beta v (additive), y = e^{g} S_{t-1} q + (k . q) u,
+// writes y (after skip and gate) and its rows of u into the ring; a flush step folds the ring
+// into its rows (e^G S + sum_p w_p u_p k_p^T) and stores them. Recurrent pools decay, read and
+// rewrite the rows every step from the inputs; the prep kernel only keeps their conv window
+// and metadata (without a conv window it is not launched: the state kernel counts the step).
+#include "gdn_common.cuh"
+
+namespace kvr {
+namespace gdn {
+
+constexpr int kWRows = KVR_GDN_WDECODE_ROWS;
+static_assert(kWRows == 8, "the row phase maps lanes to 8 rows");
+
+
+template <int DK>
+__device__ __forceinline__ int wkey(int lane, int c) {
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  return (c / VW) * (32 * VW) + lane * VW + c % VW;
+}
+
+// KL elements of a q or k row (element `o` of tensor t, key map of `lane`) as floats: runs of
+// VW contiguous elements by one vector load where the row is contiguous and aligned for it,
+// else element by element.
+template <int DK>
+__device__ __forceinline__ void load_row(const Tensor& t, int64_t o, int lane, float* d) {
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int es = t.dtype == KVR_DT_F32 ? 4 : 2;
+  const char* base = static_cast<const char*>(t.p) + o * es;
+  if (t.s[3] == 1 && (reinterpret_cast<uintptr_t>(base) & (VW * es - 1)) == 0) {
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_entry<VW>(base, t.dtype, wkey<DK>(lane, c), d + c);
+  } else {
+#pragma unroll
+    for (int c = 0; c < KL; ++c) d[c] = ldx(t.p, t.dtype, o + wkey<DK>(lane, c) * t.s[3]);
+  }
+}
+
+// State rows at p by evict-first loads (the states are read once a step; the ring, the scratch
+// and the inputs stay in L2).
+template <typename SD, int N>
+__device__ __forceinline__ void ld_state(const SD* p, float* d) {
+  if constexpr (sizeof(SD) == 4 && N == 4) {
+    const float4 a = __ldcs(reinterpret_cast<const float4*>(p));
+    d[0] = a.x;
+    d[1] = a.y;
+    d[2] = a.z;
+    d[3] = a.w;
+  } else if constexpr (sizeof(SD) == 2 && N == 4) {
+    const uint2 r = __ldcs(reinterpret_cast<const uint2*>(p));
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+    const float2 c = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
+    d[0] = a.x;
+    d[1] = a.y;
+    d[2] = c.x;
+    d[3] = c.y;
+  } else {
+    ld_vec<SD, N>(p, d);
+  }
+}
+
+// Ring entries are addressed by physical slot p < L here: the coefficients of slots that hold
+// no buffered entry are 0 and their u values are masked, so that the state kernel can load
+// every slot's u rows before it knows the metadata.
+template <int DK, int LU>
+__device__ void dprep_body(const StepParams& p) {
+  pdl_launch_dependents();
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  if (seq < 0) return;
+  const int L = p.l;
+  const int Lc = L > 0 ? L : 1;
+  const int group = p.hv / p.hk;
+  __shared__ int mi[5];
+  extern __shared__ float dsm[];  // k_p . q [hk][Lc], k_p . k [hk][Lc], normalized k [hk][DK], k . q [hk]
+  int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  if (tid == 0) {
+    const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+    mi[0] = m.x;
+    mi[1] = m.y;
+    mi[2] = m.z;
+    mi[3] = m.w;
+    mi[4] = __ldcg(meta + kMetaConvEnd);
+  }
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const bool ring = L > 0;
+  float* cq = dsm;
+  float* ck = dsm + p.hk * Lc;
+  float* kn = ck + p.hk * Lc;
+  float* kqs = kn + p.hk * DK;
+  const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
+  float* gsm = kqs + p.hk;  // ring decays [hv][Lc], by cp.async
+  // v of the row (raw), 16-byte aligned
+  unsigned char* vsm = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(gsm + p.hv * Lc) + 15) & ~uintptr_t{15});
+  const int ves = p.v.dtype == KVR_DT_F32 ? 4 : 2;
+  const int vbytes = p.hv * p.dv * ves;
+  const bool vcopy = ring && p.v.s[3] == 1 && p.v.s[2] == p.dv && vbytes % 16 == 0 &&
+                     ((reinterpret_cast<uintptr_t>(p.v.p) + b * p.v.s[0] * ves) & 15) == 0;
+  auto key = [&](int c) { return wkey<DK>(lane, c); };
+  if (ring) {
+    for (int i = tid; i < L * p.hv; i += blockDim.x) {
+      const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(gsm + (i % p.hv) * Lc + i / p.hv));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sa),
+                   "l"(p.ring_g + static_cast<int64_t>(seq) * L * p.hv + i)
+                   : "memory");
+    }
+    cp_async_commit();
+    // The row's v, for the state kernel (whose warps each need 8 values of a line: a
+    // copy of whole lines costs less than their scattered reads), to shared memory now
+    // and to the scratch after the barrier; element by element where it is not contiguous.
+    if (vcopy) {
+      const char* v0 = static_cast<const char*>(p.v.p) + b * p.v.s[0] * ves;
+      for (int i = tid * 16; i < vbytes; i += blockDim.x * 16) cp_async_16(vsm + i, v0 + i, 16);
+      cp_async_commit();
+    }
+    // Per key head: q and k normalized, and the key products of every slot, CH slots a round.
+    constexpr int CH = DK > 128 ? 4 : (LU < 8 ? LU : 8);
+    for (int kh = warp; kh < p.hk; kh += nw) {
+      float q[KL], k[KL];
+      load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
+      load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+      const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+      const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
+      float kj[CH][KL];
+      for (int p0 = 0; p0 < L; p0 += CH) {
+#pragma unroll
+        for (int e = 0; e < CH; ++e)
+#pragma unroll
+          for (int c = 0; c < KL; c += VW)
+            ld_entry<VW>(kbase + min(p0 + e, L - 1) * kstride, p.entry_dtype, key(c), &kj[e][c]);
+        if (p0 == 0) {
+          normalize_qk<KL>(p, q, k, true);
+          float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
+          float kq = 0.f;
+#pragma unroll
+          for (int c = 0; c < KL; ++c) {
+            kn[kh * DK + key(c)] = k[c];
+            qk[key(c)] = q[c];
+            qk[DK + key(c)] = k[c];
+            kq += k[c] * q[c];
+          }
+          kq = warp_sum(kq);
+          if (lane == 0) kqs[kh] = kq;
+        }
+        float P[2 * CH];
+#pragma unroll
+        for (int e = 0; e < CH; ++e) {
+          float x = 0.f, z = 0.f;
+#pragma unroll
+          for (int c = 0; c < KL; ++c) {
+            x += kj[e][c] * q[c];
+            z += kj[e][c] * k[c];
+          }
+          P[e] = x;
+          P[CH + e] = z;
+        }
+        const float r = reduce_scatter<2 * CH>(P, lane);  // P[lane / (32 / (2 CH))]
+        const int idx = lane / (32 / (2 * CH)), e = idx % CH;
+        if (lane % (32 / (2 * CH)) == 0 && p0 + e < L) (idx < CH ? cq : ck)[kh * Lc + p0 + e] = r;
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // metadata, key products, normalized keys, ring decays
+  const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
+  const bool recurrent = !ring || mode == kModeRecurrent;
+  const Place pl = placement(p, mode, start, hcnt);
+  if (ring) {
+    char* vdst = reinterpret_cast<char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * p.dv * 4;
+    if (vcopy) {
+      for (int i = tid * 16; i < vbytes; i += blockDim.x * 16)
+        *reinterpret_cast<int4*>(vdst + i) = *reinterpret_cast<const int4*>(vsm + i);
+    } else {
+      for (int i = tid; i < p.hv * p.dv; i += blockDim.x)
+        stx(vdst, p.v.dtype, i, ldx(p.v.p, p.v.dtype, b * p.v.s[0] + (i / p.dv) * p.v.s[2] + (i % p.dv) * p.v.s[3]));
+    }
+  }
+  if (!recurrent) {
+    const int nbuf = hcnt;
+    if (tid == 0) {
+      int* hdr = reinterpret_cast<int*>(p.scratch + lay.hdr) + 4 * b;
+      hdr[0] = start;
+      hdr[1] = nbuf;
+      hdr[2] = pl.flush;
+      hdr[3] = pl.base;
+    }
+    // The new entry's key into its slot; in a flush step the slot's old key (the oldest entry,
+    // which the state kernel still folds) goes to the scratch first.
+    for (int kh = warp; kh < p.hk; kh += nw) {
+      char* kd = p.ring_k + ((static_cast<int64_t>(seq) * L + pl.base) * p.hk + kh) * DK * ee;
+      if (pl.flush) {
+        float old[KL];
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) ld_entry<VW>(kd, p.entry_dtype, key(c), &old[c]);
+        float* dst = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) dst[key(c)] = old[c];
+      }
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), kn[kh * DK + key(c)]);
+    }
+    // Per value head: weights w_j = e^{g_{j+1} + ... + g_{h-1}} over the buffered entries in
+    // ring order (lane j: entry j, slot (start + j) % L), then the coefficients by slot.
+    for (int h = warp; h < p.hv; h += nw) {
+      const int kh = h / group;
+      const float2 tgb = lane == 0 ? token_gb(p, b, 0, h) : make_float2(0.f, 0.f);
+      const int slot = (start + lane) % L;
+      const bool live = lane < nbuf;
+      const float x0 = lane < L ? gsm[h * Lc + slot] : 0.f;
+      float x = live ? x0 : 0.f;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const float t = __shfl_down_sync(0xffffffffu, x, o);
+        if (lane + o < 32) x += t;
+      }
+      float excl = __shfl_down_sync(0xffffffffu, x, 1);
+      if (lane == 31) excl = 0.f;
+      const float total = __shfl_sync(0xffffffffu, x, 0);
+      float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+      if (lane < L) {
+        const float w = live ? expf(excl) : 0.f;
+        rec[4 + slot] = w * cq[kh * Lc + slot];
+        rec[4 + Lc + slot] = w * ck[kh * Lc + slot];
+        rec[4 + 2 * Lc + slot] = w;
+      }
+      if (lane == 0) {
+        rec[0] = expf(total);
+        rec[1] = expf(tgb.x);
+        rec[2] = tgb.y;
+        rec[3] = kqs[kh];
+        p.ring_g[(static_cast<int64_t>(seq) * L + pl.base) * p.hv + h] = tgb.x;
+      }
+    }
+  }
+  if (p.conv_dim > 0) {
+    const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
+    char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + conv_end % p.conv_slots) * p.conv_dim * ce;
+    for (int c = tid; c < p.conv_dim; c += blockDim.x)
+      stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
+  }
+  __syncthreads();
+  if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+}
+
+// NU: ring slots per lane, 16 each (ring length <= 16 NU); REC: recurrent pools (ring 0), a
+// kernel of their own so that the replay kernels carry none of their code.
+template <typename SD, int DK, int NU, bool REC>
+__device__ void wdecode_body(const StepParams& p) {
+  constexpr int RL = kWRows, KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x % p.tiles;
+  const int hb = blockIdx.x / p.tiles;
+  const int h = hb % p.hv, b = hb / p.hv;
+  const int dv = p.dv, L = p.l;
+  const int kh = h / (p.hv / p.hk);
+  const int row0 = tile * p.tv + warp * RL;
+  const int rr = lane & (RL - 1);
+  const bool writer = lane < RL;
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const Tensor& out = p.out;
+  const int64_t out_at = b * out.s[0] + h * out.s[2] + (row0 + rr) * out.s[3];
+  if (seq < 0) {
+    if (writer) stx(out.p, out.dtype, out_at, 0.f);
+    return;
+  }
+  auto key = [&](int c) { return wkey<DK>(lane, c); };
+  char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * DK * dv) *
+                             static_cast<int64_t>(sizeof(SD));
+  SD* hs = reinterpret_cast<SD*>(head) + static_cast<int64_t>(row0) * DK;
+  float s[RL][KL];
+#pragma unroll
+  for (int r = 0; r < RL; ++r)
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  // Every slot's u values of the warp's rows, before the metadata: lane 2 s + x holds rows
+  // row0 + 4 x .. + 3 of slot s (+ 16 i).
+  float u4[NU][4];
+  const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
+  const int64_t ustride = static_cast<int64_t>(p.hv) * dv * ee;
+#pragma unroll
+  for (int i = 0; i < NU; ++i) {
+    const int sl = (lane >> 1) + 16 * i;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) u4[i][x] = 0.f;
+    if (!REC && sl < L) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
+  }
+  // Replay pools: q and k normalized, v, e^g, beta and k . q from the prep kernel's record
+  // (one wait, then loads that hit L2); recurrent pools read and normalize the inputs.
+  float q[KL], k[KL];
+  float a, bt, kq;
+  float vt;
+  int4 hdr = make_int4(0, 0, 0, 0);
+  float eG = 1.f, cA = 0.f, cB = 0.f;
+  const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
+  const float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+  if constexpr (!REC) {
+    pdl_wait();
+    hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
+    const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
+    eG = r0.x;
+    a = r0.y;
+    bt = r0.z;
+    kq = r0.w;
+    cA = lane < L ? __ldcg(rec + 4 + lane) : 0.f;
+    cB = lane < L ? __ldcg(rec + 4 + L + lane) : 0.f;
+    const char* vrow = reinterpret_cast<const char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * dv * 4;
+    vt = ldx(vrow, p.v.dtype, static_cast<int64_t>(h) * dv + row0 + rr);
+    const float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) {
+      ld_vec<float, VW>(qk + key(c), &q[c]);
+      ld_vec<float, VW>(qk + DK + key(c), &k[c]);
+    }
+  } else {
+    load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
+    load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+    vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
+    const float2 gb = token_gb(p, b, 0, h);
+    normalize_qk<KL>(p, q, k, false);
+    kq = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
+    kq = warp_sum(kq);
+    a = expf(gb.x);
+    bt = gb.y;
+  }
+  const bool delta = p.rule == KVR_GDN_RULE_DELTA;
+
+  // (S q)[row0 + rr] and (S k)[row0 + rr] in every lane.
+  auto state_dots = [&](float& sq, float& sk) {
+    const float2 d = rows8_dots<KL>(s, q, k, lane);
+    sq = d.x;
+    sk = d.y;
+  };
+  auto scale_state = [&](float f) { scale_rows<RL, KL>(s, f); };
+  auto store_state = [&]() {
+#pragma unroll
+    for (int r = 0; r < RL; ++r) {
+      if constexpr (!IsSame<SD, float>::value) {
+#pragma unroll
+        for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
+      }
+#pragma unroll
+      for (int c = 0; c < KL; c += VW) st_vec<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+    }
+  };
+
+  float y;
+  if constexpr (REC) {
+    scale_state(a);
+    float sq, sk;
+    state_dots(sq, sk);
+    const float u = delta ? bt * (vt - sk) : bt * vt;
+    y = sq + kq * u;
+#pragma unroll
+    for (int r = 0; r < RL; ++r) {
+      const float ur = __shfl_sync(0xffffffffu, u, r);
+#pragma unroll
+      for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
+    }
+    store_state();
+    if (p.conv_dim == 0) {
+      // No prep kernel (recurrent pools without a conv window): the metadata's step count is
+      // kept here, by one thread per row (nothing else reads it in the step).
+      if (h == 0 && tile == 0 && threadIdx.x == 0) {
+        int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+        const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+        const Place pl = placement(p, m.x, m.y, m.z);
+        finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), pl);
+      }
+    } else {
+      pdl_wait();  // the prep kernel (metadata, conv window) ends before this one
+    }
+  } else {
+    float sq, sk;
+    state_dots(sq, sk);
+    const int start = hdr.x, nbuf = hdr.y, base = hdr.w;
+    const bool flush = hdr.z != 0;
+    // The entries' part of S_{t-1} q and S_{t-1} k: each lane's slots weighted by their
+    // coefficients, summed over the 16 lanes of each half (8 values: 4 rows x {q, k}).
+    float P[8];
+#pragma unroll
+    for (int x = 0; x < 8; ++x) P[x] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NU; ++i) {
+      const int sl = (lane >> 1) + 16 * i;
+      const int j = sl - start + (sl < start ? L : 0);  // position in the ring
+      const bool live = sl < L && j < nbuf;
+      const float ca = __shfl_sync(0xffffffffu, cA, sl & 31), cb = __shfl_sync(0xffffffffu, cB, sl & 31);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        u4[i][x] = live ? u4[i][x] : 0.f;
+        P[x] += ca * u4[i][x];
+        P[4 + x] += cb * u4[i][x];
+      }
+    }
+    // Halving exchanges on lane bits 4, 3, 2, then a sum over bit 1: lane l ends with the
+    // total of value 4 bit4 + 2 bit3 + bit2, i.e. {q, k}[bit4] of row 4 bit0 + 2 bit3 + bit2.
+    {
+      const bool h4 = lane & 16, h3 = lane & 8, h2 = lane & 4;
+#pragma unroll
+      for (int x = 0; x < 4; ++x)
+        P[x] = pick(h4, P[4 + x], P[x]) + __shfl_xor_sync(0xffffffffu, pick(h4, P[x], P[4 + x]), 16);
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+        P[x] = pick(h3, P[2 + x], P[x]) + __shfl_xor_sync(0xffffffffu, pick(h3, P[x], P[2 + x]), 8);
+      P[0] = pick(h2, P[1], P[0]) + __shfl_xor_sync(0xffffffffu, pick(h2, P[0], P[1]), 4);
+      P[0] += __shfl_xor_sync(0xffffffffu, P[0], 2);
+    }
+    const int src = (rr >> 2) | ((rr & 1) << 2) | (((rr >> 1) & 1) << 3);
+    const float hq = __shfl_sync(0xffffffffu, P[0], src), hk = __shfl_sync(0xffffffffu, P[0], src | 16);
+    const float u = delta ? bt * (vt - a * (eG * sk + hk)) : bt * vt;
+    y = a * (eG * sq + hq) + kq * u;
+    if (writer) {
+      char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + base) * p.hv + h) * dv * ee;
+      stx(dst, p.entry_dtype, row0 + rr, u);
+    }
+    if (flush) {
+      // Fold the ring (every slot is buffered) into this warp's rows: e^G S + sum_p w_p u_p k_p^T.
+      // The base slot's key was displaced by the new entry's: the prep kernel left it in the scratch.
+      const float cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
+      scale_state(eG);
+      const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
+      const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+      const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
+#pragma unroll
+      for (int i = 0; i < NU; ++i)
+#pragma unroll
+        for (int g0 = 0; g0 < 16; g0 += 4) {
+          // Four slots' keys in one round, then their rank-one updates.
+          float kj[4][KL];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int sl = min(g0 + e + 16 * i, L - 1);
+            const bool moved_here = sl == base;
+            const char* kp = moved_here ? reinterpret_cast<const char*>(moved) : kbase + sl * kstride;
+            const int dt = moved_here ? KVR_DT_F32 : p.entry_dtype;
+#pragma unroll
+            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, dt, key(c), &kj[e][c]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int sl = g0 + e + 16 * i;
+            if (sl < L) {
+              const float w = __shfl_sync(0xffffffffu, cW, sl);
+#pragma unroll
+              for (int r = 0; r < RL; ++r) {
+                const float wu = w * __shfl_sync(0xffffffffu, u4[i][r & 3], 2 * (g0 + e) + (r >> 2));
+#pragma unroll
+                for (int c = 0; c < KL; ++c) s[r][c] += wu * kj[e][c];
+              }
+            }
+          }
+        }
+      store_state();
+    }
+  }
+  if (writer) stx(out.p, out.dtype, out_at, epilogue(p, b, 0, h, row0 + rr, vt, y));
+}
+
+}  // namespace gdn
+}  // namespace kvr
+
+#define KVR_GDN_DPREP(DK, LU)                                                                 \
+  extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS, 2)                    \
+      kvr_gdn_dprep_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) {           \
+    kvr::gdn::dprep_body<DK, LU>(p);                                                          \
+  }
+// 4 warps a CTA (32 rows of one head); rings of up to LU slots. Resident CTAs per SM the
+// registers aim for: at dk 128, 6 (80 registers) measured faster than 4 and 8 on the H200.
+#define KVR_GDN_WDECODE(SD, SN, DK, LU, MB)                                                   \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                       \
+      kvr_gdn_wdecode_##SN##_v_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::wdecode_body<SD, DK, LU == 0 ? 1 : LU / 16, LU == 0>(p);                        \
+  }
+#define KVR_GDN_WDECODE_DK(DK, MB)                      \
+  KVR_GDN_DPREP(DK, 16)                                 \
+  KVR_GDN_DPREP(DK, 32)                                 \
+  KVR_GDN_WDECODE(float, f32, DK, 0, MB)                \
+  KVR_GDN_WDECODE(float, f32, DK, 16, MB)               \
+  KVR_GDN_WDECODE(float, f32, DK, 32, MB)               \
+  KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 0, MB)       \
+  KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 16, MB)      \
+  KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 32, MB)
+KVR_GDN_WDECODE_DK(64, 8)
+KVR_GDN_WDECODE_DK(128, 6)
+KVR_GDN_WDECODE_DK(256, 2)
+#undef KVR_GDN_WDECODE_DK
+#undef KVR_GDN_DPREP
+#undef KVR_GDN_WDECODE
