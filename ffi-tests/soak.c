@@ -995,6 +995,7 @@ int main(int argc, char **argv) {
     }
     arena_free(&IN, 0);
     arena_free(&OUT, 1);
+    if (g_cuda) cu.stream_destroy(g_stream); /* after the contexts that used it */
     int ok = gpu_delta <= 64 && rss_delta <= 128;
     printf("soak %s vs cpu, seed %llu: %ld ops (%ld kv, %ld gdn; %ld graphs, %ld replays%s), %ld checkpoints, "
            "max rel err kv %.2e (lse abs %.2e) gdn %.2e, memory delta gpu %+.1f MiB (peak %+.1f) "
