@@ -1,11 +1,12 @@
-/* The long-run soak (issue 12 part 4): a KV pool and a GDN pool driven through N random
- * operations on the backend under test, with a mirror of both pools on the CPU backend
- * given the same operations. Every output is compared with the mirror's as it is made;
- * every K operations a checkpoint compares the whole state (KV stats, lengths and a decode
- * of every sequence in every layer; GDN cursors, exported states, conv windows and a
- * materialized prefix); at the end every sequence is freed and the memory must be back
- * where it was (device memory from cuMemGetInfo on CUDA, the process's resident set, the
- * pools' page accounting).
+/* The long-run soak (issue 12 part 4): a KV pool and two GDN pools (a replay pool with
+ * KV-only mode, and a recurrent pool: ring 0, one snapshot per draft; each GDN operation
+ * picks one) driven through N random operations on the backend under test, with a mirror
+ * of the pools on the CPU backend given the same operations. Every output is compared with
+ * the mirror's as it is made; every K operations a checkpoint compares the whole state (KV
+ * stats, lengths and a decode of every sequence in every layer; GDN cursors, exported
+ * states, conv windows and a materialized prefix); at the end every sequence is freed and
+ * the memory must be back where it was (device memory from cuMemGetInfo on CUDA, the
+ * process's resident set, the pools' page accounting).
  *
  * Operations: KV add / fork / free / truncate / append / extend + write (all layers at
  * once or layer by layer) / decode (T = 1..3 query tokens, sliding window, softcap, unused
@@ -234,7 +235,8 @@ static void lse_compare(size_t off, size_t n) {
 typedef struct {
     kvr_context *ctx;
     kvr_kv_pool *kv;
-    kvr_gdn_pool *gdn;
+    kvr_gdn_pool *gdns[2]; /* a replay pool (ring G_RING) and a recurrent one (ring 0) */
+    kvr_gdn_pool *gdn;     /* the one the current operation uses */
 } side_t;
 static side_t S[2];
 static rng_t R;
@@ -264,9 +266,16 @@ static void side_ok(int s, kvr_status st) {
     } while (0)
 
 /* ---- the model: live ids and lengths ---- */
-static int32_t kv_live[KV_SEQS], g_live[G_SEQS];
+static int32_t kv_live[KV_SEQS], g_lives[2][G_SEQS];
 static int64_t kv_len[KV_SEQS];
-static int n_kv, n_g;
+static int n_kv, n_gs[2], g_cur;
+#define g_live (g_lives[g_cur])
+#define n_g (n_gs[g_cur])
+/* Makes GDN pool p (0: replay, 1: recurrent) the current one on both sides. */
+static void use_gdn(int p) {
+    g_cur = p;
+    for (int s = 0; s < 2; s++) S[s].gdn = S[s].gdns[p];
+}
 
 static void list_remove(int32_t *list, int *n, int32_t id) {
     for (int i = 0; i < *n; i++)
@@ -796,11 +805,11 @@ static void g_checkpoint(void) {
         for (int l = 0; l < G_LAYERS; l++) {
             kvr_gdn_cursor c[2];
             for (int s = 0; s < 2; s++) side_ok(s, kvr_gdn_pool_get_cursor(S[s].gdn, l, id, &c[s]));
-            if (memcmp(&c[0], &c[1], sizeof c[0]) != 0) die("gdn cursors differ in layer %d", l);
+            if (memcmp(&c[0], &c[1], sizeof c[0]) != 0) die("gdn pool %d: cursors differ in layer %d", g_cur, l);
             if (c[0].pending != 0) die("gdn drafts pending at a checkpoint");
             if (g_verbose)
-                printf("  gdn seq %d layer %d: mode %d, ring start %d, buffered %d\n", id, l, c[0].mode,
-                       c[0].ring_start, c[0].buffered);
+                printf("  gdn pool %d seq %d layer %d: mode %d, ring start %d, buffered %d\n", g_cur, id, l,
+                       c[0].mode, c[0].ring_start, c[0].buffered);
             if (c[0].buffered < min_buf) min_buf = c[0].buffered;
             if (first >= 0 && c[0].buffered != first) all_equal = 0;
             first = c[0].buffered;
@@ -882,7 +891,9 @@ static void pools(side_t *s) {
     gp.max_seqs = G_SEQS;
     gp.conv_dim = G_CONV;
     gp.conv_kernel = G_CK;
-    if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdn) != KVR_STATUS_OK) die("kvr_gdn_pool_new");
+    if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdns[0]) != KVR_STATUS_OK) die("kvr_gdn_pool_new");
+    gp.ring_len = 0; /* recurrent: one state snapshot per draft */
+    if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdns[1]) != KVR_STATUS_OK) die("kvr_gdn_pool_new (recurrent)");
 }
 
 static double now(void) {
@@ -921,13 +932,15 @@ int main(int argc, char **argv) {
     S[1].ctx = context(0);
     for (int s = 0; s < 2; s++) pools(&S[s]);
     if (kvr_gdn_step_params_default(&g_step) != KVR_STATUS_OK) die("step params");
-    kvr_gdn_pool_memory gm[2];
-    for (int s = 0; s < 2; s++) {
-        memset(&gm[s], 0, sizeof gm[s]);
-        gm[s].struct_size = sizeof gm[s];
-        side_ok(s, kvr_gdn_pool_get_memory(S[s].gdn, &gm[s]));
+    for (int p = 0; p < 2; p++) {
+        kvr_gdn_pool_memory gm[2];
+        for (int s = 0; s < 2; s++) {
+            memset(&gm[s], 0, sizeof gm[s]);
+            gm[s].struct_size = sizeof gm[s];
+            side_ok(s, kvr_gdn_pool_get_memory(S[s].gdns[p], &gm[s]));
+        }
+        if (memcmp(&gm[0], &gm[1], sizeof gm[0]) != 0) die("gdn pool %d: memory differs", p);
     }
-    if (memcmp(&gm[0], &gm[1], sizeof gm[0]) != 0) die("gdn pool memory differs");
     g_step.l2norm_qk = 1;
     arena_new(&IN, 1 << 20, 0);
     arena_new(&OUT, 1 << 20, 1);
@@ -958,12 +971,13 @@ int main(int argc, char **argv) {
         while (w >= ops[i].weight) w -= ops[i++].weight;
         g_what = ops[i].name;
         IN.used = OUT.used = 0;
+        if (ops[i].gdn) use_gdn(rng_below(&R, 4) == 0); /* a quarter on the recurrent pool */
         ops[i].f();
         if (ops[i].gdn) n_ops_gdn++; else n_ops_kv++;
         if ((g_op + 1) % every == 0 || g_op + 1 == n_ops) {
             g_what = "checkpoint";
             kv_checkpoint();
-            g_checkpoint();
+            for (int p = 0; p < 2; p++) use_gdn(p), g_checkpoint();
             n_checkpoints++;
             double gpu = gpu_used_mib();
             if (n_checkpoints == 1) gpu0 = gpu, rss0 = rss_mib();
@@ -976,32 +990,36 @@ int main(int argc, char **argv) {
         BOTH(kvr_kv_pool_seq_free(S[s].kv, kv_live[0], NULL));
         list_remove(kv_live, &n_kv, kv_live[0]);
     }
-    while (n_g) {
-        BOTH(kvr_gdn_pool_seq_free(S[s].gdn, g_live[0], NULL));
-        list_remove(g_live, &n_g, g_live[0]);
-    }
+    for (int p = 0; p < 2; p++)
+        for (use_gdn(p); n_g;) {
+            BOTH(kvr_gdn_pool_seq_free(S[s].gdn, g_live[0], NULL));
+            list_remove(g_live, &n_g, g_live[0]);
+        }
     kv_checkpoint();
     kvr_kv_pool_stats end;
     memset(&end, 0, sizeof end);
     end.struct_size = sizeof end;
     if (kvr_kv_pool_get_stats(S[0].kv, &end) != KVR_STATUS_OK || end.pages_used != 0 || end.tokens != 0)
         die("pages still in use after every sequence was freed: %.0f", (double)end.pages_used);
-    double gpu_delta = n_checkpoints ? gpu_used_mib() - gpu0 : 0, rss_delta = n_checkpoints ? rss_mib() - rss0 : 0;
+    /* Against the first checkpoint (after the first graphs and launches warmed up). */
+    double gpu_delta = n_checkpoints ? gpu_used_mib() - gpu0 : 0;
+    double rss_delta = n_checkpoints ? rss_mib() - rss0 : 0;
     double secs = now() - t0;
     for (int s = 0; s < 2; s++) {
         kvr_kv_pool_free(S[s].kv);
-        kvr_gdn_pool_free(S[s].gdn);
+        kvr_gdn_pool_free(S[s].gdns[0]);
+        kvr_gdn_pool_free(S[s].gdns[1]);
         kvr_context_free(S[s].ctx);
     }
     arena_free(&IN, 0);
     arena_free(&OUT, 1);
     if (g_cuda) cu.stream_destroy(g_stream); /* after the contexts that used it */
-    int ok = gpu_delta <= 64 && rss_delta <= 128;
+    int ok = gpu_delta <= 64 && rss_delta <= 128; /* MiB: flat, give or take allocator slack */
     printf("soak %s vs cpu, seed %llu: %ld ops (%ld kv, %ld gdn; %ld graphs, %ld replays%s), %ld checkpoints, "
            "max rel err kv %.2e (lse abs %.2e) gdn %.2e, memory delta gpu %+.1f MiB (peak %+.1f) "
            "rss %+.1f MiB, %ld growths refused by a full pool, %.1f s: %s\n",
            g_cuda ? "cuda" : "cpu", (unsigned long long)seed, n_ops, n_ops_kv, n_ops_gdn, n_graphs,
-           n_replays, g_cuda ? "" : " as direct calls", n_checkpoints, worst_kv, worst_lse, worst_gdn, gpu_delta, gpu_peak, rss_delta,
-           n_exhausted, secs, ok ? "PASS" : "FAILED (memory grew)");
+           n_replays, g_cuda ? "" : " as direct calls", n_checkpoints, worst_kv, worst_lse, worst_gdn,
+           gpu_delta, gpu_peak, rss_delta, n_exhausted, secs, ok ? "PASS" : "FAILED (memory grew)");
     return ok ? 0 : 1;
 }
