@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds (here, with cargo) everything the GPU machine runs: the GPU test binaries
-# (tests/gpu_*.rs), the benchmark programs, the C GPU test and the examples, plus the
+# (tests/gpu_*.rs), the benchmark programs, the C GPU test, the soak and the examples, plus the
 # shared library; strips them and writes gpu-bundle/ (git-ignored) with run-all.sh.
 #
 #   scripts/gpu-bundle.sh                      # then, on the device: bash gpu-bundle/run-all.sh
@@ -53,6 +53,10 @@ cp target/release/libkvreplay.so "$out/lib/"
 # C programs: the engine-style CUDA stream test and every example.
 make -s -C ffi-tests build/test_cuda_stream
 cp ffi-tests/build/test_cuda_stream "$out/bin/"
+# The soak (ffi-tests/soak.c: both pools on CUDA against a CPU mirror), linked against the
+# shared library like the examples.
+make -s -C ffi-tests build/soak_shared
+cp ffi-tests/build/soak_shared "$out/bin/soak"
 # The examples link the shared library here (lib/ is on LD_LIBRARY_PATH in run-all.sh):
 # statically linked, each would carry its own copy of the kernels past the carry limit.
 make -s -C examples SHARED=1 BUILD=build-bundle

@@ -5,7 +5,8 @@
 #
 #   bash run-all.sh                  every job once: the GPU test binaries, gpu_gdn again with
 #                                    each decode kernel forced and with the general verify
-#                                    kernel, the C GPU test and every example
+#                                    kernel, the C GPU test, the soak (KVR_SOAK_OPS
+#                                    operations) and every example
 #   bash run-all.sh --sanitize       every job under compute-sanitizer, once per tool
 #                                    (memcheck, racecheck, synccheck, initcheck), with
 #                                    --error-exitcode 1 --print-limit 20; the table gives
@@ -89,6 +90,16 @@ if [ -x bin/gpu_gdn ]; then
   job gpu_gdn-verify-general test "KVR_GDN_VERIFY=general" bin/gpu_gdn --test-threads=1 --nocapture
 fi
 [ -x bin/test_cuda_stream ] && job test_cuda_stream prog "" bin/test_cuda_stream
+# The soak: a KV and a GDN pool through random operations on CUDA (graph replays with
+# device-side accept counts included) against a CPU mirror, checkpoints every 1000; fewer
+# operations under compute-sanitizer. KVR_SOAK_OPS overrides the count (10^6: the full soak).
+if [ -x bin/soak ]; then
+  if [ "$sanitize" = 1 ]; then
+    job soak prog "" bin/soak "${KVR_SOAK_OPS:-1000}" cuda 1 250
+  else
+    job soak prog "" bin/soak "${KVR_SOAK_OPS:-150000}" cuda
+  fi
+fi
 for e in bin/example_*; do
   [ -x "$e" ] || continue
   case "$(basename "$e")" in
@@ -134,7 +145,7 @@ if [ "$sanitize" = 0 ]; then
   echo "GPU test results"
   printf '%s\n' "${rows[@]}"
   # Lines the tests print about accuracy (max relative error) and sizes.
-  grep -h -E "max relative error|checked|device " "$logs"/*.log 2>/dev/null | sed 's/^/  /' | head -n 60
+  grep -h -E "max relative error|checked|device |^soak " "$logs"/*.log 2>/dev/null | sed 's/^/  /' | head -n 60
   exit $fail
 fi
 

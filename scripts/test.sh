@@ -8,7 +8,9 @@
 #      converter's test (scripts/test_wgkv_convert.py, loads its output with the library)
 #   3. ffi-tests: C and C++ against the header and both libraries, the pools from C
 #      (test_pools: every pool function and error path; test_threads: pools used from
-#      several threads; test_wgkv: the write-gated pool), ASan+UBSan builds, and valgrind over the static-library tests
+#      several threads; test_wgkv: the write-gated pool), ASan+UBSan builds, and valgrind over
+#      the static-library tests; the soak (soak.c, 10^4 random pool operations against a
+#      mirror) on the CPU backend
 #   4. examples: built with Make (static and shared) and with CMake; the demo (`make -C
 #      examples run`: the tiny Qwen3-Next; also every tiny model, the 80B header file, and
 #      a missing and a malformed file, which must fail), info, the paged KV, write-gated KV
@@ -69,6 +71,9 @@ if command -v valgrind >/dev/null 2>&1; then
 else
   echo "valgrind not installed: skipping the valgrind run"
 fi
+
+step "soak (ffi-tests/soak.c: a KV and a GDN pool, random operations, CPU backend on both sides)"
+make -C ffi-tests soak SOAK_ARGS="10000 cpu"
 
 step "examples (make, static and shared)"
 make -C examples clean >/dev/null

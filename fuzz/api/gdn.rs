@@ -1644,16 +1644,27 @@ impl GdnHarness {
         conv: bool,
         output: bool,
         all: bool,
+        one_layer: bool,
         want: &mut Expect,
     ) -> Tensor {
         let c = self.cfg;
-        let mut shape: Vec<usize> = if conv {
-            vec![c.conv_kernel - 1, c.conv_dim.max(1)]
+        let mut expected: Vec<usize> = if conv {
+            vec![c.conv_kernel - 1, c.conv_dim]
         } else {
             c.state_shape().to_vec()
         };
         if all {
-            shape.insert(0, c.layers);
+            expected.insert(0, c.layers);
+        }
+        // Wrong shapes: one layer's where every layer's is expected, a dimension off by one,
+        // a trailing 1 (a mismatch is decided on the final shape: two changes can cancel).
+        let mut shape = expected.clone();
+        if all && one_layer {
+            shape.remove(0);
+        }
+        if conv {
+            let last = shape.len() - 1;
+            shape[last] = shape[last].max(1);
         }
         let mut dt = inp.pick(&FLOATS);
         let mut style = if output {
@@ -1667,12 +1678,8 @@ impl GdnHarness {
                 0 => {
                     let last = shape.len() - 1;
                     shape[last] += 1;
-                    want.add(KVR_STATUS_INVALID_ARG);
                 }
-                1 => {
-                    shape.push(1);
-                    want.add(KVR_STATUS_INVALID_ARG);
-                }
+                1 => shape.push(1),
                 2 => {
                     dt = KVR_DTYPE_I32;
                     want.add(KVR_STATUS_DTYPE_MISMATCH);
@@ -1684,6 +1691,7 @@ impl GdnHarness {
                 _ => brk = Some(inp.pick(&BREAKS)),
             }
         }
+        want.add_if(shape != expected, KVR_STATUS_INVALID_ARG);
         let mut t = Tensor::new(dt, &shape, style);
         if !output && is_float(dt) {
             let rng = &mut self.rng;
@@ -1711,15 +1719,16 @@ impl GdnHarness {
         inp: &mut Input,
         output: bool,
         all: bool,
+        one_layer: bool,
         want: &mut Expect,
     ) -> StateArgs {
         let c = self.cfg;
         let null = inp.chance(1, 16);
         want.add_if(null, KVR_STATUS_NULL_ARG);
-        let mut state = self.state_tensor(inp, false, output, all, want);
+        let mut state = self.state_tensor(inp, false, output, all, one_layer, want);
         let mut conv = if inp.chance(1, 2) && (c.conv_dim > 0 || inp.chance(1, 4)) {
             want.add_if(c.conv_dim == 0, KVR_STATUS_INVALID_ARG);
-            Some(self.state_tensor(inp, true, output, all, want))
+            Some(self.state_tensor(inp, true, output, all, one_layer, want))
         } else {
             None
         };
@@ -1742,7 +1751,7 @@ impl GdnHarness {
         let c = self.cfg;
         let mut want = Expect::ok();
         let (layer, id) = self.state_target(inp, &mut want);
-        let a = self.state_args(inp, false, false, &mut want);
+        let a = self.state_args(inp, false, false, false, &mut want);
         let s = kvr_gdn_pool_import_state(
             self.pool,
             layer,
@@ -1787,7 +1796,7 @@ impl GdnHarness {
     fn op_export(&mut self, inp: &mut Input) {
         let mut want = Expect::ok();
         let (layer, id) = self.state_target(inp, &mut want);
-        let a = self.state_args(inp, true, false, &mut want);
+        let a = self.state_args(inp, true, false, false, &mut want);
         let s = kvr_gdn_pool_export_state(
             self.pool,
             layer,
@@ -1834,9 +1843,8 @@ impl GdnHarness {
             );
         }
         // Sometimes one layer's shapes (no leading layer dimension).
-        let all = !inp.chance(1, 16);
-        want.add_if(!all, KVR_STATUS_INVALID_ARG);
-        let a = self.state_args(inp, true, all, &mut want);
+        let one_layer = inp.chance(1, 16);
+        let a = self.state_args(inp, true, true, one_layer, &mut want);
         want.add_if(
             a.conv.is_some() && keep >= 0 && fills.iter().any(|&f| keep as usize != f),
             KVR_STATUS_INVALID_ARG,
