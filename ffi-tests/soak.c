@@ -143,6 +143,9 @@ static void arena_new(arena_t *a, size_t cap, int output) {
     if (g_cuda) {
         CUdeviceptr p;
         CU_OK(cu.mem_alloc(&p, cap));
+        /* Zeroed once: the padding between regions (take) is copied back with the outputs
+         * and would otherwise be uninitialized device memory (compute-sanitizer initcheck). */
+        CU_OK(cu.htod(p, a->host, cap));
         a->dev = (uint8_t *)(uintptr_t)p;
         a->back = calloc(1, cap);
     } else {
