@@ -73,12 +73,51 @@ impl L2Norm {
     }
 }
 
+/// `a . b`, summed in index order (the CPU reference's order; do not reassociate).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = 0f32;
-    for i in 0..a.len() {
-        s += a[i] * b[i];
+    debug_assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0f32, |s, (x, y)| s + x * y)
+}
+
+/// `out[iv] = sum_ik S[iv][ik] x[ik]` for a `dv x dk` state, each sum in `ik` order.
+fn state_times(s: &[f32], layout: StateLayout, dk: usize, dv: usize, x: &[f32], out: &mut [f32]) {
+    let (s, x, out) = (&s[..dk * dv], &x[..dk], &mut out[..dv]);
+    match layout {
+        StateLayout::VMajor => {
+            for (o, row) in out.iter_mut().zip(s.chunks_exact(dk)) {
+                *o = dot(row, x);
+            }
+        }
+        StateLayout::KMajor => {
+            out.fill(0.0);
+            for (row, &xk) in s.chunks_exact(dv).zip(x) {
+                for (o, &sv) in out.iter_mut().zip(row) {
+                    *o += sv * xk;
+                }
+            }
+        }
     }
-    s
+}
+
+/// `S += u k^T` (`S[iv][ik] += u[iv] k[ik]`).
+fn add_outer(s: &mut [f32], layout: StateLayout, dk: usize, dv: usize, u: &[f32], k: &[f32]) {
+    let (s, u, k) = (&mut s[..dk * dv], &u[..dv], &k[..dk]);
+    match layout {
+        StateLayout::VMajor => {
+            for (row, &uv) in s.chunks_exact_mut(dk).zip(u) {
+                for (x, &kk) in row.iter_mut().zip(k) {
+                    *x += uv * kk;
+                }
+            }
+        }
+        StateLayout::KMajor => {
+            for (row, &kk) in s.chunks_exact_mut(dv).zip(k) {
+                for (x, &uv) in row.iter_mut().zip(u) {
+                    *x += uv * kk;
+                }
+            }
+        }
+    }
 }
 
 /// One buffered entry of a head: the corrected value u, the key k and the log decay g.
@@ -102,20 +141,15 @@ pub fn history_apply(
     out.iter_mut().for_each(|o| *o = 0.0);
     if let Some(s) = s0 {
         let a = g_total.exp();
-        for iv in 0..dv {
-            let mut acc = 0f32;
-            for ik in 0..dk {
-                acc += s[layout.index(dk, dv, iv, ik)] * x[ik];
-            }
-            out[iv] = a * acc;
-        }
+        state_times(s, layout, dk, dv, x, out);
+        out.iter_mut().for_each(|o| *o *= a);
     }
     // Entry j weighs e^{G_h - G_j}: the decays of the entries newer than j.
     let mut suffix = 0f32;
     for e in entries.iter().rev() {
         let w = suffix.exp() * dot(e.k, x);
-        for iv in 0..dv {
-            out[iv] += w * e.u[iv];
+        for (o, &u) in out[..dv].iter_mut().zip(&e.u[..dv]) {
+            *o += w * u;
         }
         suffix += e.g;
     }
@@ -141,14 +175,13 @@ pub fn materialize(
         None => dst.iter_mut().for_each(|d| *d = 0.0),
     }
     let mut suffix = 0f32;
+    let mut wu = vec![0f32; dv];
     for e in entries.iter().rev() {
         let w = suffix.exp();
-        for iv in 0..dv {
-            let wu = w * e.u[iv];
-            for ik in 0..dk {
-                dst[layout.index(dk, dv, iv, ik)] += wu * e.k[ik];
-            }
+        for (d, &u) in wu.iter_mut().zip(&e.u[..dv]) {
+            *d = w * u;
         }
+        add_outer(dst, layout, dk, dv, &wu, e.k);
         suffix += e.g;
     }
 }
@@ -237,23 +270,14 @@ pub fn recurrent_step(
     for x in s.iter_mut() {
         *x *= a;
     }
-    for iv in 0..dv {
-        let mut sk = 0f32;
-        if delta {
-            for ik in 0..dk {
-                sk += s[layout.index(dk, dv, iv, ik)] * d.k[ik];
-            }
-        }
-        let u = d.beta * (d.v[iv] - sk);
-        for ik in 0..dk {
-            s[layout.index(dk, dv, iv, ik)] += u * d.k[ik];
-        }
+    // u = beta (v - S k) (S k = 0 for the additive rule), S += u k^T, y = S q.
+    let mut u = vec![0f32; dv];
+    if delta {
+        state_times(s, layout, dk, dv, d.k, &mut u);
     }
-    for iv in 0..dv {
-        let mut acc = 0f32;
-        for ik in 0..dk {
-            acc += s[layout.index(dk, dv, iv, ik)] * d.q[ik];
-        }
-        y[iv] = acc;
+    for (u, &v) in u.iter_mut().zip(&d.v[..dv]) {
+        *u = d.beta * (v - *u);
     }
+    add_outer(s, layout, dk, dv, &u, d.k);
+    state_times(s, layout, dk, dv, d.q, y);
 }

@@ -52,12 +52,52 @@ pub(crate) fn store(addr: usize, dtype: DType, i: usize, x: f32) {
     }
 }
 
+/// Elements `0..n` of an array of `dtype` at `addr` (as `load`, one dtype dispatch).
+pub(crate) fn load_n(addr: usize, dtype: DType, n: usize) -> Vec<f32> {
+    fn each<T>(addr: usize, n: usize, f: impl Fn(T) -> f32) -> Vec<f32> {
+        // SAFETY: as in `load`.
+        (0..n)
+            .map(|i| f(unsafe { (addr as *const T).add(i).read_unaligned() }))
+            .collect()
+    }
+    match dtype {
+        DType::F32 => each(addr, n, |x: f32| x),
+        DType::F16 => each(addr, n, |x: f16| x.to_f32()),
+        DType::BF16 => each(addr, n, |x: bf16| x.to_f32()),
+        DType::I32 => each(addr, n, |x: i32| x as f32),
+    }
+}
+
+/// Stores `x` as an array of `dtype` at `addr` (as `store`, one dtype dispatch).
+pub(crate) fn store_n(addr: usize, dtype: DType, x: &[f32]) {
+    fn each<T>(addr: usize, x: &[f32], f: impl Fn(f32) -> T) {
+        for (i, &v) in x.iter().enumerate() {
+            // SAFETY: as in `load`.
+            unsafe { (addr as *mut T).add(i).write_unaligned(f(v)) }
+        }
+    }
+    match dtype {
+        DType::F32 => each(addr, x, |v| v),
+        DType::F16 => each(addr, x, f16::from_f32),
+        DType::BF16 => each(addr, x, bf16::from_f32),
+        DType::I32 => each(addr, x, |v| v as i32),
+    }
+}
+
 /// Rounds to what storing as `dtype` keeps.
 pub fn round(dtype: DType, x: f32) -> f32 {
     match dtype {
         DType::F16 => f16::from_f32(x).to_f32(),
         DType::BF16 => bf16::from_f32(x).to_f32(),
         _ => x,
+    }
+}
+
+/// Rounds every element of `v` to what storing as `dtype` keeps.
+pub fn round_all(dtype: DType, v: &mut [f32]) {
+    match dtype {
+        DType::F16 | DType::BF16 => v.iter_mut().for_each(|x| *x = round(dtype, *x)),
+        _ => {}
     }
 }
 
@@ -73,6 +113,9 @@ pub(crate) fn read_vec(t: &TensorView, idx: &[usize], n: usize) -> Vec<f32> {
     let o = off(t, idx);
     let ds = *t.strides().last().unwrap();
     let base = (t.addr() as isize + o * t.dtype().size() as isize) as usize;
+    if ds == 1 {
+        return load_n(base, t.dtype(), n);
+    }
     (0..n)
         .map(|i| {
             load(
@@ -88,6 +131,9 @@ pub(crate) fn write_vec(t: &TensorView, idx: &[usize], x: &[f32]) {
     let o = off(t, idx);
     let ds = *t.strides().last().unwrap();
     let base = t.addr() as isize + o * t.dtype().size() as isize;
+    if ds == 1 {
+        return store_n(base as usize, t.dtype(), x);
+    }
     for (i, &v) in x.iter().enumerate() {
         store(
             (base + i as isize * ds * t.dtype().size() as isize) as usize,
@@ -146,15 +192,11 @@ impl<'a> Slot<'a> {
     /// Value head `h`'s state as f32.
     pub fn read_state(&self, addr: usize) -> Vec<f32> {
         let c = self.cfg;
-        (0..c.dk * c.dv)
-            .map(|i| load(addr, c.state_dtype, i))
-            .collect()
+        load_n(addr, c.state_dtype, c.dk * c.dv)
     }
     /// Stores a head's state (rounded to the state dtype).
     pub fn write_state(&self, addr: usize, s: &[f32]) {
-        for (i, &x) in s.iter().enumerate() {
-            store(addr, self.cfg.state_dtype, i, x);
-        }
+        store_n(addr, self.cfg.state_dtype, s);
     }
 
     /// The committed entries of head `h` (oldest first) as owned vectors.
@@ -164,7 +206,7 @@ impl<'a> Slot<'a> {
         let kh = h / (c.v_heads / c.k_heads);
         let (l, s) = (self.layer, self.seq);
         let n = meta[META_H] as usize;
-        let read = |addr: usize, n: usize| (0..n).map(|i| load(addr, e, i)).collect::<Vec<_>>();
+        let read = |addr: usize, n: usize| load_n(addr, e, n);
         (0..n)
             .map(|j| {
                 if meta[META_MODE] == MODE_KV_ONLY {
@@ -191,11 +233,7 @@ impl<'a> Slot<'a> {
     pub fn put_entry(&self, kv_only: bool, j: usize, h: usize, u: &[f32], k: &[f32], g: f32) {
         let e = self.cfg.entry_dtype;
         let (l, s) = (self.layer, self.seq);
-        let put = |addr: usize, x: &[f32]| {
-            x.iter()
-                .enumerate()
-                .for_each(|(i, &v)| store(addr, e, i, v))
-        };
+        let put = |addr: usize, x: &[f32]| store_n(addr, e, x);
         if kv_only {
             put(self.lay.kv_u(l, s, h, j), u);
             put(self.lay.kv_k(l, s, h, j), k);
@@ -209,18 +247,12 @@ impl<'a> Slot<'a> {
     /// Stores the key of key head `kh` at ring position `pos`.
     pub fn put_ring_key(&self, pos: usize, kh: usize, k: &[f32]) {
         let e = self.cfg.entry_dtype;
-        let addr = self.lay.ring_k(self.layer, self.seq, pos, kh);
-        k.iter()
-            .enumerate()
-            .for_each(|(i, &x)| store(addr, e, i, x));
+        store_n(self.lay.ring_k(self.layer, self.seq, pos, kh), e, k);
     }
 
     /// Stores conv input `x` at conv-window slot `i`.
     pub fn put_conv(&self, i: usize, x: &[f32]) {
-        let (addr, dt) = (self.conv(i), self.cfg.conv_dtype);
-        x.iter()
-            .enumerate()
-            .for_each(|(d, &v)| store(addr, dt, d, v));
+        store_n(self.conv(i), self.cfg.conv_dtype, x);
     }
 }
 
@@ -308,9 +340,7 @@ fn conv_window_out(s: &Slot<'_>, end: i32, dst: &TensorView, idx_prefix: &[usize
     let slots = c.conv_slots() as i32;
     for i in 0..c.conv_kernel - 1 {
         let slot = (end - (c.conv_kernel as i32 - 1) + i as i32).rem_euclid(slots) as usize;
-        let x: Vec<f32> = (0..c.conv_dim)
-            .map(|d| load(s.conv(slot), c.conv_dtype, d))
-            .collect();
+        let x = load_n(s.conv(slot), c.conv_dtype, c.conv_dim);
         let mut idx = idx_prefix.to_vec();
         idx.extend([i, 0]);
         write_vec(dst, &idx, &x);
@@ -357,9 +387,9 @@ fn flush_slot(s: &Slot<'_>, meta: &mut Meta) {
         return;
     }
     for h in 0..c.v_heads {
-        let cur = current_state(s, meta, h);
-        let rounded: Vec<f32> = cur.iter().map(|&x| round(c.state_dtype, x)).collect();
-        s.write_state(s.state(h), &rounded);
+        let mut cur = current_state(s, meta, h);
+        round_all(c.state_dtype, &mut cur);
+        s.write_state(s.state(h), &cur);
     }
     meta::flushed(c, meta);
 }

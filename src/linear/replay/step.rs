@@ -3,7 +3,7 @@
 
 #![allow(clippy::needless_range_loop)] // index-heavy math reads clearer with indices
 
-use super::cpu::{current_state, entry_refs, finish_step, read_vec, round, write_vec, Slot};
+use super::cpu::{current_state, entry_refs, finish_step, read_vec, round_all, write_vec, Slot};
 use super::meta::{self, META_MODE, MODE_RECURRENT};
 use super::plan::{Rule, StepPlan};
 use super::{Layout, ReplayConfig, Step};
@@ -28,7 +28,7 @@ fn prep_qk(
     }
     q.iter_mut().for_each(|x| *x *= plan.scale);
     if round_k {
-        k.iter_mut().for_each(|x| *x = round(cfg.entry_dtype, *x));
+        round_all(cfg.entry_dtype, &mut k);
     }
     (q, k)
 }
@@ -118,21 +118,20 @@ pub(crate) fn step(lay: &Layout, step: &Step<'_>, threads: &ThreadPool) {
                 math::recurrent_step(
                     delta, &mut state, cfg.layout, cfg.dk, cfg.dv, &drafts[t], &mut y[t],
                 );
-                let rounded: Vec<f32> = state.iter().map(|&x| round(cfg.state_dtype, x)).collect();
+                round_all(cfg.state_dtype, &mut state);
                 if step.auto_commit {
-                    s.write_state(s.state(h), &rounded);
+                    s.write_state(s.state(h), &state);
                 } else {
-                    s.write_state(s.snapshot(t, h), &rounded);
+                    s.write_state(s.snapshot(t, h), &state);
                 }
-                state = rounded;
             }
         } else {
             let (flush, kv_only, base) = meta::placement(cfg, &meta, t_count, step.auto_commit);
             let (s0, ents) = if flush {
-                let cur = current_state(&s, &meta, h);
-                let rounded: Vec<f32> = cur.iter().map(|&x| round(cfg.state_dtype, x)).collect();
-                s.write_state(s.state(h), &rounded);
-                (Some(rounded), Vec::new())
+                let mut cur = current_state(&s, &meta, h);
+                round_all(cfg.state_dtype, &mut cur);
+                s.write_state(s.state(h), &cur);
+                (Some(cur), Vec::new())
             } else if kv_only {
                 (None, s.entries(&meta, h))
             } else {
@@ -151,7 +150,8 @@ pub(crate) fn step(lay: &Layout, step: &Step<'_>, threads: &ThreadPool) {
                 &mut u,
             );
             for t in 0..t_count {
-                let ur: Vec<f32> = u[t].iter().map(|&x| round(cfg.entry_dtype, x)).collect();
+                let mut ur = std::mem::take(&mut u[t]);
+                round_all(cfg.entry_dtype, &mut ur);
                 let pos = if kv_only {
                     base + t
                 } else {
