@@ -165,6 +165,48 @@ class Mamba2Tensors(ctypes.Structure):
     _fields_ = [(n, ctypes.POINTER(Tensor)) for n in ("seq_ids", "x", "dt", "a", "b", "c", "d", "z", "dt_bias", "conv_in", "out")]
 
 
+class WgkvParams(ctypes.Structure):
+    """kvr_wgkv_params (32 bytes: u32, i32, f32, i32, i32, i32, i64)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("local_window", ctypes.c_int32),
+        ("tau", ctypes.c_float),
+        ("sinks", ctypes.c_int32),
+        ("gate_hidden", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("max_global_tokens", ctypes.c_int64),
+    ]
+
+
+class WgkvGateLayer(ctypes.Structure):
+    """kvr_wgkv_gate_layer: host f32 arrays of one layer's gate."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("norm_pre", "norm_post", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")]
+
+
+class WgkvPoolStats(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("reserved", ctypes.c_uint32)] + [
+        (n, ctypes.c_int64)
+        for n in (
+            "pages_total",
+            "pages_used",
+            "pages_free",
+            "pages_shared",
+            "sequences",
+            "kept_tokens",
+            "full_tokens",
+            "full_pages",
+            "page_bytes",
+        )
+    ]
+
+
+class WgkvRowStats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("ring", "global", "drafts", "total")]
+
+
+WGKV_COMMITTED, WGKV_DRAFT = 0, 1
+
+
 STATE_K_MAJOR, STATE_V_MAJOR = 0, 1
 GDN_MODE_KV_ONLY, GDN_MODE_REPLAY, GDN_MODE_RECURRENT = 0, 1, 2
 GDN_THRESHOLD_DEFAULT, GDN_THRESHOLD_OFF = -1, 0
@@ -278,6 +320,106 @@ class Lib:
             ctypes.byref(params) if params is not None else None,
             ctypes.c_void_p(stream),
         )
+
+
+    # --- Write-gated KV pools (kvr_wgkv_pool_*) -----------------------------------------
+
+    def wgkv_params(self, **kw):
+        """kvr_wgkv_params from the defaults; checks that the library's struct_size is ours."""
+        p = WgkvParams()
+        self.check(self.lib.kvr_wgkv_params_default(ctypes.byref(p)), "kvr_wgkv_params_default")
+        if p.struct_size != ctypes.sizeof(WgkvParams):
+            raise KvrError(f"kvr_wgkv_params is {p.struct_size} bytes in the library, {ctypes.sizeof(WgkvParams)} here")
+        for k, v in kw.items():
+            setattr(p, k, v)
+        return p
+
+    def wgkv_pool(self, ctx, layers, heads, dim, page, dtype, pages, max_seqs, max_len, capacity_bytes=0, **wg):
+        """A write-gated pool (kvr_wgkv_pool_new); `wg` sets kvr_wgkv_params fields
+        (local_window, tau, sinks, gate_hidden, max_global_tokens). A page holds `page`
+        tokens of one (sequence, layer, KV head)."""
+        p = KvPoolParams()
+        self.check(self.lib.kvr_kv_pool_params_default(ctypes.byref(p)), "pool params")
+        p.n_layers, p.n_kv_heads, p.head_dim, p.page_size, p.dtype = layers, heads, dim, page, dtype
+        p.capacity_pages = pages
+        p.capacity_bytes = capacity_bytes
+        p.max_seqs = max_seqs
+        p.max_seq_len = max_len
+        w = self.wgkv_params(**wg)
+        pool = ctypes.c_void_p()
+        self.check(self.lib.kvr_wgkv_pool_new(ctx, ctypes.byref(p), ctypes.byref(w), ctypes.byref(pool)),
+                   "kvr_wgkv_pool_new")
+        return pool
+
+    def wgkv_free(self, pool):
+        self.lib.kvr_wgkv_pool_free(pool)
+
+    def wgkv_seq_add(self, pool, stream=None):
+        s = ctypes.c_int32()
+        self.check(self.lib.kvr_wgkv_pool_seq_add(pool, ctypes.c_void_p(stream), ctypes.byref(s)), "wgkv seq_add")
+        return s.value
+
+    def wgkv_seq_free(self, pool, seq, stream=None):
+        self.check(self.lib.kvr_wgkv_pool_seq_free(pool, ctypes.c_int32(seq), ctypes.c_void_p(stream)), "wgkv seq_free")
+
+    def wgkv_set_gate(self, pool, layers, hidden):
+        """layers: one dict per pool layer of host f32 arrays (numpy or CPU torch, contiguous)
+        with keys norm_pre, norm_post, fc1_weight, fc1_bias, fc2_weight, fc2_bias."""
+        names = [f[0] for f in WgkvGateLayer._fields_]
+        arr = (WgkvGateLayer * len(layers))()
+        for i, d in enumerate(layers):
+            for n in names:
+                x = d[n]
+                ptr = x.ctypes.data if hasattr(x, "ctypes") else x.data_ptr()
+                setattr(arr[i], n, ptr)
+        self.check(self.lib.kvr_wgkv_pool_set_gate(pool, arr, ctypes.c_int32(hidden)), "kvr_wgkv_pool_set_gate")
+
+    def wgkv_append(self, pool, seq, layer, k, v, scores=None, k_pre=None, flags=WGKV_COMMITTED, stream=None):
+        """Raw status of kvr_wgkv_pool_append (k, v, scores, k_pre: kvr_tensor values; exactly
+        one of scores (f32 host [n, Hkv] or [layers, n, Hkv]) and k_pre)."""
+        return self.lib.kvr_wgkv_pool_append(
+            pool,
+            ctypes.c_int32(seq),
+            ctypes.c_int32(layer),
+            ctypes.byref(k),
+            ctypes.byref(v),
+            ctypes.byref(k_pre) if k_pre is not None else None,
+            ctypes.byref(scores) if scores is not None else None,
+            ctypes.c_uint32(flags),
+            ctypes.c_void_p(stream),
+        )
+
+    def wgkv_decode(self, pool, layer, ids, q, out, lse=None, params=None, stream=None):
+        """Raw status of kvr_wgkv_pool_decode (ids: i32 host kvr_tensor [B])."""
+        return self.lib.kvr_wgkv_pool_decode(
+            pool,
+            ctypes.c_int32(layer),
+            ctypes.byref(ids),
+            ctypes.byref(q),
+            ctypes.byref(out),
+            ctypes.byref(lse) if lse is not None else None,
+            ctypes.byref(params) if params is not None else None,
+            ctypes.c_void_p(stream),
+        )
+
+    def wgkv_stats(self, pool):
+        s = WgkvPoolStats()
+        s.struct_size = ctypes.sizeof(WgkvPoolStats)
+        self.check(self.lib.kvr_wgkv_pool_get_stats(pool, ctypes.byref(s)), "kvr_wgkv_pool_get_stats")
+        if s.struct_size != ctypes.sizeof(WgkvPoolStats):
+            raise KvrError(f"kvr_wgkv_pool_stats is {s.struct_size} bytes in the library, {ctypes.sizeof(WgkvPoolStats)} here")
+        return s
+
+    def wgkv_rows(self, pool, seq):
+        """Row counts of `seq`, layer-major (entry layer * n_kv_heads + head)."""
+        n = ctypes.c_int64()
+        st = self.lib.kvr_wgkv_pool_get_seq_rows(pool, ctypes.c_int32(seq), None, ctypes.c_int64(0), ctypes.byref(n))
+        if st != STATUS_OK and n.value <= 0:
+            self.check(st, "kvr_wgkv_pool_get_seq_rows")
+        rows = (WgkvRowStats * max(1, n.value))()
+        self.check(self.lib.kvr_wgkv_pool_get_seq_rows(pool, ctypes.c_int32(seq), rows, ctypes.c_int64(n.value),
+                                                       ctypes.byref(n)), "kvr_wgkv_pool_get_seq_rows")
+        return list(rows[: n.value])
 
 
     # --- Gated DeltaNet replay pools -------------------------------------------------

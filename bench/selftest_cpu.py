@@ -1,6 +1,7 @@
 """Checks bench/kvr.py's ctypes structs against the library on the CPU backend (numpy):
 a pool built through the bindings, a decode, and an attention computed with numpy."""
 import ctypes
+import math
 import sys
 
 import numpy as np
@@ -108,3 +109,126 @@ gw = max(gw, float(np.abs(st.transpose(0, 2, 1) - S).max()))
 assert gw < 1e-4, gw
 lib.lib.kvr_gdn_pool_free(gp)
 print(f"bench/kvr.py GDN bindings: ok (max error {gw:.1e})")
+
+# --- Write-gated KV bindings: a pool in write-gated mode, prefill + single-token appends with
+# host scores (one sequence) and with the library's gate from pre-RoPE keys (another), decode,
+# against numpy attention over exactly the kept tokens (ring + admitted), plus row / pool stats.
+WL, WH, WD, WP, WW, TAU = 2, 2, 16, 4, 8, 0.1
+WG = 3  # query heads per KV head
+HID = 8
+wp = lib.wgkv_pool(ctx, WL, WH, WD, WP, kvr.DTYPE_F32, 256, 4, 256, local_window=WW, tau=TAU)
+gate = []
+for _ in range(WL):
+    gate.append({
+        "norm_pre": rng.uniform(0.5, 1.5, WD).astype(np.float32),
+        "norm_post": rng.uniform(0.5, 1.5, WD).astype(np.float32),
+        "fc1_weight": rng.uniform(-0.5, 0.5, (WH, HID, 2 * WD)).astype(np.float32),
+        "fc1_bias": rng.uniform(-0.5, 0.5, (WH, HID)).astype(np.float32),
+        "fc2_weight": rng.uniform(-1, 1, (WH, HID)).astype(np.float32),
+        "fc2_bias": np.array([-1.5, -2.5], dtype=np.float32)[:WH].copy(),
+    })
+lib.wgkv_set_gate(wp, gate, HID)
+
+
+def np_gate(l, pre, post):
+    """Scores [n, H] of the gate formula in float64."""
+    g = gate[l]
+    out = np.zeros(pre.shape[:2])
+    for h in range(WH):
+        a = pre[:, h].astype(np.float64)
+        b = post[:, h].astype(np.float64)
+        x = np.concatenate([a / np.sqrt((a * a).mean(1, keepdims=True) + 1e-6) * g["norm_pre"],
+                            b / np.sqrt((b * b).mean(1, keepdims=True) + 1e-6) * g["norm_post"]], 1)
+        z = x @ g["fc1_weight"][h].astype(np.float64).T + g["fc1_bias"][h]
+        erf = np.vectorize(math.erf)
+        z = 0.5 * z * (1 + erf(z / math.sqrt(2)))
+        s = 1 / (1 + np.exp(-(z @ g["fc2_weight"][h] + g["fc2_bias"][h])))
+        out[:, h] = np.maximum(s, 1e-3)
+    return out
+
+
+hist = {}  # seq -> per layer lists of (k [n,H,D], v, scores [n,H])
+
+
+def wg_append(seq, layer, n, gated):
+    k = rng.standard_normal((n, WH, WD), dtype=np.float32)
+    v = rng.standard_normal((n, WH, WD), dtype=np.float32)
+    T = lambda a: kvr.tensor(a.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(a.shape))  # noqa: E731
+    if gated:
+        kp = rng.standard_normal((n, WH, WD), dtype=np.float32)
+        sc = np_gate(layer, kp, k)
+        lib.check(lib.wgkv_append(wp, seq, layer, T(k), T(v), k_pre=T(kp)), "wgkv append (gate)")
+    else:
+        # 0/1 scores, some exactly tau (strict: dropped) and some just above.
+        sc = (rng.uniform(0, 1, (n, WH)) < 0.4).astype(np.float32)
+        sc[rng.uniform(0, 1, (n, WH)) < 0.1] = TAU
+        sc[rng.uniform(0, 1, (n, WH)) < 0.05] = np.nextafter(np.float32(TAU), np.float32(1))
+        sc = np.ascontiguousarray(sc, dtype=np.float32)
+        lib.check(lib.wgkv_append(wp, seq, layer, T(k), T(v), scores=T(sc)), "wgkv append (scores)")
+    hist.setdefault(seq, [[] for _ in range(WL)])[layer].append((k, v, sc))
+
+
+def kept_mask(seq, layer):
+    sc = np.concatenate([x[2] for x in hist[seq][layer]])
+    n = sc.shape[0]
+    keep = sc.astype(np.float32) > np.float32(TAU)
+    keep[max(0, n - WW):] = True
+    return keep
+
+
+seq_a = lib.wgkv_seq_add(wp)
+seq_b = lib.wgkv_seq_add(wp)
+for layer in range(WL):
+    wg_append(seq_a, layer, 37, False)
+    wg_append(seq_b, layer, 29, True)
+for step in range(5):
+    for layer in range(WL):
+        wg_append(seq_a, layer, 1, False)
+        wg_append(seq_b, layer, 1 + step % 2, True)
+# Gate scores near tau would make the float64 mirror and the library's f32 disagree.
+for layer in range(WL):
+    sc = np.concatenate([x[2] for x in hist[seq_b][layer]])
+    assert np.abs(sc - TAU).min() > 1e-5, "a gate score too close to tau for this check"
+    assert 0 < (sc[:-WW] > TAU).mean() < 1, "the gate should keep some tokens and drop others"
+wids = np.array([seq_b, seq_a], dtype=np.int32)
+wq = rng.standard_normal((2, WH * WG, WD), dtype=np.float32)
+wout = np.zeros_like(wq)
+wlse = np.zeros((2, WH * WG), dtype=np.float32)
+ww = 0.0
+n_kept = 0
+for layer in range(WL):
+    lib.check(lib.wgkv_decode(
+        wp, layer,
+        kvr.tensor(wids.ctypes.data, kvr.DTYPE_I32, kvr.DEVICE_HOST, [2]),
+        kvr.tensor(wq.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(wq.shape)),
+        kvr.tensor(wout.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(wout.shape)),
+        kvr.tensor(wlse.ctypes.data, kvr.DTYPE_F32, kvr.DEVICE_HOST, list(wlse.shape)),
+        lib.decode_params()), "wgkv decode")
+    for b, s in enumerate(wids):
+        rows = lib.wgkv_rows(wp, int(s))
+        assert len(rows) == WL * WH, len(rows)
+        K = np.concatenate([x[0] for x in hist[s][layer]])
+        V = np.concatenate([x[1] for x in hist[s][layer]])
+        keep = kept_mask(s, layer)
+        for h in range(WH * WG):
+            kh = h // WG
+            r = rows[layer * WH + kh]
+            m = keep[:, kh]
+            assert r.total == K.shape[0] and r.ring == min(WW, K.shape[0]) and r.drafts == 0, (r.total, r.ring)
+            assert r.ring + getattr(r, "global") == int(m.sum()), (layer, kh, r.ring, getattr(r, "global"), int(m.sum()))
+            sc = K[m, kh].astype(np.float64) @ wq[b, h].astype(np.float64) / np.sqrt(WD)
+            mx = sc.max()
+            p = np.exp(sc - mx)
+            o = (p @ V[m, kh].astype(np.float64)) / p.sum()
+            ww = max(ww, float(np.abs(o - wout[b, h]).max()), abs(float(mx + np.log(p.sum())) - float(wlse[b, h])))
+        n_kept += int(keep.sum())
+assert ww < 1e-4, ww
+wst = lib.wgkv_stats(wp)
+assert wst.sequences == 2 and wst.kept_tokens == n_kept, (wst.sequences, wst.kept_tokens, n_kept)
+full = sum(sum(x[0].shape[0] for x in hist[s][layer]) for s in hist for layer in range(WL)) * WH
+assert wst.full_tokens == full and wst.page_bytes == 2 * WP * WD * 4, (wst.full_tokens, full, wst.page_bytes)
+assert 0 < wst.pages_used and wst.pages_used + wst.pages_free == wst.pages_total
+lib.wgkv_seq_free(wp, seq_a)
+assert lib.wgkv_stats(wp).sequences == 1
+lib.wgkv_free(wp)
+print(f"bench/kvr.py write-gated KV bindings: ok ({n_kept} of {full} tokens kept, max error {ww:.1e})")
