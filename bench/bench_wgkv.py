@@ -1,0 +1,563 @@
+"""Write-gated KV decode benchmark (issue 11), one process, one run, on the device GPU.
+
+Llama-3.1-8B layer shape (32 q heads, 8 KV heads, d 128), bf16 K/V/q, page 16, ring W = 256
+(the default), tau = 0.1. For each context (32K, 64K, 128K, 256K at B = 1; 32K and 128K at
+B = 8) the same K/V go into:
+
+- the full paged cache (`kvr_kv_pool`, page 16; the baseline, same run), and
+- write-gated pools (`kvr_wgkv_pool`) at admission rates 100 / 50 / 25 / 10 %: precomputed
+  host scores per (token, KV head), 1 with probability `rate` and 0 otherwise (tau 0.1 is
+  strict, so 1 is kept and 0 dropped; 100 % keeps every token), prefilled through
+  `kvr_wgkv_pool_append` in chunks of 32K tokens. Each head keeps the last W tokens (ring)
+  plus about `rate` of the older ones.
+
+Both decode the same queries (one token per sequence). Method as BENCHMARKS.md: every pool
+is built, its row counts checked against the scores (`kvr_wgkv_pool_get_seq_rows`), one
+output per config compared with an fp32 torch reference over exactly the kept tokens (fails
+loudly above 2e-2 max relative error), then timed under CUDA Graph replay (median of 7
+replays of many calls), inputs rotating over sets (pool layers) larger than 4x L2. Bytes
+read = K + V of the tokens each call attends to (kept tokens incl. the ring for the
+write-gated pool); TB/s on those bytes; bw % = write-gated TB/s / full-cache TB/s;
+speedup = full / write-gated time; memory ratio = write-gated pages used / the pages a full
+paged cache of the same page size holds (`kvr_wgkv_pool_get_stats`).
+
+Gate + append at 32K (25 %): one decode step's append (1 new token per sequence, layer 0),
+as an engine would call the library on CUDA today, median over many calls (CUDA events
+around each call: host planning + launches + kernels), as a fraction of the 32K decode step.
+The CUDA path has no device gate (the library evaluates the gate on the CPU from host
+pre-RoPE keys), so the headline path is precomputed host scores with device K/V; the
+library's CPU gate (host k_pre/K/V, hidden 512) and a torch gate on the device with the
+scores copied to the host are timed too.
+
+    python3 bench_wgkv.py [--quick]     # writes $OUT/wgkv_bench.json and $OUT/h200-wgkv.json
+    python3 bench_wgkv.py --cpu         # smoke run of this script on the CPU backend (tiny
+                                        # shapes, no timing worth reading; KVR_LIB=... to pick)
+"""
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import kvr
+from benchutil import GIB, median, read_ceiling, time_eager, time_graph
+
+CPU = "--cpu" in sys.argv
+QUICK = "--quick" in sys.argv
+TOL = 2e-2  # max relative error (bf16 K/V/q/out against fp32)
+
+if CPU:
+    DEV = torch.device("cpu")
+    DT, KV_DT, ELEM = torch.float32, kvr.DTYPE_F32, 4
+    HQ, HKV, D, PAGE, W, TAU = 8, 2, 64, 16, 32, 0.1
+    CONFIGS = [(1, 300), (1, 1000), (2, 300), (2, 1000)]
+    APPEND_AT = 300  # the context of the append measurement
+    CHUNK = 128  # prefill tokens per append call
+    FULL_ROUND = 64  # tokens per sequence per extend round of the full cache
+    ROTATE_BYTES = 256 << 10
+    GATE_HIDDEN = 16
+    N_WARM, N_MEAS, N_CPU_GATE, N_TORCH_GATE = 2, 5, 3, 3
+else:
+    DEV = torch.device("cuda")
+    DT, KV_DT, ELEM = torch.bfloat16, kvr.DTYPE_BF16, 2  # K/V/q/out
+    HQ, HKV, D, PAGE, W, TAU = 32, 8, 128, 16, 256, 0.1
+    K32, K64, K128, K256 = 32768, 65536, 131072, 262144
+    # Headline configs first (a partial run still has the keys).
+    CONFIGS = [(1, K32), (1, K128), (1, K64), (1, K256), (8, K32), (8, K128)]
+    if QUICK:
+        CONFIGS = [(1, K32), (1, K128)]
+    APPEND_AT = K32
+    CHUNK = 32768
+    FULL_ROUND = 1024
+    ROTATE_BYTES = 4 * torch.cuda.get_device_properties(0).L2_cache_size
+    GATE_HIDDEN = 512  # Llama-3.1-8B's WG-KV gate
+    N_WARM, N_MEAS, N_CPU_GATE, N_TORCH_GATE = 20, 200, 30, 100
+G = HQ // HKV
+RATES = [1.0, 0.5, 0.25, 0.1]
+MAX_SETS = 64
+MEM_CAP = 100 * GIB  # device bytes one context may use (data + full cache + largest pool)
+APPEND_TOKENS = 512  # room left in the 25 % pools for the append measurement
+
+lib = kvr.Lib()
+if CPU:
+    ctx = lib.context(kvr.BACKEND_CPU, threads=2)
+
+    def cur_stream():
+        return None
+
+    def sync():
+        pass
+else:
+    from benchutil import cur_stream
+
+    ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
+
+    def sync():
+        torch.cuda.synchronize()
+
+
+FAILURES = []
+
+
+def fail(msg):
+    print(f"!!! FAILED: {msg}", flush=True)
+    FAILURES.append(msg)
+
+
+def n_sets_for(nbytes):
+    return int(min(MAX_SETS, max(1, math.ceil(ROTATE_BYTES / max(1, nbytes)))))
+
+
+def T(x):
+    return kvr.torch_tensor(x)
+
+
+class Data:
+    """Random K/V [B, L, HKV, D] and MAX_SETS query sets [B, HQ, D] (bf16, on DEV)."""
+
+    def __init__(self, B, L):
+        self.B, self.L = B, L
+        self.K = torch.randn(B, L, HKV, D, dtype=DT, device=DEV)
+        self.V = torch.randn(B, L, HKV, D, dtype=DT, device=DEV)
+        self.qs = torch.randn(MAX_SETS, B, HQ, D, dtype=DT, device=DEV)
+
+
+def attention_ref(q, k, v):
+    """fp32 dense attention: q [G, D], k / v [n, D] -> [G, D]."""
+    q, k, v = q.float(), k.float(), v.float()
+    p = torch.softmax((q @ k.T) / math.sqrt(D), dim=-1)
+    return p @ v
+
+
+def check_output(out, keep, q, K, V):
+    """Max relative error of `out` [B, HQ, D] against attention of q [B, HQ, D] over the kept
+    tokens (keep: host bool [B, n, HKV], or None for every token) of K / V [B, n, HKV, D]."""
+    worst, scale = 0.0, 0.0
+    for b in range(K.shape[0]):
+        for h in range(HKV):
+            kh, vh = K[b, :, h], V[b, :, h]
+            if keep is not None:
+                m = keep[b, :, h].to(DEV)
+                kh, vh = kh[m], vh[m]
+            ref = attention_ref(q[b, h * G:(h + 1) * G], kh, vh)
+            got = out[b, h * G:(h + 1) * G].float()
+            worst = max(worst, float((got - ref).abs().max()))
+            scale = max(scale, float(ref.abs().max()))
+    err = worst / max(scale, 1e-30)
+    return err if math.isfinite(err) else float("inf")
+
+
+def decode_fn(kind, pool, data, seqs):
+    """fn(i): one decode of set i (pool layer i, query set i) into `out`."""
+    ids = torch.tensor(seqs, dtype=torch.int32)  # host: travels in the launch parameters
+    ids_t = T(ids)
+    out = torch.empty(data.B, HQ, D, dtype=DT, device=DEV)
+    o_t = T(out)
+    q_t = [T(data.qs[i]) for i in range(MAX_SETS)]
+    call = lib.decode if kind == "full" else lib.wgkv_decode
+
+    def fn(i):
+        r = call(pool, i, ids_t, q_t[i], o_t, None, None, cur_stream())
+        if r != 0:
+            lib.check(r, f"{kind} decode")
+
+    fn.keep = (ids, out, q_t)  # the descriptors point into these
+    return fn, out
+
+
+def timing(fn, n_sets):
+    """(eager us, graph us or None)."""
+    if CPU:
+        ts = []
+        for i in range(3):
+            t0 = time.perf_counter()
+            fn(i % n_sets)
+            ts.append((time.perf_counter() - t0) * 1e6)
+        return median(ts), None
+    iters = 30 if QUICK else 60
+    eager = time_eager(fn, n_sets, iters)
+    calls = max(n_sets, min(200, int(math.ceil(2000.0 / max(eager, 1.0)))))
+    calls = int(math.ceil(calls / n_sets) * n_sets)
+    return eager, time_graph(fn, n_sets, calls)
+
+
+def build_full(data, n_sets):
+    """The full paged cache: n_sets layers holding the same K/V, page 16, sequences grown
+    FULL_ROUND tokens per round (pages interleaved across the batch)."""
+    B, L = data.B, data.L
+    pool = lib.pool(ctx, n_sets, HKV, D, PAGE, KV_DT, B * math.ceil(L / PAGE), B, L)
+    seqs = [lib.seq_add(pool, cur_stream()) for _ in range(B)]
+    for t0 in range(0, L, FULL_ROUND):
+        c = min(FULL_ROUND, L - t0)
+        lib.check(lib.extend(pool, seqs, [c] * B, cur_stream()), "kvr_kv_pool_extend")
+        k = data.K[:, t0:t0 + c].reshape(B * c, HKV, D)  # sequence-major, as the write wants
+        v = data.V[:, t0:t0 + c].reshape(B * c, HKV, D)
+        kt, vt = T(k), T(v)
+        for layer in range(n_sets):
+            lib.write(pool, layer, seqs, [c] * B, kt, vt, cur_stream())
+        del k, v
+    sync()
+    return pool, seqs
+
+
+def admissions(B, L, rate, seed):
+    """Host bool [B, L, HKV]: the gate's verdict per (token, KV head)."""
+    if rate >= 1.0:
+        return torch.ones(B, L, HKV, dtype=torch.bool)
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(B, L, HKV, generator=g) < rate
+
+
+def kept_mask(adm):
+    keep = adm.clone()
+    keep[:, max(0, adm.shape[1] - W):] = True
+    return keep
+
+
+def build_wgkv(data, adm, n_sets, extra_tokens):
+    """A write-gated pool of n_sets layers (the same K/V and scores in each), prefilled in
+    CHUNK-token appends with host scores (1.0 admitted, 0.0 dropped)."""
+    B, L = data.B, data.L
+    ring = min(W, L)
+    glob = adm[:, :max(0, L - W)].sum(1)  # [B, HKV]: tokens each row's global cache gets
+    pages_row = math.ceil(ring / PAGE) + (glob + PAGE - 1) // PAGE
+    pages = n_sets * int(pages_row.sum()) + B * HKV * (math.ceil(extra_tokens / PAGE) + 2) + 16
+    pool = lib.wgkv_pool(ctx, n_sets, HKV, D, PAGE, KV_DT, pages, B, L + extra_tokens,
+                         local_window=W, tau=TAU)
+    seqs = [lib.wgkv_seq_add(pool, cur_stream()) for _ in range(B)]
+    scores = adm.to(torch.float32).contiguous()  # host f32 [B, L, HKV]
+    for t0 in range(0, L, CHUNK):
+        c = min(CHUNK, L - t0)
+        for layer in range(n_sets):
+            for b in range(B):
+                r = lib.wgkv_append(pool, seqs[b], layer, T(data.K[b, t0:t0 + c]), T(data.V[b, t0:t0 + c]),
+                                    scores=T(scores[b, t0:t0 + c]), stream=cur_stream())
+                lib.check(r, f"kvr_wgkv_pool_append (prefill {t0}+{c}, layer {layer}, row {b})")
+    sync()
+    # Row counts against the scores, every layer.
+    for b, s in enumerate(seqs):
+        rows = lib.wgkv_rows(pool, s)
+        if len(rows) != n_sets * HKV:
+            raise RuntimeError(f"{len(rows)} row entries; expected {n_sets * HKV}")
+        for layer in range(n_sets):
+            for h in range(HKV):
+                r = rows[layer * HKV + h]
+                want = (ring, int(glob[b, h]), 0, L)
+                got = (r.ring, getattr(r, "global"), r.drafts, r.total)
+                if got != want:
+                    raise RuntimeError(f"row (seq {s}, layer {layer}, head {h}): (ring, global, drafts, total) "
+                                       f"= {got}, expected {want}")
+    return pool, seqs
+
+
+def random_gate(hidden):
+    """Host f32 gate weights of one layer (set_gate layout), the sigmoid's bias at -1.1."""
+    g = torch.Generator().manual_seed(11)
+
+    def u(shape, a):
+        return ((torch.rand(shape, generator=g) * 2 - 1) * a).contiguous()
+
+    return {
+        "norm_pre": (1 + u((D,), 0.5)).contiguous(),
+        "norm_post": (1 + u((D,), 0.5)).contiguous(),
+        "fc1_weight": u((HKV, hidden, 2 * D), 1 / math.sqrt(2 * D)),
+        "fc1_bias": u((HKV, hidden), 0.1),
+        "fc2_weight": u((HKV, hidden), 1 / math.sqrt(hidden)),
+        "fc2_bias": torch.full((HKV,), -1.1, dtype=torch.float32),
+    }
+
+
+def torch_gate(w, k_pre, k):
+    """The gate formula in torch on the device: [n, HKV, D] x2 -> scores [n, HKV] f32."""
+    def rms(x, s):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * s
+
+    x = torch.cat([rms(k_pre, w["norm_pre"]), rms(k, w["norm_post"])], -1)  # [n, H, 2D]
+    h = F.gelu(torch.einsum("nhi,hji->nhj", x, w["fc1_weight"]) + w["fc1_bias"])
+    return torch.sigmoid((h * w["fc2_weight"]).sum(-1) + w["fc2_bias"]).clamp_min(1e-3)
+
+
+def measure_steps(step, j0, n_warm, n):
+    """Median (events us, host us) of step(j) calls; returns them and the next j."""
+    for j in range(n_warm):
+        step(j0 + j)
+    sync()
+    host, dev = [], []
+    for j in range(n):
+        if CPU:
+            t0 = time.perf_counter()
+            step(j0 + n_warm + j)
+            host.append((time.perf_counter() - t0) * 1e6)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        step(j0 + n_warm + j)
+        t1 = time.perf_counter()
+        b.record()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e6)
+        dev.append(a.elapsed_time(b) * 1000.0)
+    h = median(host)
+    return (median(dev) if dev else h), h, j0 + n_warm + n
+
+
+def append_cost(pool, n_layers, seqs, data, adm, fn, rate, wg_us, full_us):
+    """One decode step's append (1 token per sequence, layer 0) on the 25 % pool, three ways;
+    then checks the pool (row counts, one decode) after the precomputed-score appends."""
+    B, L = data.B, data.L
+    n_total = N_WARM + N_MEAS
+    gen = torch.Generator().manual_seed(1234 + B)
+    new_k = torch.randn(n_total, B, 1, HKV, D, dtype=DT, device=DEV)
+    new_v = torch.randn(n_total, B, 1, HKV, D, dtype=DT, device=DEV)
+    new_adm = torch.rand(n_total, B, 1, HKV, generator=gen) < rate
+    new_sc = new_adm.to(torch.float32).contiguous()
+    descs = [[(T(new_k[j, b]), T(new_v[j, b]), T(new_sc[j, b])) for b in range(B)] for j in range(n_total)]
+
+    def step_scores(j):
+        for b in range(B):
+            k, v, s = descs[j][b]
+            r = lib.wgkv_append(pool, seqs[b], 0, k, v, scores=s, stream=cur_stream())
+            if r != 0:
+                lib.check(r, "kvr_wgkv_pool_append (1 token, scores)")
+
+    res = {"B": B, "L": L, "rate": rate, "decode_wgkv_us": wg_us, "decode_full_us": full_us,
+           "path": "precomputed host scores (f32 [1, 8]), device K/V; the CUDA path has no device gate"}
+    ev, host, j = measure_steps(step_scores, 0, N_WARM, N_MEAS)
+    res.update(scores_us=ev, scores_host_us=host, frac=ev / wg_us, frac_vs_full=ev / full_us)
+    # The pool after the appends: counts and one decode over (prefill + appended) kept tokens.
+    K = torch.cat([data.K, new_k[:j, :, 0].transpose(0, 1)], 1)
+    V = torch.cat([data.V, new_v[:j, :, 0].transpose(0, 1)], 1)
+    keep = kept_mask(torch.cat([adm, new_adm[:j, :, 0].transpose(0, 1)], 1))
+    for b, s in enumerate(seqs):
+        rows = lib.wgkv_rows(pool, s)
+        for h in range(HKV):
+            r = rows[h]
+            if r.total != L + j or r.ring + getattr(r, "global") != int(keep[b, :, h].sum()):
+                fail(f"after {j} appends, seq {s} head {h}: total {r.total}, kept "
+                     f"{r.ring + getattr(r, 'global')}; expected {L + j}, {int(keep[b, :, h].sum())}")
+    fn(0)
+    sync()
+    res["err_after_appends"] = check_output(fn.keep[1], keep, data.qs[0], K, V)
+    if not res["err_after_appends"] <= TOL:
+        fail(f"decode after {j} single-token appends (B={B}): max rel err {res['err_after_appends']:.2e}")
+    del K, V, keep
+    # The library's CPU gate (host k_pre / K / V) and a torch gate on the device + D2H scores.
+    w = random_gate(GATE_HIDDEN)
+    lib.wgkv_set_gate(pool, [w] * n_layers, GATE_HIDDEN)
+    hk = torch.randn(N_CPU_GATE + 5, B, 1, HKV, D, dtype=DT)
+    hd = [[(T(hk[i, b]), T(hk[i, b]), T(hk[i, b])) for b in range(B)] for i in range(hk.shape[0])]
+
+    def step_cpu_gate(i):
+        for b in range(B):
+            kp, k, v = hd[i][b]
+            r = lib.wgkv_append(pool, seqs[b], 0, k, v, k_pre=kp, stream=cur_stream())
+            if r != 0:
+                lib.check(r, "kvr_wgkv_pool_append (1 token, k_pre: CPU gate)")
+
+    ev, host, _ = measure_steps(step_cpu_gate, 0, 5, N_CPU_GATE)
+    res.update(cpu_gate_us=ev, cpu_gate_host_us=host, cpu_gate_frac=ev / wg_us)
+    wd = {k: v.to(DEV) for k, v in w.items()}
+    dk = torch.randn(N_TORCH_GATE + 10, B, 2, HKV, D, dtype=DT, device=DEV)
+    dd = [[(T(dk[i, b, 1:2]), T(dk[i, b, 0:1])) for b in range(B)] for i in range(dk.shape[0])]
+
+    def step_torch_gate(i):
+        sc = torch_gate(wd, dk[i, :, 0], dk[i, :, 1]).cpu()  # [B, HKV]; the copy waits for the gate
+        for b in range(B):
+            k, v = dd[i][b]
+            r = lib.wgkv_append(pool, seqs[b], 0, k, v, scores=T(sc[b:b + 1]), stream=cur_stream())
+            if r != 0:
+                lib.check(r, "kvr_wgkv_pool_append (1 token, torch gate scores)")
+
+    ev, host, _ = measure_steps(step_torch_gate, 0, 10, N_TORCH_GATE)
+    res.update(torch_gate_us=ev, torch_gate_host_us=host, torch_gate_frac=ev / wg_us)
+    sync()
+    return res
+
+
+def run_context(B, L, results, ceiling):
+    tag = f"B={B} L={L // 1024}K" if L >= 1024 else f"B={B} L={L}"
+    full_bytes = 2 * B * L * HKV * D * ELEM
+    n_full = n_sets_for(full_bytes)
+    est = full_bytes + 2 * max(ROTATE_BYTES, full_bytes) + B * HKV * 2 * APPEND_TOKENS * D * ELEM + GIB
+    if est > MEM_CAP:
+        results["skipped"].append(f"{tag}: ~{est / GIB:.0f} GiB over the {MEM_CAP // GIB} GiB cap")
+        print(f"skipped {tag}", flush=True)
+        return
+    t0 = time.time()
+    data = Data(B, L)
+    full, fseqs = build_full(data, n_full)
+    ffn, fout = decode_fn("full", full, data, fseqs)
+    ffn(0)
+    sync()
+    err_full = check_output(fout, None, data.qs[0], data.K, data.V)
+    if not err_full <= TOL:
+        fail(f"{tag} full cache: max rel err {err_full:.2e}")
+    f_eager, f_graph = timing(ffn, n_full)
+    full_us = f_graph if f_graph is not None else f_eager
+    full_tbs = full_bytes / (full_us * 1e-6) / 1e12
+    sync()
+    lib.lib.kvr_kv_pool_free(full)
+    del ffn, fout
+    print(f"{tag} full cache: {full_bytes / (1 << 20):.0f} MiB, {n_full} sets, {full_us:.1f} us "
+          f"({full_tbs:.2f} TB/s), err {err_full:.1e}  [{time.time() - t0:.1f} s]", flush=True)
+    for ri, rate in enumerate(RATES):
+        t1 = time.time()
+        adm = admissions(B, L, rate, seed=1000 * ri + B * 7 + L)
+        keep = kept_mask(adm)
+        kept = int(keep.sum())
+        wg_bytes = kept * 2 * D * ELEM
+        n_wg = n_sets_for(wg_bytes)
+        with_append = L == APPEND_AT and rate == 0.25
+        pool, seqs = build_wgkv(data, adm, n_wg, APPEND_TOKENS if with_append else 0)
+        st = lib.wgkv_stats(pool)
+        if st.kept_tokens != n_wg * kept or st.full_tokens != n_wg * B * L * HKV:
+            fail(f"{tag} {rate:.0%}: stats kept {st.kept_tokens} / full {st.full_tokens}, expected "
+                 f"{n_wg * kept} / {n_wg * B * L * HKV}")
+        fn, out = decode_fn("wgkv", pool, data, seqs)
+        fn(0)
+        sync()
+        err = check_output(out, keep, data.qs[0], data.K, data.V)
+        if not err <= TOL:
+            fail(f"{tag} {rate:.0%}: max rel err {err:.2e} against attention over the kept tokens")
+        eager, graph = timing(fn, n_wg)
+        wg_us = graph if graph is not None else eager
+        wg_tbs = wg_bytes / (wg_us * 1e-6) / 1e12
+        row = {
+            "config": f"{tag} {int(rate * 100)}%", "B": B, "L": L, "rate": rate,
+            "kept_frac": kept / (B * L * HKV), "full_mib": full_bytes / (1 << 20), "wgkv_mib": wg_bytes / (1 << 20),
+            "sets_full": n_full, "sets_wgkv": n_wg,
+            "full_us": full_us, "full_eager_us": f_eager, "full_tbs": full_tbs, "err_full": err_full,
+            "wgkv_us": wg_us, "wgkv_eager_us": eager, "wgkv_tbs": wg_tbs, "err_wgkv": err,
+            "speedup": full_us / wg_us, "ideal_speedup": full_bytes / wg_bytes, "bw_frac": wg_tbs / full_tbs,
+            "memory_ratio": st.pages_used / st.full_pages,
+            "wgkv_pool_mib_per_layer": st.pages_used * st.page_bytes / n_wg / (1 << 20),
+            "pages_used": st.pages_used, "full_pages": st.full_pages,
+            "floor_us": wg_bytes / (ceiling * 1e12) * 1e6 if ceiling else None,
+        }
+        results["rows"].append(row)
+        print(f"{row['config']:18s} kept {row['kept_frac']:6.1%} {row['wgkv_mib']:7.1f} MiB {n_wg:2d} sets  "
+              f"wgkv {wg_us:8.1f} us ({wg_tbs:.2f} TB/s, {row['bw_frac']:.0%} of full)  speedup "
+              f"{row['speedup']:5.2f}x (ideal {row['ideal_speedup']:5.2f}x)  memory {row['memory_ratio']:.3f}  "
+              f"err {err:.1e}  [{time.time() - t1:.1f} s]", flush=True)
+        if with_append:
+            try:
+                a = append_cost(pool, n_wg, seqs, data, adm, fn, rate, wg_us, full_us)
+                results["append"].append(a)
+                print(f"append B={B} at {tag} 25%: scores {a['scores_us']:.1f} us (host {a['scores_host_us']:.1f}) = "
+                      f"{a['frac']:.1%} of the write-gated decode, {a['frac_vs_full']:.1%} of the full one; "
+                      f"CPU gate (k_pre) {a['cpu_gate_us']:.1f} us ({a['cpu_gate_frac']:.0%}); torch gate + D2H "
+                      f"{a['torch_gate_us']:.1f} us ({a['torch_gate_frac']:.0%}); err after appends "
+                      f"{a['err_after_appends']:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report, keep the decode numbers
+                traceback.print_exc()
+                fail(f"append measurement at {tag}: {type(e).__name__}: {e}")
+        sync()
+        lib.wgkv_free(pool)
+        del fn, out, adm, keep
+    del data
+    if not CPU:
+        torch.cuda.empty_cache()
+
+
+def find(results, B, L, rate):
+    for r in results["rows"]:
+        if r["B"] == B and r["L"] == L and r["rate"] == rate:
+            return r
+    return None
+
+
+def summary(results):
+    """The flat keys (bench/results/h200.json)."""
+    s = {}
+    L128 = 131072 if not CPU else 1000
+    for pct, rate in ((10, 0.1), (25, 0.25), (50, 0.5)):
+        r = find(results, 1, L128, rate)
+        if r:
+            s[f"wgkv_speedup_{pct}pct_128k"] = round(r["speedup"], 3)
+    r = find(results, 1, L128, 0.25)
+    if r:
+        s["wgkv_memory_ratio_25pct"] = round(r["memory_ratio"], 4)
+        s["wgkv_bw_frac_25pct_128k"] = round(r["bw_frac"], 3)
+        s["wgkv_decode_25pct_128k_us"] = round(r["wgkv_us"], 1)
+        s["wgkv_full_128k_us"] = round(r["full_us"], 1)
+    r = find(results, 1, 262144 if not CPU else -1, 0.25)
+    if r:
+        s["wgkv_speedup_25pct_256k"] = round(r["speedup"], 3)
+    for a in results["append"]:
+        if a["B"] == 1:
+            s["wgkv_gate_append_frac"] = round(a["frac"], 4)
+            s["wgkv_gate_append_frac_vs_full"] = round(a["frac_vs_full"], 4)
+            s["wgkv_gate_append_us"] = round(a["scores_us"], 2)
+            s["wgkv_gate_cpu_append_frac"] = round(a["cpu_gate_frac"], 3)
+            s["wgkv_gate_torch_append_frac"] = round(a["torch_gate_frac"], 3)
+    if results["rows"]:
+        s["wgkv_max_rel_err"] = float(f"{max(max(r['err_wgkv'], r['err_full']) for r in results['rows']):.2e}")
+    return s
+
+
+def print_table(results):
+    print("\nconfig              kept   MiB read  full us  wgkv us  speedup  ideal  wgkv TB/s  full TB/s  bw %  memory  err")
+    for r in sorted(results["rows"], key=lambda r: (r["B"], r["L"], -r["rate"])):
+        print(f"{r['config']:18s} {r['kept_frac']:6.1%} {r['wgkv_mib']:9.1f} {r['full_us']:8.1f} {r['wgkv_us']:8.1f} "
+              f"{r['speedup']:7.2f}x {r['ideal_speedup']:6.2f} {r['wgkv_tbs']:10.2f} {r['full_tbs']:10.2f} "
+              f"{r['bw_frac'] * 100:5.0f} {r['memory_ratio']:7.3f} {r['err_wgkv']:.1e}")
+    for a in results["append"]:
+        print(f"append, 1 token/sequence, B={a['B']} L={a['L']}: scores {a['scores_us']:.1f} us "
+              f"({a['frac']:.2%} of the 25 % decode {a['decode_wgkv_us']:.1f} us, {a['frac_vs_full']:.2%} of the full "
+              f"{a['decode_full_us']:.1f} us); CPU gate {a['cpu_gate_us']:.1f} us; torch gate + D2H {a['torch_gate_us']:.1f} us")
+    for s in results["skipped"]:
+        print("skipped:", s)
+
+
+def main():
+    torch.manual_seed(0)
+    out_dir = os.environ.get("OUT")
+    results = {"kvreplay": lib.lib.kvr_library_version().decode(),
+               "build": lib.lib.kvr_library_build_info().decode(), "torch": torch.__version__,
+               "shape": {"hq": HQ, "hkv": HKV, "d": D, "page": PAGE, "local_window": W, "tau": TAU},
+               "rows": [], "append": [], "skipped": [], "failures": FAILURES}
+    if CPU:
+        results["device"] = "CPU backend (smoke run)"
+        ceiling = None
+    else:
+        props = torch.cuda.get_device_properties(0)
+        results.update(device=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
+        ceiling = read_ceiling()
+        results["read_ceiling_tbs"] = ceiling
+        print(f"{props.name}: read ceiling {ceiling:.3f} TB/s (torch.sum over 2 GiB)", flush=True)
+
+    def save():
+        results["summary"] = summary(results)
+        if out_dir:
+            with open(os.path.join(out_dir, "wgkv_bench.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            with open(os.path.join(out_dir, "h200-wgkv.json"), "w") as f:
+                json.dump(results["summary"], f, indent=1)
+
+    t0 = time.time()
+    for B, L in CONFIGS:
+        try:
+            run_context(B, L, results, ceiling)
+        except Exception as e:  # noqa: BLE001 - record, go on with the other contexts
+            traceback.print_exc()
+            fail(f"B={B} L={L}: {type(e).__name__}: {e}")
+        save()
+        print(f"  ... {time.time() - t0:.0f} s", flush=True)
+    results["seconds"] = time.time() - t0
+    save()
+    print_table(results)
+    print("summary:", json.dumps(results["summary"]))
+    if FAILURES:
+        print(f"\n{len(FAILURES)} FAILURE(S):", *FAILURES, sep="\n  ")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
