@@ -16,6 +16,10 @@
 # Options (sanitize mode; --only works in both modes):
 #   --tools memcheck,racecheck   the tools to run (env KVR_SANITIZE_TOOLS, space or comma
 #                                separated; default: memcheck racecheck synccheck initcheck)
+#   --jobs N                     N (job, tool) pairs at once (env KVR_SANITIZE_JOBS; default
+#                                1). They share the GPU: the whole table of every job under
+#                                all four tools takes about 10 minutes with --jobs 16 on an
+#                                H200 (16 cores), hours one at a time
 #   --only REGEX                 only the jobs whose name matches (env KVR_RUN_ONLY), e.g.
 #                                --only '^gpu_kv$' or --only 'gpu_gdn|test_cuda'
 # Environment (sanitize mode):
@@ -45,12 +49,15 @@ mkdir -p "$logs"
 sanitize="${KVR_SANITIZE:-0}"
 tools="${KVR_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}"
 only="${KVR_RUN_ONLY:-}"
+jobs="${KVR_SANITIZE_JOBS:-1}"
 list=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --sanitize) sanitize=1 ;;
     --tools) tools="${2:-}"; shift ;;
     --tools=*) tools="${1#--tools=}" ;;
+    --jobs) jobs="${2:-}"; shift ;;
+    --jobs=*) jobs="${1#--jobs=}" ;;
     --only) only="${2:-}"; shift ;;
     --only=*) only="${1#--only=}" ;;
     --list) list=1 ;;
@@ -60,6 +67,10 @@ while [ $# -gt 0 ]; do
   shift
 done
 tools="${tools//,/ }"
+case "$jobs" in '' | *[!0-9]*) echo "run-all.sh: --jobs takes a number" >&2; exit 2 ;; esac
+# Pairs in parallel share the GPU: the soak cannot check device memory (cuMemGetInfo counts
+# every process), so it only reports it.
+[ "$jobs" -gt 1 ] && export KVR_SOAK_SHARED_GPU=1
 [ "$sanitize" = 1 ] || [ "$sanitize" = 0 ] || sanitize=1
 
 # ---- the jobs: name, kind (test: a libtest binary; prog: a program), environment, argv ----
@@ -197,56 +208,78 @@ count_errors() {
   echo "${n}+"
 }
 
-for tool in $tools; do
+# One (job, tool) pair: runs it and writes its row (job, tool, status, errors, seconds) to
+# $rowdir/<k>, printing the log's error records when it did not pass.
+run_pair() { # k tool job-index
+  local k="$1" tool="$2" i="$3" name="${names[$3]}" limit skips skip_var note="" log rc errors status start
   skip_var="KVR_SANITIZE_SKIP_$(echo "$tool" | tr '[:lower:]' '[:upper:]')"
   if [ -n "${!skip_var+set}" ]; then skips="${!skip_var}"
   elif [ "$tool" = racecheck ]; then skips="large"
   else skips=""; fi
+  limit="${KVR_SANITIZE_TIMEOUT:-900}"
+  if [ -n "${KVR_SANITIZE_BUDGET:-}" ]; then
+    left=$((KVR_SANITIZE_BUDGET - ($(date +%s) - run_start)))
+    if [ "$left" -le 5 ]; then printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$tool" SKIPPED - 0.0 >"$rowdir/$k"; return; fi
+    [ "$left" -lt "$limit" ] && limit="$left"
+  fi
+  eval "argv=(${argvs[$i]})"
+  if [ "${kinds[$i]}" = test ]; then
+    [ -n "${KVR_SANITIZE_FILTER:-}" ] && argv+=("$KVR_SANITIZE_FILTER")
+    for s in $skips; do argv+=(--skip "$s"); done
+    [ -n "$skips" ] && note=" (skipping tests named *${skips// /*, *}*)"
+  fi
+  # --require-cuda-init no: examples that never touch CUDA (gguf_plan) are not errors.
+  pre=("$sanitizer" --tool "$tool" --error-exitcode 1 --print-limit 20 --require-cuda-init no)
+  if [ "$tool" = memcheck ] && [ "${KVR_SANITIZE_LEAKS:-0}" = 1 ]; then pre+=(--leak-check full); fi
+  log="$logs/$name.$tool.log"
+  echo "== $name under $tool$note"
+  start=$(date +%s.%N)
+  # shellcheck disable=SC2086 # envs[] holds VAR=value words
+  env ${envs[$i]} timeout --kill-after=30 "$limit" "${pre[@]}" "${argv[@]}" >"$log" 2>&1
+  rc=$?
+  errors=$(count_errors "$log")
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=TIMEOUT
+  elif [ "${errors%+}" != 0 ]; then status=ERRORS
+  elif [ "$rc" != 0 ]; then status=FAIL
+  else status=PASS; fi
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$tool" "$status" "$errors" "$(secs "$start")" >"$rowdir/$k"
+  if [ "$status" != PASS ]; then
+    { echo "== $name under $tool: $status"; grep -E '^=========' "$log" | head -n 30
+      [ "$status" = FAIL ] && tail -n 20 "$log"; } || true
+  fi
+}
+
+rowdir="$logs/.rows"
+rm -rf "$rowdir"
+mkdir -p "$rowdir"
+k=0
+for tool in $tools; do
   for i in "${selected[@]}"; do
-    name="${names[$i]}"
-    row() { # status errors seconds
-      rows+=("$(printf '%-36s %-10s %-8s %7s %8ss' "$name" "$tool" "$1" "$2" "$3")")
-      printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$tool" "$1" "$2" "$3" >>"$tsv"
-    }
-    limit="${KVR_SANITIZE_TIMEOUT:-900}"
-    if [ -n "${KVR_SANITIZE_BUDGET:-}" ]; then
-      left=$((KVR_SANITIZE_BUDGET - ($(date +%s) - run_start)))
-      if [ "$left" -le 5 ]; then row "SKIPPED" "-" "0.0"; skipped=$((skipped + 1)); continue; fi
-      [ "$left" -lt "$limit" ] && limit="$left"
-    fi
-    eval "argv=(${argvs[$i]})"
-    note=""
-    if [ "${kinds[$i]}" = test ]; then
-      [ -n "${KVR_SANITIZE_FILTER:-}" ] && argv+=("$KVR_SANITIZE_FILTER")
-      for s in $skips; do argv+=(--skip "$s"); done
-      [ -n "$skips" ] && note=" (skipping tests named *${skips// /*, *}*)"
-    fi
-    # --require-cuda-init no: examples that never touch CUDA (gguf_plan) are not errors.
-    pre=("$sanitizer" --tool "$tool" --error-exitcode 1 --print-limit 20 --require-cuda-init no)
-    if [ "$tool" = memcheck ] && [ "${KVR_SANITIZE_LEAKS:-0}" = 1 ]; then pre+=(--leak-check full); fi
-    log="$logs/$name.$tool.log"
-    echo "== $name under $tool$note"
-    start=$(date +%s.%N)
-    # shellcheck disable=SC2086 # envs[] holds VAR=value words
-    env ${envs[$i]} timeout --kill-after=30 "$limit" "${pre[@]}" "${argv[@]}" >"$log" 2>&1
-    rc=$?
-    errors=$(count_errors "$log")
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=TIMEOUT
-    elif [ "${errors%+}" != 0 ]; then status=ERRORS
-    elif [ "$rc" != 0 ]; then status=FAIL
-    else status=PASS; fi
-    row "$status" "$errors" "$(secs "$start")"
-    if [ "$status" != PASS ]; then
-      fail=1
-      grep -E '^=========' "$log" | head -n 30
-      [ "$status" = FAIL ] && tail -n 20 "$log"
+    k=$((k + 1))
+    if [ "$jobs" -le 1 ]; then
+      run_pair "$k" "$tool" "$i"
+    else
+      # At most $jobs pairs at once; each pair's output is kept whole.
+      while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+      run_pair "$k" "$tool" "$i" >"$rowdir/$k.out" 2>&1 &
     fi
   done
 done
+wait
+for f in $(find "$rowdir" -maxdepth 1 -name '*.out' | sort -V); do cat "$f"; done
 echo
 echo "compute-sanitizer results (errors: the tool's ERROR SUMMARY; N+ = a run cut short)"
 printf '%-36s %-10s %-8s %7s %9s\n' job tool status errors time
-printf '%s\n' "${rows[@]}"
+for f in $(find "$rowdir" -maxdepth 1 -type f ! -name '*.out' -printf '%f\n' | sort -n); do
+  IFS=$'\t' read -r name tool status errors t <"$rowdir/$f"
+  printf '%-36s %-10s %-8s %7s %8ss\n' "$name" "$tool" "$status" "$errors" "$t"
+  cat "$rowdir/$f" >>"$tsv"
+  case "$status" in
+    PASS) ;;
+    SKIPPED) skipped=$((skipped + 1)) ;;
+    *) fail=1 ;;
+  esac
+done
 echo "table: $tsv; logs: $logs/<job>.<tool>.log; $(($(date +%s) - run_start))s in all"
 if [ "$skipped" -gt 0 ]; then
   echo "$skipped (job, tool) pairs skipped for the budget: run them with --only / --tools"
