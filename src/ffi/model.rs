@@ -569,6 +569,22 @@ fn compute(
     Ok((m, s, p))
 }
 
+/// `compute` for the pool getters: the `KVR_MODEL_LAYOUT_PAGED_RING` layout they fill must
+/// fit one sequence in the budget.
+fn compute_fitting(
+    model: *const kvr_model,
+    params: *const kvr_model_sizing_params,
+) -> Result<(gguf::Sizing, kvr_model_sizing_params)> {
+    let (_, s, p) = compute(model, params)?;
+    if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
+        return Err(Error::OutOfRange(format!(
+            "not one sequence fits in {} bytes",
+            p.budget_bytes
+        )));
+    }
+    Ok((s, p))
+}
+
 /// Sizes pools for the model under `params` into `*out`: per-sequence costs and sequences
 /// that fit, for each `kvr_model_layout`. Set `out->struct_size` first.
 ///
@@ -637,13 +653,7 @@ pub extern "C" fn kvr_model_get_kv_pool_params(
 ) -> kvr_status {
     guard("kvr_model_get_kv_pool_params", || {
         non_null(out, "out")?;
-        let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
-            return Err(Error::OutOfRange(format!(
-                "not one sequence fits in {} bytes",
-                p.budget_bytes
-            )));
-        }
+        let (s, p) = compute_fitting(model, params)?;
         let c = s.kv_pool.ok_or_else(|| {
             Error::Unsupported(
                 "the model has no attention layers, or its attention layers differ in shape or in K and V head dims"
@@ -688,13 +698,7 @@ pub extern "C" fn kvr_model_get_gdn_pool_params(
 ) -> kvr_status {
     guard("kvr_model_get_gdn_pool_params", || {
         non_null(out, "out")?;
-        let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
-            return Err(Error::OutOfRange(format!(
-                "not one sequence fits in {} bytes",
-                p.budget_bytes
-            )));
-        }
+        let (s, p) = compute_fitting(model, params)?;
         let c = s
             .gdn_pool
             .ok_or_else(|| Error::Unsupported("the model has no Gated DeltaNet layers".into()))?;
@@ -744,13 +748,7 @@ pub extern "C" fn kvr_model_get_mamba2_pool_params(
 ) -> kvr_status {
     guard("kvr_model_get_mamba2_pool_params", || {
         non_null(out, "out")?;
-        let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
-            return Err(Error::OutOfRange(format!(
-                "not one sequence fits in {} bytes",
-                p.budget_bytes
-            )));
-        }
+        let (s, p) = compute_fitting(model, params)?;
         let c = s
             .mamba2_pool
             .ok_or_else(|| Error::Unsupported("the model has no Mamba-2 layers".into()))?;
