@@ -10,7 +10,7 @@ use kvreplay::gguf::{
     self, AttentionPlan, GdnPlan, GgufFile, LayerPlan, Mamba2Plan, Model, SizingParams,
 };
 use kvreplay::linear::replay::Layout;
-use kvreplay::linear::{GdnPool, Mamba2Pool, StateLayout};
+use kvreplay::linear::{GdnPool, Mamba2Pool, ReplayConfig, StateLayout};
 use kvreplay::{DType, Error};
 
 fn tiny(arch: &str) -> String {
@@ -573,6 +573,65 @@ fn the_real_qwen3_next_80b_shape() {
         "{:?}",
         s.max_seqs
     );
+}
+
+/// Nemotron-H-8B's Mamba-2 shape (head dim 64 and state dim 128 differ, so the mapping
+/// onto the replay core's dv and dk shows): the sizing, the pool parameters, and what a
+/// pool created with them allocates.
+#[test]
+fn the_nemotron_h_mamba2_shape() {
+    let m = Model::from_bytes(&nemotron_h_like().build()).unwrap();
+    assert_eq!(
+        m.plan.layers[0],
+        LayerPlan::Mamba2(Mamba2Plan {
+            heads: 128,
+            head_dim: 64,
+            groups: 8,
+            state: 128,
+            conv_kernel: 4,
+            conv_dim: 10240
+        })
+    );
+    assert_eq!(m.plan.layers[2], LayerPlan::Mlp);
+    let p = SizingParams {
+        budget_bytes: 40 << 30,
+        seq_len: 8192,
+        spec_window: 4,
+        state_dtype: DType::BF16,
+        ..Default::default()
+    };
+    let s = gguf::sizing(&m.plan, &p).unwrap();
+    // 2 layers x 128 heads x 64 x 128 bf16: 4 MiB of state per sequence.
+    assert_eq!(s.state_bytes_per_seq, 4 << 20);
+    // Rings of 16 entries of (128 x 64 + 8 x 128) f32 + 128 decays, conv windows of 3 + 4
+    // inputs x 10240 f32; snapshots: 4 states and 1 + 4 windows of 3 x 10240.
+    let ring = 2 * 16 * ((128 * 64 + 8 * 128) * 4 + 128 * 4) + 2 * 7 * 10240 * 4;
+    assert_eq!(s.ring_bytes_per_seq, ring);
+    assert_eq!(
+        s.snapshot_bytes_per_seq,
+        4 * (4 << 20) + 2 * 5 * 3 * 10240 * 4
+    );
+    assert_eq!(s.mamba2_bytes_per_seq, (4 << 20) + ring);
+    let c = s.mamba2_pool.unwrap();
+    assert_eq!(
+        (c.layers, c.v_heads, c.dv, c.k_heads, c.dk, c.conv_dim),
+        (2, 128, 64, 8, 128, 10240)
+    );
+    let pool = Mamba2Pool::new(
+        common::gdn::cpu_ctx(),
+        ReplayConfig { max_seqs: 1, ..c },
+        None,
+    )
+    .unwrap();
+    assert_eq!(allocated_per_seq(pool.layout()), s.mamba2_bytes_per_seq);
+    // A state dim above the pool's 256 is refused by the sizing, as for GDN.
+    let mut b = nemotron_h_like();
+    b.u32("nemotron_h.ssm.state_size", 512);
+    let m = Model::from_bytes(&b.build()).unwrap();
+    assert!(matches!(
+        gguf::sizing(&m.plan, &p),
+        Err(Error::Unsupported(e)) if e.contains("Mamba-2") && e.contains("256")
+    ));
 }
 
 #[test]

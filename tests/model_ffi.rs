@@ -481,6 +481,61 @@ fn mamba2_pool_params_from_a_model_decode() {
     }
 }
 
+/// Nemotron-H-8B's Mamba-2 shape (head dim 64, state dim 128): the getter puts each in its
+/// field, and the pool takes what the sizing says.
+#[test]
+fn mamba2_pool_params_of_the_nemotron_h_shape() {
+    let bytes = common::gguf::nemotron_h_like().build();
+    let path = std::env::temp_dir().join(format!("kvr-nemotron-{}.gguf", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    let cpath = CString::new(path.to_str().unwrap()).unwrap();
+    let mut m = null_mut();
+    ok(kvr_model_open(cpath.as_ptr(), &mut m));
+    let _ = std::fs::remove_file(&path);
+    let mut p = sizing_params(40 << 30, 8192, 4);
+    p.state_dtype = KVR_DTYPE_BF16;
+    p.ring_len = 8;
+    let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_model_sizing>() as u32;
+    ok(kvr_model_compute_sizing(m, &p, &mut s));
+    let mut mp = mamba2_params_sentinel();
+    ok(kvr_model_get_mamba2_pool_params(m, &p, &mut mp));
+    assert_eq!(
+        (
+            mp.n_layers,
+            mp.n_heads,
+            mp.head_dim,
+            mp.n_groups,
+            mp.d_state,
+            mp.ring_len,
+            mp.max_drafts
+        ),
+        (2, 128, 64, 8, 128, 8, 4)
+    );
+    assert_eq!(
+        (
+            mp.conv_dim,
+            mp.conv_kernel,
+            mp.state_dtype,
+            mp.max_seqs as i64
+        ),
+        (10240, 4, KVR_DTYPE_BF16, s.max_seqs[0])
+    );
+    mp.max_seqs = 1;
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let mut pool = null_mut();
+    ok(kvr_mamba2_pool_new(ctx, &mp, &mut pool));
+    let mut mem: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    mem.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+    ok(kvr_mamba2_pool_get_memory(pool, &mut mem));
+    assert_eq!(mem.total_bytes, s.mamba2_bytes_per_seq);
+    assert_eq!(mem.state_bytes, s.state_bytes_per_seq);
+    assert_eq!(mem.ring_bytes + mem.conv_bytes, s.ring_bytes_per_seq);
+    kvr_mamba2_pool_free(pool);
+    kvr_context_free(ctx);
+    kvr_model_free(m);
+}
+
 #[test]
 fn mamba2_pool_params_bad_input() {
     let m = open("mamba2");
