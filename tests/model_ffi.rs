@@ -335,33 +335,56 @@ fn weights(m: *mut kvr_model, name: &str, n: i64) -> (kvr_tensor, Vec<f32>) {
     (t, v)
 }
 
+/// The sizing and the Mamba-2 pool parameters of `m` under `p`.
+fn mamba2_sizing(
+    m: *mut kvr_model,
+    p: &kvr_model_sizing_params,
+) -> (kvr_model_sizing, kvr_mamba2_pool_params) {
+    let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_model_sizing>() as u32;
+    ok(kvr_model_compute_sizing(m, p, &mut s));
+    let mut mp = mamba2_params_sentinel();
+    ok(kvr_model_get_mamba2_pool_params(m, p, &mut mp));
+    assert_eq!(mp.struct_size as usize, size_of::<kvr_mamba2_pool_params>());
+    assert!(mp.states.is_null());
+    (s, mp)
+}
+
+/// Layers, heads, head dim, groups, state dim, ring, drafts.
+fn mamba2_shape(mp: &kvr_mamba2_pool_params) -> [i32; 7] {
+    [
+        mp.n_layers,
+        mp.n_heads,
+        mp.head_dim,
+        mp.n_groups,
+        mp.d_state,
+        mp.ring_len,
+        mp.max_drafts,
+    ]
+}
+
+/// A CPU pool created with `mp`, and its memory per sequence.
+fn mamba2_pool(
+    ctx: *mut kvr_context,
+    mp: &kvr_mamba2_pool_params,
+) -> (*mut kvr_mamba2_pool, kvr_gdn_pool_memory) {
+    let mut pool = null_mut();
+    ok(kvr_mamba2_pool_new(ctx, mp, &mut pool));
+    let mut mem: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    mem.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+    ok(kvr_mamba2_pool_get_memory(pool, &mut mem));
+    (pool, mem)
+}
+
 #[test]
 fn mamba2_pool_params_from_a_model_decode() {
     for arch in ["mamba2", "nemotron_h", "granitehybrid"] {
         let m = open(arch);
         let p = sizing_params(1 << 20, 100, 2);
-        let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
-        s.struct_size = size_of::<kvr_model_sizing>() as u32;
-        ok(kvr_model_compute_sizing(m, &p, &mut s));
+        let (s, mp) = mamba2_sizing(m, &p);
         // Two Mamba-2 layers in each tiny model (blk.0 is one of them).
-        let layers = 2;
-        assert_eq!((s.n_gdn_layers, s.n_mamba2_layers), (0, layers), "{arch}");
-        let mut mp = mamba2_params_sentinel();
-        ok(kvr_model_get_mamba2_pool_params(m, &p, &mut mp));
-        assert_eq!(mp.struct_size as usize, size_of::<kvr_mamba2_pool_params>());
-        assert_eq!(
-            (
-                mp.n_layers,
-                mp.n_heads,
-                mp.head_dim,
-                mp.n_groups,
-                mp.d_state,
-                mp.ring_len,
-                mp.max_drafts
-            ),
-            (layers, 8, 16, 2, 16, 16, 2),
-            "{arch}"
-        );
+        assert_eq!((s.n_gdn_layers, s.n_mamba2_layers), (0, 2), "{arch}");
+        assert_eq!(mamba2_shape(&mp), [2, 8, 16, 2, 16, 16, 2], "{arch}");
         assert_eq!(
             (
                 mp.conv_dim,
@@ -379,14 +402,9 @@ fn mamba2_pool_params_from_a_model_decode() {
             ),
             "{arch}"
         );
-        assert!(mp.states.is_null());
         // The pool these parameters create takes what the sizing says.
         let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
-        let mut pool = null_mut();
-        ok(kvr_mamba2_pool_new(ctx, &mp, &mut pool));
-        let mut mem: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
-        mem.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
-        ok(kvr_mamba2_pool_get_memory(pool, &mut mem));
+        let (pool, mem) = mamba2_pool(ctx, &mp);
         assert_eq!(mem.total_bytes, s.mamba2_bytes_per_seq, "{arch}");
         assert_eq!(
             mem.total_bytes,
@@ -495,23 +513,8 @@ fn mamba2_pool_params_of_the_nemotron_h_shape() {
     let mut p = sizing_params(40 << 30, 8192, 4);
     p.state_dtype = KVR_DTYPE_BF16;
     p.ring_len = 8;
-    let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
-    s.struct_size = size_of::<kvr_model_sizing>() as u32;
-    ok(kvr_model_compute_sizing(m, &p, &mut s));
-    let mut mp = mamba2_params_sentinel();
-    ok(kvr_model_get_mamba2_pool_params(m, &p, &mut mp));
-    assert_eq!(
-        (
-            mp.n_layers,
-            mp.n_heads,
-            mp.head_dim,
-            mp.n_groups,
-            mp.d_state,
-            mp.ring_len,
-            mp.max_drafts
-        ),
-        (2, 128, 64, 8, 128, 8, 4)
-    );
+    let (s, mut mp) = mamba2_sizing(m, &p);
+    assert_eq!(mamba2_shape(&mp), [2, 128, 64, 8, 128, 8, 4]);
     assert_eq!(
         (
             mp.conv_dim,
@@ -523,11 +526,7 @@ fn mamba2_pool_params_of_the_nemotron_h_shape() {
     );
     mp.max_seqs = 1;
     let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
-    let mut pool = null_mut();
-    ok(kvr_mamba2_pool_new(ctx, &mp, &mut pool));
-    let mut mem: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
-    mem.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
-    ok(kvr_mamba2_pool_get_memory(pool, &mut mem));
+    let (pool, mem) = mamba2_pool(ctx, &mp);
     assert_eq!(mem.total_bytes, s.mamba2_bytes_per_seq);
     assert_eq!(mem.state_bytes, s.state_bytes_per_seq);
     assert_eq!(mem.ring_bytes + mem.conv_bytes, s.ring_bytes_per_seq);
