@@ -268,8 +268,8 @@ static int open_model(const char *path, model *md) {
                md->attn.heads, md->attn.kv_heads, md->attn.head_dim_k,
                md->attn.sliding_window ? ", sliding window" : "");
     if (md->info.n_mamba2_layers)
-        printf("         %d Mamba-2 layers: sized with per-draft snapshots (no Mamba-2 replay yet), "
-               "not decoded here\n",
+        printf("         %d Mamba-2 layers: sized with the Mamba-2 replay pool "
+               "(kvr_model_get_mamba2_pool_params), not decoded here (spec_decode_mamba2.c)\n",
                md->info.n_mamba2_layers);
 
     /* The decay gates from the weights, when the file has them as f32 (as GGUF converters
@@ -305,12 +305,14 @@ static void print_sizing(const model *md, const kvr_model_sizing *z, int drafts,
     printf("\nmemory per sequence at %lld tokens, %d drafts per speculative round "
            "(kvr_model_compute_sizing)\n",
            (long long)z->seq_len, drafts);
-    if (z->n_gdn_layers) {
+    int n_rec = z->n_gdn_layers + z->n_mamba2_layers;
+    if (n_rec) {
         double replay = (double)(z->state_bytes_per_seq + z->ring_bytes_per_seq),
                recur = (double)(z->state_bytes_per_seq + z->snapshot_bytes_per_seq);
-        printf("  GDN, %2d %-6s   replay:    state %s + ring and conv window %s = %s\n",
-               z->n_gdn_layers, layers(z->n_gdn_layers), human((double)z->state_bytes_per_seq),
-               human((double)z->ring_bytes_per_seq), human(replay));
+        printf("  %s, %2d %-6s   replay:    state %s + ring and conv window %s = %s\n",
+               z->n_gdn_layers ? "GDN" : "SSM", n_rec, layers(n_rec),
+               human((double)z->state_bytes_per_seq), human((double)z->ring_bytes_per_seq),
+               human(replay));
         printf("                   recurrent: state %s + %d per-draft snapshots %s = %s (%.1fx)\n",
                human((double)z->state_bytes_per_seq), drafts,
                human((double)z->snapshot_bytes_per_seq), human(recur), recur / replay);
@@ -326,14 +328,12 @@ static void print_sizing(const model *md, const kvr_model_sizing *z, int drafts,
                                                                 : z->seq_len),
                (double)z->contiguous_kv_bytes_per_seq /
                    (double)(z->paged_kv_bytes_per_seq ? z->paged_kv_bytes_per_seq : 1));
-    if (z->n_mamba2_layers)
-        printf("  Mamba-2, %d layers: state %s, per-draft snapshots and conv windows %s in every "
-               "layout\n",
-               z->n_mamba2_layers, human((double)z->state_bytes_per_seq),
-               human((double)z->mamba2_extra_bytes_per_seq));
-    static const char *names[4] = {"paged KV + GDN replay ring (kvreplay)",
+    if (z->n_gdn_layers && z->n_mamba2_layers)
+        printf("  of which Mamba-2 (%d layers), replay: %s\n", z->n_mamba2_layers,
+               human((double)z->mamba2_bytes_per_seq));
+    static const char *names[4] = {"paged KV + replay ring (kvreplay)",
                                    "paged KV + per-draft snapshots",
-                                   "contiguous KV + GDN replay ring",
+                                   "contiguous KV + replay ring",
                                    "contiguous KV + per-draft snapshots"};
     printf("sequences that fit in %.1f GiB\n", budget_gib);
     for (int i = 0; i < 4; i++) {

@@ -3,7 +3,8 @@
  *   gguf_plan MODEL.gguf [budget_GiB=8] [seq_len=4096] [spec_window=4]
  *
  * The file is memory-mapped and validated; nothing but the header is read. The pool
- * parameters printed are what kvr_kv_pool_new / kvr_gdn_pool_new would be given. */
+ * parameters printed are what kvr_kv_pool_new / kvr_gdn_pool_new / kvr_mamba2_pool_new would
+ * be given. */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -75,10 +76,10 @@ int main(int argc, char **argv) {
     printf("  KV %lld bytes/token; paged %.2f MiB/seq (%lld pages), contiguous %.2f MiB/seq\n",
            (long long)z.kv_bytes_per_token, mib(z.paged_kv_bytes_per_seq), (long long)z.pages_per_seq,
            mib(z.contiguous_kv_bytes_per_seq));
-    printf("  recurrent states %.2f MiB/seq; ring %.2f MiB/seq; per-draft snapshots %.2f MiB/seq; "
-           "mamba2 extra %.2f MiB/seq\n",
+    printf("  recurrent states %.2f MiB/seq; ring %.2f MiB/seq; per-draft snapshots %.2f MiB/seq "
+           "(of the states and ring, Mamba-2 %.2f MiB/seq)\n",
            mib(z.state_bytes_per_seq), mib(z.ring_bytes_per_seq), mib(z.snapshot_bytes_per_seq),
-           mib(z.mamba2_extra_bytes_per_seq));
+           mib(z.mamba2_bytes_per_seq));
     const char *names[KVR_MODEL_LAYOUT_COUNT];
     names[KVR_MODEL_LAYOUT_PAGED_RING] = "paged KV + ring";
     names[KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS] = "paged KV + snapshots";
@@ -103,6 +104,14 @@ int main(int argc, char **argv) {
                gp.conv_kernel, gp.conv_dim, gp.max_seqs);
     else
         printf("no GDN pool: %s\n", kvr_error_last_message());
+    kvr_mamba2_pool_params mp;
+    if (kvr_model_get_mamba2_pool_params(m, &sp, &mp) == KVR_STATUS_OK)
+        printf("kvr_mamba2_pool_params: n_layers %d, heads %d x %d, groups %d, d_state %d, "
+               "ring_len %d, max_drafts %d, conv %d x %d, max_seqs %d\n",
+               mp.n_layers, mp.n_heads, mp.head_dim, mp.n_groups, mp.d_state, mp.ring_len,
+               mp.max_drafts, mp.conv_kernel, mp.conv_dim, mp.max_seqs);
+    else
+        printf("no Mamba-2 pool: %s\n", kvr_error_last_message());
     kvr_model_free(m);
     return 0;
 }

@@ -1004,7 +1004,8 @@ typedef struct kvr_model_tensor_info {
 
 /**
  * What an engine plans for (`kvr_model_compute_sizing`, `kvr_model_get_kv_pool_params`,
- * `kvr_model_get_gdn_pool_params`); fill with `kvr_model_sizing_params_default`.
+ * `kvr_model_get_gdn_pool_params`, `kvr_model_get_mamba2_pool_params`); fill with
+ * `kvr_model_sizing_params_default`.
  */
 typedef struct kvr_model_sizing_params {
     /**
@@ -1024,7 +1025,8 @@ typedef struct kvr_model_sizing_params {
      */
     int64_t seq_len;
     /**
-     * GDN ring length (default 16).
+     * Ring length of the GDN and Mamba-2 pools (default 16; raised to `spec_window`, and
+     * to 1).
      */
     int32_t ring_len;
     /**
@@ -1092,21 +1094,25 @@ typedef struct kvr_model_sizing {
      */
     int64_t contiguous_kv_bytes_per_seq;
     /**
-     * GDN and Mamba-2 states.
+     * GDN and Mamba-2 states (every layout).
      */
     int64_t state_bytes_per_seq;
     /**
-     * GDN rings and conv window rings.
+     * GDN and Mamba-2 rings and conv window rings (the ring layouts).
      */
     int64_t ring_bytes_per_seq;
     /**
-     * Per-draft states and conv windows (GDN and Mamba-2).
+     * Per-draft states and conv windows, GDN and Mamba-2 (the snapshot layouts).
      */
     int64_t snapshot_bytes_per_seq;
     /**
-     * Mamba-2 conv windows and per-draft states (every layout: no Mamba-2 ring yet).
+     * The Mamba-2 layers' part of `state_bytes_per_seq + ring_bytes_per_seq` (included
+     * there, not on top): the `total_bytes` per sequence of the pool from
+     * `kvr_model_get_mamba2_pool_params`. 0 without Mamba-2 layers. (This slot was
+     * `mamba2_extra_bytes_per_seq` before Mamba-2 layers were sized with the replay pool:
+     * their conv windows and per-draft states, added to every layout.)
      */
-    int64_t mamba2_extra_bytes_per_seq;
+    int64_t mamba2_bytes_per_seq;
     /**
      * Bytes per sequence, indexed by `kvr_model_layout`.
      */
@@ -1385,7 +1391,7 @@ typedef int32_t kvr_model_layout;
 #define KVR_LAYER_MLP ((kvr_layer_kind)3)
 
 /**
- * Paged KV + GDN ring (kvreplay).
+ * Paged KV + GDN / Mamba-2 replay rings (kvreplay).
  */
 #define KVR_MODEL_LAYOUT_PAGED_RING ((kvr_model_layout)0)
 
@@ -1396,7 +1402,7 @@ typedef int32_t kvr_model_layout;
 
 /**
  * Contiguous KV (the model's context, or `seq_len` if longer, plus the speculative window,
- * reserved per sequence) + GDN ring.
+ * reserved per sequence) + GDN / Mamba-2 replay rings.
  */
 #define KVR_MODEL_LAYOUT_CONTIGUOUS_RING ((kvr_model_layout)2)
 
@@ -2866,7 +2872,8 @@ KVR_NODISCARD kvr_status kvr_model_sizing_params_default(struct kvr_model_sizing
  * negative sizes or budget, a `struct_size` too small, or in `params` larger with a
  * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
  * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
- * do not store).
+ * do not store); `KVR_STATUS_UNSUPPORTED` (GDN or Mamba-2 layers their pool cannot hold,
+ * e.g. a head or state dim above 256).
  * Ownership: `params` is read during the call; `*out` is the caller's.
  * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
  * On failure: `*out` is not written.
@@ -2886,8 +2893,8 @@ kvr_status kvr_model_compute_sizing(const struct kvr_model *model,
  * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
  * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
  * do not store); `KVR_STATUS_UNSUPPORTED` (no attention layers, layers of different
- * shapes, or K and V head dims that differ); `KVR_STATUS_OUT_OF_RANGE` also when not one
- * sequence fits the budget.
+ * shapes, or K and V head dims that differ; GDN or Mamba-2 layers their pool cannot
+ * hold); `KVR_STATUS_OUT_OF_RANGE` also when not one sequence fits the budget.
  * Ownership: `params` is read during the call; `*out` is the caller's (its `layers` is
  * NULL).
  * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
@@ -2907,8 +2914,8 @@ kvr_status kvr_model_get_kv_pool_params(const struct kvr_model *model,
  * negative sizes or budget, a `struct_size` too small, or in `params` larger with a
  * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
  * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
- * do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers); `KVR_STATUS_OUT_OF_RANGE` also
- * when not one sequence fits the budget.
+ * do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers, or GDN or Mamba-2 layers their
+ * pool cannot hold); `KVR_STATUS_OUT_OF_RANGE` also when not one sequence fits the budget.
  * Ownership: `params` is read during the call; `*out` is the caller's (its `states` is
  * NULL).
  * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
@@ -2918,6 +2925,29 @@ KVR_NODISCARD
 kvr_status kvr_model_get_gdn_pool_params(const struct kvr_model *model,
                                          const struct kvr_model_sizing_params *params,
                                          struct kvr_gdn_pool_params *out);
+
+/**
+ * Fills `*out` (as `kvr_mamba2_pool_params_default` would, then) with the Mamba-2 pool for
+ * the `KVR_MODEL_LAYOUT_PAGED_RING` layout: Mamba-2 layers, heads, head dim, groups, state
+ * dim, ring, drafts, dtypes, conv window (kernel and xBC channels), sequence slots;
+ * V-major state.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+ * non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
+ * (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+ * do not store); `KVR_STATUS_UNSUPPORTED` (no Mamba-2 layers, or GDN or Mamba-2 layers
+ * their pool cannot hold); `KVR_STATUS_OUT_OF_RANGE` also when not one sequence fits the
+ * budget.
+ * Ownership: `params` is read during the call; `*out` is the caller's (its `states` is
+ * NULL).
+ * Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+ * On failure: `*out` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_model_get_mamba2_pool_params(const struct kvr_model *model,
+                                            const struct kvr_model_sizing_params *params,
+                                            struct kvr_mamba2_pool_params *out);
 
 /**
  * Describes a status code.

@@ -9,6 +9,8 @@ use common::Rng;
 use kvreplay::gguf::{
     self, AttentionPlan, GdnPlan, GgufFile, LayerPlan, Mamba2Plan, Model, SizingParams,
 };
+use kvreplay::linear::replay::Layout;
+use kvreplay::linear::{GdnPool, Mamba2Pool, ReplayConfig, StateLayout};
 use kvreplay::{DType, Error};
 
 fn tiny(arch: &str) -> String {
@@ -220,17 +222,60 @@ fn sizing_matches_a_direct_computation() {
         (g.conv_dim, g.conv_kernel, g.max_seqs),
         (128, 4, s.max_seqs[0] as usize)
     );
-    // Mamba-2 layers: 8 x 16 x 16 f32 states, conv windows and snapshots in every layout.
+    assert!(s.mamba2_pool.is_none());
+    assert_eq!(s.mamba2_bytes_per_seq, 0);
+    // Two Mamba-2 layers as GDN's: 8 heads x 16 x 16 f32 states; rings of 16 entries of
+    // (8 heads x 16 + 2 groups x 16) f32 + 8 decays; conv windows of 3 + 4 inputs x 192
+    // channels; or 4 snapshots and 1 + 4 windows of 3 x 192.
     let m = Model::open(tiny("nemotron_h")).unwrap();
     let s = gguf::sizing(&m.plan, &p).unwrap();
+    let kv_tok = 2 * (16 + 16) * 2;
     let mstate = 2 * 8 * 16 * 16 * 4;
+    let mring = 2 * 16 * ((8 * 16 + 2 * 16) * 4 + 8 * 4) + 2 * (3 + 4) * 192 * 4;
+    let msnap = 4 * mstate + 2 * 5 * 3 * 192 * 4;
     assert_eq!(s.state_bytes_per_seq, mstate);
+    assert_eq!(s.ring_bytes_per_seq, mring);
+    assert_eq!(s.snapshot_bytes_per_seq, msnap);
+    assert_eq!(s.mamba2_bytes_per_seq, mstate + mring);
     assert_eq!(
-        s.mamba2_extra_bytes_per_seq,
-        2 * (5 * 3 * 192 * 4) + 4 * mstate
+        s.per_seq,
+        [
+            7 * 16 * kv_tok + mstate + mring,
+            7 * 16 * kv_tok + mstate + msnap,
+            (256 + 4) * kv_tok + mstate + mring,
+            (256 + 4) * kv_tok + mstate + msnap,
+        ]
     );
-    assert_eq!(s.ring_bytes_per_seq, 0);
+    assert!(s.max_seqs[0] > s.max_seqs[1], "{:?}", s.max_seqs);
     assert!(s.gdn_pool.is_none() && s.kv_pool.is_some());
+    let mp = s.mamba2_pool.unwrap();
+    assert_eq!(
+        (
+            mp.layers,
+            mp.v_heads,
+            mp.dv,
+            mp.k_heads,
+            mp.dk,
+            mp.ring_len,
+            mp.max_drafts
+        ),
+        (2, 8, 16, 2, 16, 16, 4)
+    );
+    assert_eq!(
+        (mp.conv_dim, mp.conv_kernel, mp.layout, mp.max_seqs),
+        (192, 4, StateLayout::VMajor, s.max_seqs[0] as usize)
+    );
+    // A state dim the pool cannot hold is refused, as for GDN layers.
+    let mut big = m.plan.clone();
+    for l in &mut big.layers {
+        if let LayerPlan::Mamba2(mb) = l {
+            mb.state = 512;
+        }
+    }
+    assert!(matches!(
+        gguf::sizing(&big, &p),
+        Err(Error::Unsupported(e)) if e.contains("Mamba-2 pool")
+    ));
     // Bad parameters.
     assert!(gguf::sizing(&m.plan, &SizingParams { page_size: 0, ..p }).is_err());
     assert!(matches!(
@@ -263,7 +308,97 @@ fn sizing_matches_a_direct_computation() {
     )
     .unwrap();
     assert_eq!(s.max_seqs, [0; 4]);
-    assert!(s.kv_pool.is_none());
+    assert!(s.kv_pool.is_none() && s.mamba2_pool.is_none());
+}
+
+/// Bytes one sequence slot takes in a pool's storage as created (states, snapshots, rings,
+/// conv windows; not the metadata records, which the sizing leaves out).
+fn allocated_per_seq(l: &Layout) -> u64 {
+    let c = &l.cfg;
+    let parts = [&l.snaps, &l.ring_u, &l.ring_k, &l.ring_g, &l.conv];
+    for p in parts {
+        assert_eq!(p.layer_bytes(), c.max_seqs * p.slot_bytes);
+        assert_eq!(p.base == 0, p.slot_bytes == 0);
+    }
+    let states: usize = l
+        .states
+        .iter()
+        .map(|s| s.seq_stride * c.state_dtype.size())
+        .sum();
+    (states + c.layers * parts.iter().map(|p| p.slot_bytes).sum::<usize>()) as u64
+}
+
+/// The ring layouts' state and ring bytes are what pools created with the returned
+/// parameters allocate, for GDN and Mamba-2 models, across drafts, rings and dtypes.
+#[test]
+fn sizing_equals_what_the_pools_allocate() {
+    let ctx = common::gdn::cpu_ctx();
+    let dtypes = [
+        (DType::F32, DType::F32, DType::F32),
+        (DType::BF16, DType::F16, DType::BF16),
+    ];
+    for arch in [
+        "qwen3next",
+        "qwen35",
+        "mamba2",
+        "nemotron_h",
+        "granitehybrid",
+    ] {
+        let m = Model::open(tiny(arch)).unwrap();
+        for (spec, ring) in [(0, 16), (4, 2), (8, 32)] {
+            for (state_dtype, entry_dtype, conv_dtype) in dtypes {
+                let p = SizingParams {
+                    budget_bytes: 4 << 20,
+                    seq_len: 100,
+                    ring_len: ring,
+                    spec_window: spec,
+                    state_dtype,
+                    entry_dtype,
+                    conv_dtype,
+                    ..Default::default()
+                };
+                let s = gguf::sizing(&m.plan, &p).unwrap();
+                let what = format!("{arch}, T {spec}, ring {ring}, {state_dtype}");
+                assert!(s.max_seqs[0] > 0, "{what}");
+                let mut allocated = 0;
+                if let Some(c) = s.gdn_pool {
+                    let pool = GdnPool::new(ctx.clone(), c, None).unwrap();
+                    allocated += allocated_per_seq(pool.layout());
+                }
+                if let Some(c) = s.mamba2_pool {
+                    let pool = Mamba2Pool::new(ctx.clone(), c, None).unwrap();
+                    let a = allocated_per_seq(pool.layout());
+                    assert_eq!(s.mamba2_bytes_per_seq, a, "{what}");
+                    assert_eq!(pool.memory().total() as u64, a, "{what}");
+                    allocated += a;
+                }
+                assert_eq!(
+                    (s.gdn_pool.is_some(), s.mamba2_pool.is_some()),
+                    (s.gdn_layers > 0, s.mamba2_layers > 0),
+                    "{what}"
+                );
+                assert_eq!(
+                    s.state_bytes_per_seq + s.ring_bytes_per_seq,
+                    allocated,
+                    "{what}"
+                );
+                // The snapshot layouts: T more states and 1 + T conv windows per layer.
+                let t = spec as u64;
+                let windows: u64 = [s.gdn_pool, s.mamba2_pool]
+                    .into_iter()
+                    .flatten()
+                    .map(|c| {
+                        (c.layers * (c.conv_kernel - 1) * c.conv_dim * c.conv_dtype.size()) as u64
+                    })
+                    .sum();
+                assert_eq!(
+                    s.snapshot_bytes_per_seq,
+                    t * s.state_bytes_per_seq + (1 + t) * windows,
+                    "{what}"
+                );
+            }
+        }
+    }
 }
 
 fn refused(bytes: &[u8]) -> Error {
@@ -438,6 +573,65 @@ fn the_real_qwen3_next_80b_shape() {
         "{:?}",
         s.max_seqs
     );
+}
+
+/// Nemotron-H-8B's Mamba-2 shape (head dim 64 and state dim 128 differ, so the mapping
+/// onto the replay core's dv and dk shows): the sizing, the pool parameters, and what a
+/// pool created with them allocates.
+#[test]
+fn the_nemotron_h_mamba2_shape() {
+    let m = Model::from_bytes(&nemotron_h_like().build()).unwrap();
+    assert_eq!(
+        m.plan.layers[0],
+        LayerPlan::Mamba2(Mamba2Plan {
+            heads: 128,
+            head_dim: 64,
+            groups: 8,
+            state: 128,
+            conv_kernel: 4,
+            conv_dim: 10240
+        })
+    );
+    assert_eq!(m.plan.layers[2], LayerPlan::Mlp);
+    let p = SizingParams {
+        budget_bytes: 40 << 30,
+        seq_len: 8192,
+        spec_window: 4,
+        state_dtype: DType::BF16,
+        ..Default::default()
+    };
+    let s = gguf::sizing(&m.plan, &p).unwrap();
+    // 2 layers x 128 heads x 64 x 128 bf16: 4 MiB of state per sequence.
+    assert_eq!(s.state_bytes_per_seq, 4 << 20);
+    // Rings of 16 entries of (128 x 64 + 8 x 128) f32 + 128 decays, conv windows of 3 + 4
+    // inputs x 10240 f32; snapshots: 4 states and 1 + 4 windows of 3 x 10240.
+    let ring = 2 * 16 * ((128 * 64 + 8 * 128) * 4 + 128 * 4) + 2 * 7 * 10240 * 4;
+    assert_eq!(s.ring_bytes_per_seq, ring);
+    assert_eq!(
+        s.snapshot_bytes_per_seq,
+        4 * (4 << 20) + 2 * 5 * 3 * 10240 * 4
+    );
+    assert_eq!(s.mamba2_bytes_per_seq, (4 << 20) + ring);
+    let c = s.mamba2_pool.unwrap();
+    assert_eq!(
+        (c.layers, c.v_heads, c.dv, c.k_heads, c.dk, c.conv_dim),
+        (2, 128, 64, 8, 128, 10240)
+    );
+    let pool = Mamba2Pool::new(
+        common::gdn::cpu_ctx(),
+        ReplayConfig { max_seqs: 1, ..c },
+        None,
+    )
+    .unwrap();
+    assert_eq!(allocated_per_seq(pool.layout()), s.mamba2_bytes_per_seq);
+    // A state dim above the pool's 256 is refused by the sizing, as for GDN.
+    let mut b = nemotron_h_like();
+    b.u32("nemotron_h.ssm.state_size", 512);
+    let m = Model::from_bytes(&b.build()).unwrap();
+    assert!(matches!(
+        gguf::sizing(&m.plan, &p),
+        Err(Error::Unsupported(e)) if e.contains("Mamba-2") && e.contains("256")
+    ));
 }
 
 #[test]

@@ -304,3 +304,306 @@ fn bad_input_is_a_status() {
     assert_eq!(kvr_model_get_layer(m, 0, &mut l), KVR_STATUS_INVALID_ARG);
     assert!(kvr_model_get_arch(m).is_null());
 }
+
+fn mamba2_params_sentinel() -> kvr_mamba2_pool_params {
+    let mut p = std::mem::MaybeUninit::uninit();
+    ok(kvr_mamba2_pool_params_default(p.as_mut_ptr()));
+    let mut p: kvr_mamba2_pool_params = unsafe { p.assume_init() };
+    p.n_layers = 12345;
+    p.d_state = -7;
+    p
+}
+
+fn bytes_of<T>(v: &T) -> Vec<u8> {
+    // SAFETY: a plain #[repr(C)] struct, read as bytes.
+    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()).to_vec() }
+}
+
+/// A host f32 view of a 1-D tensor of the model.
+fn weights(m: *mut kvr_model, name: &str, n: i64) -> (kvr_tensor, Vec<f32>) {
+    let name = CString::new(name).unwrap();
+    let mut t: kvr_tensor = unsafe { std::mem::zeroed() };
+    ok(kvr_model_get_tensor(
+        m,
+        name.as_ptr(),
+        1,
+        [n].as_ptr(),
+        &mut t,
+    ));
+    assert_eq!(t.dtype, KVR_DTYPE_F32);
+    let v = unsafe { std::slice::from_raw_parts(t.data as *const f32, n as usize) }.to_vec();
+    (t, v)
+}
+
+/// The sizing and the Mamba-2 pool parameters of `m` under `p`.
+fn mamba2_sizing(
+    m: *mut kvr_model,
+    p: &kvr_model_sizing_params,
+) -> (kvr_model_sizing, kvr_mamba2_pool_params) {
+    let mut s: kvr_model_sizing = unsafe { std::mem::zeroed() };
+    s.struct_size = size_of::<kvr_model_sizing>() as u32;
+    ok(kvr_model_compute_sizing(m, p, &mut s));
+    let mut mp = mamba2_params_sentinel();
+    ok(kvr_model_get_mamba2_pool_params(m, p, &mut mp));
+    assert_eq!(mp.struct_size as usize, size_of::<kvr_mamba2_pool_params>());
+    assert!(mp.states.is_null());
+    (s, mp)
+}
+
+/// Layers, heads, head dim, groups, state dim, ring, drafts.
+fn mamba2_shape(mp: &kvr_mamba2_pool_params) -> [i32; 7] {
+    [
+        mp.n_layers,
+        mp.n_heads,
+        mp.head_dim,
+        mp.n_groups,
+        mp.d_state,
+        mp.ring_len,
+        mp.max_drafts,
+    ]
+}
+
+/// A CPU pool created with `mp`, and its memory per sequence.
+fn mamba2_pool(
+    ctx: *mut kvr_context,
+    mp: &kvr_mamba2_pool_params,
+) -> (*mut kvr_mamba2_pool, kvr_gdn_pool_memory) {
+    let mut pool = null_mut();
+    ok(kvr_mamba2_pool_new(ctx, mp, &mut pool));
+    let mut mem: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    mem.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+    ok(kvr_mamba2_pool_get_memory(pool, &mut mem));
+    (pool, mem)
+}
+
+#[test]
+fn mamba2_pool_params_from_a_model_decode() {
+    for arch in ["mamba2", "nemotron_h", "granitehybrid"] {
+        let m = open(arch);
+        let p = sizing_params(1 << 20, 100, 2);
+        let (s, mp) = mamba2_sizing(m, &p);
+        // Two Mamba-2 layers in each tiny model (blk.0 is one of them).
+        assert_eq!((s.n_gdn_layers, s.n_mamba2_layers), (0, 2), "{arch}");
+        assert_eq!(mamba2_shape(&mp), [2, 8, 16, 2, 16, 16, 2], "{arch}");
+        assert_eq!(
+            (
+                mp.conv_dim,
+                mp.conv_kernel,
+                mp.layout,
+                mp.max_seqs as i64,
+                mp.kv_only_threshold
+            ),
+            (
+                192,
+                4,
+                KVR_STATE_V_MAJOR,
+                s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize],
+                KVR_GDN_THRESHOLD_DEFAULT
+            ),
+            "{arch}"
+        );
+        // The pool these parameters create takes what the sizing says.
+        let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+        let (pool, mem) = mamba2_pool(ctx, &mp);
+        assert_eq!(mem.total_bytes, s.mamba2_bytes_per_seq, "{arch}");
+        assert_eq!(
+            mem.total_bytes,
+            s.state_bytes_per_seq + s.ring_bytes_per_seq,
+            "{arch}"
+        );
+        assert_eq!(mem.snapshot_bytes, 0);
+        // Two decode steps on two sequences of the first Mamba-2 layer, with the model's
+        // A, D and dt_bias, against a direct f64 recurrence.
+        let layer = 0;
+        let (h, pd, g, n, cd, b) = (8usize, 16usize, 2usize, 16usize, 192usize, 2usize);
+        let (a_t, a) = weights(m, &format!("blk.{layer}.ssm_a"), h as i64);
+        let (d_t, d) = weights(m, &format!("blk.{layer}.ssm_d"), h as i64);
+        let (bias_t, bias) = weights(m, &format!("blk.{layer}.ssm_dt.bias"), h as i64);
+        let mut seqs = [0i32; 2];
+        for s in &mut seqs {
+            ok(kvr_mamba2_pool_seq_add(pool, null_mut(), s));
+        }
+        let mut rng = Rng::new(7);
+        let mut state = vec![0f64; b * h * pd * n];
+        let host = |v: &mut Vec<f32>, shape: &[i64]| {
+            tensor(
+                v.as_mut_ptr() as *mut _,
+                KVR_DTYPE_F32,
+                KVR_DEVICE_HOST,
+                shape,
+                &contiguous_strides(shape),
+            )
+        };
+        let mut ids = seqs.to_vec();
+        let ids_t = tensor(
+            ids.as_mut_ptr() as *mut _,
+            KVR_DTYPE_I32,
+            KVR_DEVICE_HOST,
+            &[b as i64],
+            &[1],
+        );
+        for _step in 0..2 {
+            let mut x = rng.vec(b * h * pd, -1.0, 1.0);
+            let mut dt = rng.vec(b * h, -1.0, 1.0);
+            let mut bm = rng.vec(b * g * n, -1.0, 1.0);
+            let mut cm = rng.vec(b * g * n, -1.0, 1.0);
+            let mut conv = rng.vec(b * cd, -1.0, 1.0);
+            let mut out = vec![0f32; b * h * pd];
+            let (x_t, dt_t, b_t, c_t, conv_t, out_t) = (
+                host(&mut x, &[b as i64, h as i64, pd as i64]),
+                host(&mut dt, &[b as i64, h as i64]),
+                host(&mut bm, &[b as i64, g as i64, n as i64]),
+                host(&mut cm, &[b as i64, g as i64, n as i64]),
+                host(&mut conv, &[b as i64, cd as i64]),
+                host(&mut out, &[b as i64, h as i64, pd as i64]),
+            );
+            let io = kvr_mamba2_tensors {
+                seq_ids: &ids_t,
+                x: &x_t,
+                dt: &dt_t,
+                a: &a_t,
+                b: &b_t,
+                c: &c_t,
+                d: &d_t,
+                z: null(),
+                dt_bias: &bias_t,
+                conv_in: &conv_t,
+                out: &out_t,
+            };
+            ok(kvr_mamba2_pool_decode(pool, layer, &io, null(), null_mut()));
+            let mut worst = 0f64;
+            for r in 0..b {
+                for hh in 0..h {
+                    let gg = hh / (h / g);
+                    let v = dt[r * h + hh] as f64 + bias[hh] as f64;
+                    let dtp = if v > 20.0 { v } else { v.exp().ln_1p() };
+                    let decay = (a[hh] as f64 * dtp).exp();
+                    for p_ in 0..pd {
+                        let xv = x[(r * h + hh) * pd + p_] as f64;
+                        let mut y = d[hh] as f64 * xv;
+                        for k in 0..n {
+                            let st = &mut state[((r * h + hh) * pd + p_) * n + k];
+                            *st = decay * *st + dtp * xv * bm[(r * g + gg) * n + k] as f64;
+                            y += *st * cm[(r * g + gg) * n + k] as f64;
+                        }
+                        let got = out[(r * h + hh) * pd + p_] as f64;
+                        worst = worst.max((got - y).abs() / (1.0 + y.abs()));
+                    }
+                }
+            }
+            assert!(worst < 1e-4, "{arch}: decode off by {worst}");
+        }
+        kvr_mamba2_pool_free(pool);
+        kvr_context_free(ctx);
+        kvr_model_free(m);
+    }
+}
+
+/// Nemotron-H-8B's Mamba-2 shape (head dim 64, state dim 128): the getter puts each in its
+/// field, and the pool takes what the sizing says.
+#[test]
+fn mamba2_pool_params_of_the_nemotron_h_shape() {
+    let bytes = common::gguf::nemotron_h_like().build();
+    let path = std::env::temp_dir().join(format!("kvr-nemotron-{}.gguf", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    let cpath = CString::new(path.to_str().unwrap()).unwrap();
+    let mut m = null_mut();
+    ok(kvr_model_open(cpath.as_ptr(), &mut m));
+    let _ = std::fs::remove_file(&path);
+    let mut p = sizing_params(40 << 30, 8192, 4);
+    p.state_dtype = KVR_DTYPE_BF16;
+    p.ring_len = 8;
+    let (s, mut mp) = mamba2_sizing(m, &p);
+    assert_eq!(mamba2_shape(&mp), [2, 128, 64, 8, 128, 8, 4]);
+    assert_eq!(
+        (
+            mp.conv_dim,
+            mp.conv_kernel,
+            mp.state_dtype,
+            mp.max_seqs as i64
+        ),
+        (10240, 4, KVR_DTYPE_BF16, s.max_seqs[0])
+    );
+    mp.max_seqs = 1;
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, mem) = mamba2_pool(ctx, &mp);
+    assert_eq!(mem.total_bytes, s.mamba2_bytes_per_seq);
+    assert_eq!(mem.state_bytes, s.state_bytes_per_seq);
+    assert_eq!(mem.ring_bytes + mem.conv_bytes, s.ring_bytes_per_seq);
+    kvr_mamba2_pool_free(pool);
+    kvr_context_free(ctx);
+    kvr_model_free(m);
+}
+
+#[test]
+fn mamba2_pool_params_bad_input() {
+    let m = open("mamba2");
+    let p = sizing_params(1 << 20, 128, 2);
+    let sentinel = mamba2_params_sentinel();
+    let mut out = sentinel;
+    let check = |model: *const kvr_model,
+                 params: *const kvr_model_sizing_params,
+                 out: *mut kvr_mamba2_pool_params,
+                 want: kvr_status,
+                 msg: &str| {
+        assert_eq!(
+            kvr_model_get_mamba2_pool_params(model, params, out),
+            want,
+            "{msg}: {}",
+            last_error()
+        );
+        let e = last_error();
+        assert!(
+            e.contains("kvr_model_get_mamba2_pool_params") && e.contains(msg),
+            "{msg}: {e}"
+        );
+    };
+    check(null(), &p, &mut out, KVR_STATUS_NULL_ARG, "NULL");
+    check(m, null(), &mut out, KVR_STATUS_NULL_ARG, "params");
+    check(m, &p, null_mut(), KVR_STATUS_NULL_ARG, "out");
+    let mut small = p;
+    small.struct_size = 8;
+    check(m, &small, &mut out, KVR_STATUS_INVALID_ARG, "struct_size");
+    let mut bad = p;
+    bad.spec_window = 9;
+    check(m, &bad, &mut out, KVR_STATUS_OUT_OF_RANGE, "spec_window");
+    bad = p;
+    bad.state_dtype = KVR_DTYPE_F16;
+    check(m, &bad, &mut out, KVR_STATUS_DTYPE_MISMATCH, "state_dtype");
+    bad = p;
+    bad.budget_bytes = 100;
+    check(
+        m,
+        &bad,
+        &mut out,
+        KVR_STATUS_OUT_OF_RANGE,
+        "not one sequence fits",
+    );
+    // Models without Mamba-2 layers: attention only, GDN + attention.
+    for arch in ["llama", "qwen3next"] {
+        let q = open(arch);
+        check(q, &p, &mut out, KVR_STATUS_UNSUPPORTED, "no Mamba-2 layers");
+        kvr_model_free(q);
+        // A freed handle.
+        check(
+            q,
+            &p,
+            &mut out,
+            KVR_STATUS_INVALID_ARG,
+            "not a live kvr_model",
+        );
+    }
+    assert_eq!(
+        bytes_of(&out),
+        bytes_of(&sentinel),
+        "a failed call wrote *out"
+    );
+    // And the other way: no GDN pool from a Mamba-2 model.
+    let mut gp = std::mem::MaybeUninit::<kvr_gdn_pool_params>::uninit();
+    assert_eq!(
+        kvr_model_get_gdn_pool_params(m, &p, gp.as_mut_ptr()),
+        KVR_STATUS_UNSUPPORTED
+    );
+    assert!(last_error().contains("no Gated DeltaNet layers"));
+    kvr_model_free(m);
+}

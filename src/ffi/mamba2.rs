@@ -81,7 +81,7 @@ pub struct kvr_mamba2_pool_params {
 
 const POOL_PARAMS_V1: usize = size_of::<kvr_mamba2_pool_params>();
 
-fn default_pool() -> kvr_mamba2_pool_params {
+pub(crate) fn default_pool() -> kvr_mamba2_pool_params {
     let g = default_pool_params();
     kvr_mamba2_pool_params {
         struct_size: size_of::<kvr_mamba2_pool_params>() as u32,

@@ -3,10 +3,11 @@
 use std::ffi::{c_char, CStr, CString};
 use std::sync::Arc;
 
-use super::gdn::{kvr_gdn_pool_params, KVR_STATE_K_MAJOR};
+use super::gdn::{kvr_gdn_pool_params, KVR_STATE_K_MAJOR, KVR_STATE_V_MAJOR};
 use super::guard::{guard, guard_value, non_null, read_versioned, write_versioned};
 use super::handles::Registry;
 use super::kv_pool::kvr_kv_pool_params;
+use super::mamba2::kvr_mamba2_pool_params;
 use super::status::kvr_status;
 use super::tensor::{
     dtype_from_c, kvr_dtype, kvr_tensor, KVR_DEVICE_HOST, KVR_DTYPE_BF16, KVR_DTYPE_F16,
@@ -408,7 +409,8 @@ pub extern "C" fn kvr_model_get_tensor(
 }
 
 /// What an engine plans for (`kvr_model_compute_sizing`, `kvr_model_get_kv_pool_params`,
-/// `kvr_model_get_gdn_pool_params`); fill with `kvr_model_sizing_params_default`.
+/// `kvr_model_get_gdn_pool_params`, `kvr_model_get_mamba2_pool_params`); fill with
+/// `kvr_model_sizing_params_default`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvr_model_sizing_params {
@@ -420,7 +422,8 @@ pub struct kvr_model_sizing_params {
     pub budget_bytes: i64,
     /// Tokens per sequence (prompt + output); 0 (default) = the model's context length.
     pub seq_len: i64,
-    /// GDN ring length (default 16).
+    /// Ring length of the GDN and Mamba-2 pools (default 16; raised to `spec_window`, and
+    /// to 1).
     pub ring_len: i32,
     /// Draft tokens per speculative round, 0..8 (default 0).
     pub spec_window: i32,
@@ -474,12 +477,12 @@ pub extern "C" fn kvr_model_sizing_params_default(
 /// A memory layout `kvr_model_compute_sizing` compares: the index into the per-layout arrays
 /// of `kvr_model_sizing` (`bytes_per_seq[KVR_MODEL_LAYOUT_PAGED_RING]`, ...).
 pub type kvr_model_layout = i32;
-/// Paged KV + GDN ring (kvreplay).
+/// Paged KV + GDN / Mamba-2 replay rings (kvreplay).
 pub const KVR_MODEL_LAYOUT_PAGED_RING: kvr_model_layout = 0 as kvr_model_layout;
 /// Paged KV + per-draft state snapshots.
 pub const KVR_MODEL_LAYOUT_PAGED_SNAPSHOTS: kvr_model_layout = 1 as kvr_model_layout;
 /// Contiguous KV (the model's context, or `seq_len` if longer, plus the speculative window,
-/// reserved per sequence) + GDN ring.
+/// reserved per sequence) + GDN / Mamba-2 replay rings.
 pub const KVR_MODEL_LAYOUT_CONTIGUOUS_RING: kvr_model_layout = 2 as kvr_model_layout;
 /// Contiguous KV + per-draft state snapshots.
 pub const KVR_MODEL_LAYOUT_CONTIGUOUS_SNAPSHOTS: kvr_model_layout = 3 as kvr_model_layout;
@@ -510,14 +513,18 @@ pub struct kvr_model_sizing {
     /// `kv_bytes_per_token` (the speculative window's draft tokens are reserved on top of
     /// the model's whole context).
     pub contiguous_kv_bytes_per_seq: i64,
-    /// GDN and Mamba-2 states.
+    /// GDN and Mamba-2 states (every layout).
     pub state_bytes_per_seq: i64,
-    /// GDN rings and conv window rings.
+    /// GDN and Mamba-2 rings and conv window rings (the ring layouts).
     pub ring_bytes_per_seq: i64,
-    /// Per-draft states and conv windows (GDN and Mamba-2).
+    /// Per-draft states and conv windows, GDN and Mamba-2 (the snapshot layouts).
     pub snapshot_bytes_per_seq: i64,
-    /// Mamba-2 conv windows and per-draft states (every layout: no Mamba-2 ring yet).
-    pub mamba2_extra_bytes_per_seq: i64,
+    /// The Mamba-2 layers' part of `state_bytes_per_seq + ring_bytes_per_seq` (included
+    /// there, not on top): the `total_bytes` per sequence of the pool from
+    /// `kvr_model_get_mamba2_pool_params`. 0 without Mamba-2 layers. (This slot was
+    /// `mamba2_extra_bytes_per_seq` before Mamba-2 layers were sized with the replay pool:
+    /// their conv windows and per-draft states, added to every layout.)
+    pub mamba2_bytes_per_seq: i64,
     /// Bytes per sequence, indexed by `kvr_model_layout`.
     pub bytes_per_seq: [i64; KVR_MODEL_LAYOUT_COUNT],
     /// Sequences that fit in the budget, indexed by `kvr_model_layout`.
@@ -562,6 +569,22 @@ fn compute(
     Ok((m, s, p))
 }
 
+/// `compute` for the pool getters: the `KVR_MODEL_LAYOUT_PAGED_RING` layout they fill must
+/// fit one sequence in the budget.
+fn compute_fitting(
+    model: *const kvr_model,
+    params: *const kvr_model_sizing_params,
+) -> Result<(gguf::Sizing, kvr_model_sizing_params)> {
+    let (_, s, p) = compute(model, params)?;
+    if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
+        return Err(Error::OutOfRange(format!(
+            "not one sequence fits in {} bytes",
+            p.budget_bytes
+        )));
+    }
+    Ok((s, p))
+}
+
 /// Sizes pools for the model under `params` into `*out`: per-sequence costs and sequences
 /// that fit, for each `kvr_model_layout`. Set `out->struct_size` first.
 ///
@@ -569,7 +592,8 @@ fn compute(
 /// negative sizes or budget, a `struct_size` too small, or in `params` larger with a
 /// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
 /// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
-/// do not store).
+/// do not store); `KVR_STATUS_UNSUPPORTED` (GDN or Mamba-2 layers their pool cannot hold,
+/// e.g. a head or state dim above 256).
 /// Ownership: `params` is read during the call; `*out` is the caller's.
 /// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
 /// On failure: `*out` is not written.
@@ -596,7 +620,7 @@ pub extern "C" fn kvr_model_compute_sizing(
             state_bytes_per_seq: s.state_bytes_per_seq as i64,
             ring_bytes_per_seq: s.ring_bytes_per_seq as i64,
             snapshot_bytes_per_seq: s.snapshot_bytes_per_seq as i64,
-            mamba2_extra_bytes_per_seq: s.mamba2_extra_bytes_per_seq as i64,
+            mamba2_bytes_per_seq: s.mamba2_bytes_per_seq as i64,
             bytes_per_seq: s.per_seq.map(|x| x as i64),
             max_seqs: s.max_seqs.map(|x| x as i64),
         };
@@ -614,8 +638,8 @@ pub extern "C" fn kvr_model_compute_sizing(
 /// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
 /// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
 /// do not store); `KVR_STATUS_UNSUPPORTED` (no attention layers, layers of different
-/// shapes, or K and V head dims that differ); `KVR_STATUS_OUT_OF_RANGE` also when not one
-/// sequence fits the budget.
+/// shapes, or K and V head dims that differ; GDN or Mamba-2 layers their pool cannot
+/// hold); `KVR_STATUS_OUT_OF_RANGE` also when not one sequence fits the budget.
 /// Ownership: `params` is read during the call; `*out` is the caller's (its `layers` is
 /// NULL).
 /// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
@@ -629,13 +653,7 @@ pub extern "C" fn kvr_model_get_kv_pool_params(
 ) -> kvr_status {
     guard("kvr_model_get_kv_pool_params", || {
         non_null(out, "out")?;
-        let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
-            return Err(Error::OutOfRange(format!(
-                "not one sequence fits in {} bytes",
-                p.budget_bytes
-            )));
-        }
+        let (s, p) = compute_fitting(model, params)?;
         let c = s.kv_pool.ok_or_else(|| {
             Error::Unsupported(
                 "the model has no attention layers, or its attention layers differ in shape or in K and V head dims"
@@ -665,8 +683,8 @@ pub extern "C" fn kvr_model_get_kv_pool_params(
 /// negative sizes or budget, a `struct_size` too small, or in `params` larger with a
 /// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
 /// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
-/// do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers); `KVR_STATUS_OUT_OF_RANGE` also
-/// when not one sequence fits the budget.
+/// do not store); `KVR_STATUS_UNSUPPORTED` (no GDN layers, or GDN or Mamba-2 layers their
+/// pool cannot hold); `KVR_STATUS_OUT_OF_RANGE` also when not one sequence fits the budget.
 /// Ownership: `params` is read during the call; `*out` is the caller's (its `states` is
 /// NULL).
 /// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
@@ -680,13 +698,7 @@ pub extern "C" fn kvr_model_get_gdn_pool_params(
 ) -> kvr_status {
     guard("kvr_model_get_gdn_pool_params", || {
         non_null(out, "out")?;
-        let (_, s, p) = compute(model, params)?;
-        if s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize] == 0 {
-            return Err(Error::OutOfRange(format!(
-                "not one sequence fits in {} bytes",
-                p.budget_bytes
-            )));
-        }
+        let (s, p) = compute_fitting(model, params)?;
         let c = s
             .gdn_pool
             .ok_or_else(|| Error::Unsupported("the model has no Gated DeltaNet layers".into()))?;
@@ -707,6 +719,58 @@ pub extern "C" fn kvr_model_get_gdn_pool_params(
         g.conv_dtype = p.conv_dtype;
         // SAFETY: non-NULL.
         unsafe { out.write(g) };
+        Ok(())
+    })
+}
+
+/// Fills `*out` (as `kvr_mamba2_pool_params_default` would, then) with the Mamba-2 pool for
+/// the `KVR_MODEL_LAYOUT_PAGED_RING` layout: Mamba-2 layers, heads, head dim, groups, state
+/// dim, ring, drafts, dtypes, conv window (kernel and xBC channels), sequence slots;
+/// V-major state.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// negative sizes or budget, a `struct_size` too small, or in `params` larger with a
+/// non-zero byte past this library's struct); `KVR_STATUS_OUT_OF_RANGE`
+/// (spec_window > 8, sizes that overflow); `KVR_STATUS_DTYPE_MISMATCH` (a dtype the pools
+/// do not store); `KVR_STATUS_UNSUPPORTED` (no Mamba-2 layers, or GDN or Mamba-2 layers
+/// their pool cannot hold); `KVR_STATUS_OUT_OF_RANGE` also when not one sequence fits the
+/// budget.
+/// Ownership: `params` is read during the call; `*out` is the caller's (its `states` is
+/// NULL).
+/// Thread safety: thread-safe (a model does not change after `kvr_model_open`).
+/// On failure: `*out` is not written.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_model_get_mamba2_pool_params(
+    model: *const kvr_model,
+    params: *const kvr_model_sizing_params,
+    out: *mut kvr_mamba2_pool_params,
+) -> kvr_status {
+    guard("kvr_model_get_mamba2_pool_params", || {
+        non_null(out, "out")?;
+        let (s, p) = compute_fitting(model, params)?;
+        let c = s
+            .mamba2_pool
+            .ok_or_else(|| Error::Unsupported("the model has no Mamba-2 layers".into()))?;
+        // The core's shape (linear::mamba2): value heads = heads (dv = head dim), key heads
+        // = groups (dk = state dim).
+        let mut m = super::mamba2::default_pool();
+        m.n_layers = c.layers as i32;
+        m.n_heads = c.v_heads as i32;
+        m.head_dim = c.dv as i32;
+        m.n_groups = c.k_heads as i32;
+        m.d_state = c.dk as i32;
+        m.ring_len = c.ring_len as i32;
+        m.max_drafts = c.max_drafts as i32;
+        m.state_dtype = p.state_dtype;
+        m.entry_dtype = p.entry_dtype;
+        m.layout = KVR_STATE_V_MAJOR;
+        m.max_seqs = c.max_seqs.min(i32::MAX as usize) as i32;
+        m.conv_dim = c.conv_dim as i32;
+        m.conv_kernel = c.conv_kernel as i32;
+        m.conv_dtype = p.conv_dtype;
+        // SAFETY: non-NULL.
+        unsafe { out.write(m) };
         Ok(())
     })
 }

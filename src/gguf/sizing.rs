@@ -1,21 +1,22 @@
 //! Pool sizing from a model plan: what one sequence costs and how many fit in a budget,
 //! paged vs contiguous KV and ring vs per-draft snapshots, plus ready-made parameters for
-//! the KV pool and the GDN pool (paged KV + ring, kvreplay's layout).
+//! the KV pool, the GDN pool and the Mamba-2 pool (paged KV + ring, kvreplay's layout).
 //!
 //! Costs per sequence (all layers):
 //! - KV: `kv_heads * (head_dim_k + head_dim_v) * sizeof(kv_dtype)` per token and attention
 //!   layer. Paged: `ceil((seq_len + T) / page) * page` tokens. Contiguous: the model's
 //!   context length (a per-sequence contiguous cache reserves its maximum).
-//! - GDN: the checkpoint states; the ring (`ring_len` entries) and the conv window ring
-//!   (`conv_kernel - 1 + T` inputs), exactly what `GdnPool` allocates; or, with per-draft
-//!   snapshots, `T` more states and `1 + T` conv windows.
-//! - Mamba-2: `heads * head_dim * state` per layer in `state_dtype` plus the conv window;
-//!   kvreplay has no Mamba-2 ring yet, so its layers take `T` snapshots in both variants.
+//! - GDN and Mamba-2 (each family's layers as one replay pool, configured as the pool
+//!   parameters below): the checkpoint states; the ring (`ring_len` entries) and the conv
+//!   window ring (`conv_kernel - 1 + T` inputs), exactly what `GdnPool` / `Mamba2Pool`
+//!   allocate (`ReplayConfig::memory`: the per-sequence parts of the pool's storage,
+//!   without its metadata records); or, with per-draft snapshots, `T` more states and
+//!   `1 + T` conv windows.
 
 use super::plan::{LayerPlan, ModelPlan};
 use crate::error::{Error, Result};
 use crate::kv::KvPoolConfig;
-use crate::linear::{GdnConfig, StateLayout};
+use crate::linear::{GdnConfig, ReplayConfig, StateLayout};
 use crate::tensor::DType;
 
 /// What an engine plans for.
@@ -27,7 +28,7 @@ pub struct SizingParams {
     pub seq_len: usize,
     /// KV page size in tokens.
     pub page_size: usize,
-    /// GDN ring length.
+    /// Ring length of the GDN and Mamba-2 pools (at least `spec_window`, and 1).
     pub ring_len: usize,
     /// Draft tokens per speculative round (0: no speculation).
     pub spec_window: usize,
@@ -81,12 +82,13 @@ pub struct Sizing {
     pub contiguous_kv_bytes_per_seq: u64,
     /// Recurrent states (GDN + Mamba-2).
     pub state_bytes_per_seq: u64,
-    /// GDN rings and conv window rings.
+    /// Rings and conv window rings (GDN + Mamba-2): the ring variants.
     pub ring_bytes_per_seq: u64,
-    /// Per-draft state and conv snapshots (GDN + Mamba-2).
+    /// Per-draft state and conv snapshots (GDN + Mamba-2): the snapshot variants.
     pub snapshot_bytes_per_seq: u64,
-    /// Mamba-2 conv windows and T snapshots (in every variant: no Mamba-2 ring yet).
-    pub mamba2_extra_bytes_per_seq: u64,
+    /// The Mamba-2 layers' part of `state_bytes_per_seq + ring_bytes_per_seq`: what one
+    /// sequence of a pool with [`Sizing::mamba2_pool`] takes (`ReplayMemory::total`).
+    pub mamba2_bytes_per_seq: u64,
     /// Bytes per sequence for each of [`VARIANTS`].
     pub per_seq: [u64; 4],
     /// Sequences that fit in the budget for each of [`VARIANTS`].
@@ -96,6 +98,48 @@ pub struct Sizing {
     pub kv_pool: Option<KvPoolConfig>,
     /// GDN pool parameters for paged KV + ring (None: no GDN layers).
     pub gdn_pool: Option<GdnConfig>,
+    /// Mamba-2 pool parameters for paged KV + ring, in the replay core's terms (value heads
+    /// = heads, dv = head dim, key heads = groups, dk = state dim; V-major state, as
+    /// mamba_ssm and llama.cpp keep it). None: no Mamba-2 layers.
+    pub mamba2_pool: Option<ReplayConfig>,
+}
+
+/// One family's replay pool: its checkpoint states, and what the ring variants (ring +
+/// conv window ring) and the snapshot variants (`t` states and `1 + t` conv windows) add.
+struct FamilyCost {
+    state: u64,
+    ring: u64,
+    snap: u64,
+}
+
+impl FamilyCost {
+    const NONE: FamilyCost = FamilyCost {
+        state: 0,
+        ring: 0,
+        snap: 0,
+    };
+
+    /// Validates `c` (a pool the family cannot create is an error naming `family`) and
+    /// takes the ring variant's bytes from the pool's own memory accounting.
+    fn of(c: &ReplayConfig, family: &str, t: u64) -> Result<FamilyCost> {
+        c.validate().map_err(|e| {
+            Error::Unsupported(format!(
+                "the model's {family} layers do not fit kvreplay's {family} pool: {e}"
+            ))
+        })?;
+        let m = c.memory();
+        let window = mul(&[
+            c.layers as u64,
+            c.conv_kernel.saturating_sub(1) as u64,
+            c.conv_dim as u64,
+            c.conv_dtype.size() as u64,
+        ])?;
+        Ok(FamilyCost {
+            state: m.state_bytes as u64,
+            ring: sum2(m.ring_bytes as u64, m.conv_bytes as u64)?,
+            snap: sum2(mul(&[t, m.state_bytes as u64])?, mul(&[window, 1 + t])?)?,
+        })
+    }
 }
 
 fn sum2(a: u64, b: u64) -> Result<u64> {
@@ -154,8 +198,7 @@ pub fn sizing(plan: &ModelPlan, p: &SizingParams) -> Result<Sizing> {
     let kvs = p.kv_dtype.size() as u64;
     let (mut kv_per_token, mut attn) = (0u64, Vec::new());
     let (mut gdn, mut gdn_layers) = (None, 0usize);
-    let (mut mamba_states, mut mamba_extra, mut mamba_layers) = (0u64, 0u64, 0usize);
-    let k1 = |k: usize| (k - 1) as u64;
+    let (mut mamba, mut mamba_layers) = (None, 0usize);
     for l in &plan.layers {
         match l {
             LayerPlan::Attention(a) => {
@@ -173,20 +216,8 @@ pub fn sizing(plan: &ModelPlan, p: &SizingParams) -> Result<Sizing> {
                 gdn_layers += 1;
             }
             LayerPlan::Mamba2(m) => {
+                mamba = Some(*m);
                 mamba_layers += 1;
-                let state = mul(&[
-                    m.heads as u64,
-                    m.head_dim as u64,
-                    m.state as u64,
-                    p.state_dtype.size() as u64,
-                ])?;
-                let conv = mul(&[
-                    k1(m.conv_kernel),
-                    m.conv_dim as u64,
-                    p.conv_dtype.size() as u64,
-                ])?;
-                mamba_states = sum2(mamba_states, state)?;
-                mamba_extra = sum2(mamba_extra, sum2(mul(&[conv, 1 + t])?, mul(&[state, t])?)?)?;
             }
             LayerPlan::Mlp => {}
         }
@@ -197,12 +228,14 @@ pub fn sizing(plan: &ModelPlan, p: &SizingParams) -> Result<Sizing> {
     let contiguous = mul(&[plan.context_length.max(seq_len) as u64 + t, kv_per_token])?;
 
     let drafts = p.spec_window.max(1);
-    let gdn_cfg = gdn.map(|g| GdnConfig {
-        layers: gdn_layers,
-        k_heads: g.k_heads,
-        v_heads: g.v_heads,
-        dk: g.dk,
-        dv: g.dv,
+    // Both families' pools are the core's replay pool, shaped as their C parameters shape
+    // it (kvr_model_get_gdn_pool_params / kvr_model_get_mamba2_pool_params).
+    let base = ReplayConfig {
+        layers: 0,
+        k_heads: 0,
+        v_heads: 0,
+        dk: 0,
+        dv: 0,
         ring_len: p.ring_len.max(drafts),
         kv_only_threshold: 0,
         max_drafts: drafts,
@@ -210,48 +243,54 @@ pub fn sizing(plan: &ModelPlan, p: &SizingParams) -> Result<Sizing> {
         entry_dtype: p.entry_dtype,
         layout: StateLayout::KMajor,
         max_seqs: 1,
+        conv_dim: 0,
+        conv_kernel: 0,
+        conv_dtype: p.conv_dtype,
+    };
+    let gdn_cfg = gdn.map(|g| GdnConfig {
+        layers: gdn_layers,
+        k_heads: g.k_heads,
+        v_heads: g.v_heads,
+        dk: g.dk,
+        dv: g.dv,
         conv_dim: g.conv_dim,
         conv_kernel: g.conv_kernel,
-        conv_dtype: p.conv_dtype,
+        ..base
     });
-    if let Some(c) = &gdn_cfg {
-        c.validate().map_err(|e| {
-            Error::Unsupported(format!(
-                "the model's GDN layers do not fit kvreplay's GDN pool: {e}"
-            ))
-        })?;
-    }
-    let (gdn_state, gdn_ring, gdn_snap) = match &gdn_cfg {
-        Some(c) => {
-            let m = c.memory();
-            let window = mul(&[
-                gdn_layers as u64,
-                k1(c.conv_kernel),
-                c.conv_dim as u64,
-                p.conv_dtype.size() as u64,
-            ])?;
-            (
-                m.state_bytes as u64,
-                (m.ring_bytes + m.conv_bytes) as u64,
-                sum2(mul(&[t, m.state_bytes as u64])?, mul(&[window, 1 + t])?)?,
-            )
-        }
-        None => (0, 0, 0),
+    // Mamba-2 in the core's terms (linear::mamba2): heads are value heads (dv = head
+    // dim), groups key heads (dk = state dim); V-major, as mamba_ssm and llama.cpp keep
+    // the state.
+    let mamba_cfg = mamba.map(|m| ReplayConfig {
+        layers: mamba_layers,
+        k_heads: m.groups,
+        v_heads: m.heads,
+        dk: m.state,
+        dv: m.head_dim,
+        layout: StateLayout::VMajor,
+        conv_dim: m.conv_dim,
+        conv_kernel: m.conv_kernel,
+        ..base
+    });
+    let cost = |c: &Option<ReplayConfig>, family| match c {
+        Some(c) => FamilyCost::of(c, family, t),
+        None => Ok(FamilyCost::NONE),
     };
+    let g = cost(&gdn_cfg, "GDN")?;
+    let mb = cost(&mamba_cfg, "Mamba-2")?;
     let sum = |parts: &[u64]| -> Result<u64> {
         parts
             .iter()
             .try_fold(0u64, |a, &b| a.checked_add(b))
             .ok_or_else(|| Error::OutOfRange("sizing overflows 64 bits".into()))
     };
-    let state = sum(&[gdn_state, mamba_states])?;
-    let ring = gdn_ring;
-    let snap = gdn_snap;
+    let state = sum(&[g.state, mb.state])?;
+    let ring = sum(&[g.ring, mb.ring])?;
+    let snap = sum(&[g.snap, mb.snap])?;
     let per_seq = [
-        sum(&[paged, state, ring, mamba_extra])?,
-        sum(&[paged, state, snap, mamba_extra])?,
-        sum(&[contiguous, state, ring, mamba_extra])?,
-        sum(&[contiguous, state, snap, mamba_extra])?,
+        sum(&[paged, state, ring])?,
+        sum(&[paged, state, snap])?,
+        sum(&[contiguous, state, ring])?,
+        sum(&[contiguous, state, snap])?,
     ];
     let max_seqs = per_seq.map(|c| p.budget_bytes.checked_div(c).unwrap_or(0));
     let n = max_seqs[0].min(1 << 20) as usize;
@@ -277,10 +316,12 @@ pub fn sizing(plan: &ModelPlan, p: &SizingParams) -> Result<Sizing> {
         }
         _ => None,
     };
-    let gdn_pool = gdn_cfg.filter(|_| n > 0).map(|mut c| {
-        c.max_seqs = n;
-        c
-    });
+    let with_seqs = |c: Option<ReplayConfig>| {
+        c.filter(|_| n > 0).map(|mut c| {
+            c.max_seqs = n;
+            c
+        })
+    };
     Ok(Sizing {
         attention_layers: attn.len(),
         gdn_layers,
@@ -293,10 +334,11 @@ pub fn sizing(plan: &ModelPlan, p: &SizingParams) -> Result<Sizing> {
         state_bytes_per_seq: state,
         ring_bytes_per_seq: ring,
         snapshot_bytes_per_seq: snap,
-        mamba2_extra_bytes_per_seq: mamba_extra,
+        mamba2_bytes_per_seq: sum2(mb.state, mb.ring)?,
         per_seq,
         max_seqs,
         kv_pool,
-        gdn_pool,
+        gdn_pool: with_seqs(gdn_cfg),
+        mamba2_pool: with_seqs(mamba_cfg),
     })
 }

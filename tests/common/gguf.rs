@@ -186,3 +186,23 @@ pub fn llama_like() -> Builder {
         .tensor("d.q8_0", &[32], GGML_Q8_0, &[0u8; 34]);
     b
 }
+
+/// A metadata-only nemotron_h file with Nemotron-H-8B's Mamba-2 shape (128 heads of head
+/// dim 64, 8 groups of state dim 128, conv kernel 4 over 8192 + 2 x 8 x 128 channels) and
+/// its attention shape (32 heads, 8 KV, head dim 128), in 4 layers: Mamba-2, attention,
+/// MLP only, Mamba-2.
+pub fn nemotron_h_like() -> Builder {
+    let mut b = Builder::new("nemotron_h");
+    b.u32("nemotron_h.block_count", 4)
+        .u32("nemotron_h.context_length", 8192)
+        .u32("nemotron_h.embedding_length", 4096)
+        .u32("nemotron_h.attention.head_count", 32)
+        .arr_u32("nemotron_h.attention.head_count_kv", &[0, 8, 0, 0])
+        .arr_u32("nemotron_h.feed_forward_length", &[0, 0, 21504, 0])
+        .u32("nemotron_h.ssm.conv_kernel", 4)
+        .u32("nemotron_h.ssm.inner_size", 8192)
+        .u32("nemotron_h.ssm.state_size", 128)
+        .u32("nemotron_h.ssm.time_step_rank", 128)
+        .u32("nemotron_h.ssm.group_count", 8);
+    b
+}
