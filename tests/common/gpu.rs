@@ -153,3 +153,14 @@ impl Drop for Graph {
         }
     }
 }
+
+/// A long GPU test's loop count `n`, cut to a quarter (at least `min`) when the test runs
+/// under compute-sanitizer (`run-all.sh --sanitize` sets `KVR_UNDER_SANITIZER=1`): racecheck
+/// runs the kernels two orders of magnitude slower, and every configuration still runs.
+pub fn sanitizer_scaled(n: usize, min: usize) -> usize {
+    if std::env::var("KVR_UNDER_SANITIZER").is_ok_and(|v| v == "1") {
+        (n / 4).max(min).min(n)
+    } else {
+        n
+    }
+}
