@@ -186,6 +186,20 @@ def timing(fn, n_sets):
     return eager, time_graph(fn, n_sets, calls)
 
 
+def checked_time(kind, pool, data, seqs, keep, n_sets, what):
+    """Checks one decode of `pool` against attention over `keep` (None: every token), then
+    times it: (µs per call under graph replay when it captured, else eager; eager µs; max
+    relative error; the decode function and its output)."""
+    fn, out = decode_fn(kind, pool, data, seqs)
+    fn(0)
+    sync()
+    err = check_output(out, keep, data.qs[0], data.K, data.V)
+    if not err <= TOL:
+        fail(f"{what}: max rel err {err:.2e} against attention over the kept tokens")
+    eager, graph = timing(fn, n_sets)
+    return (graph if graph is not None else eager), eager, err, fn, out
+
+
 def build_full(data, n_sets):
     """The full paged cache: n_sets layers holding the same K/V, page 16, sequences grown
     FULL_ROUND tokens per round (pages interleaved across the batch)."""
@@ -393,18 +407,10 @@ def run_context(B, L, results, ceiling):
     t0 = time.time()
     data = Data(B, L)
     full, fseqs = build_full(data, n_full)
-    ffn, fout = decode_fn("full", full, data, fseqs)
-    ffn(0)
-    sync()
-    err_full = check_output(fout, None, data.qs[0], data.K, data.V)
-    if not err_full <= TOL:
-        fail(f"{tag} full cache: max rel err {err_full:.2e}")
-    f_eager, f_graph = timing(ffn, n_full)
-    full_us = f_graph if f_graph is not None else f_eager
+    full_us, f_eager, err_full, _, _ = checked_time("full", full, data, fseqs, None, n_full, f"{tag} full cache")
     full_tbs = full_bytes / (full_us * 1e-6) / 1e12
     sync()
     lib.lib.kvr_kv_pool_free(full)
-    del ffn, fout
     print(f"{tag} full cache: {full_bytes / (1 << 20):.0f} MiB, {n_full} sets, {full_us:.1f} us "
           f"({full_tbs:.2f} TB/s), err {err_full:.1e}  [{time.time() - t0:.1f} s]", flush=True)
     for ri, rate in enumerate(RATES):
@@ -420,14 +426,7 @@ def run_context(B, L, results, ceiling):
         if st.kept_tokens != n_wg * kept or st.full_tokens != n_wg * B * L * HKV:
             fail(f"{tag} {rate:.0%}: stats kept {st.kept_tokens} / full {st.full_tokens}, expected "
                  f"{n_wg * kept} / {n_wg * B * L * HKV}")
-        fn, out = decode_fn("wgkv", pool, data, seqs)
-        fn(0)
-        sync()
-        err = check_output(out, keep, data.qs[0], data.K, data.V)
-        if not err <= TOL:
-            fail(f"{tag} {rate:.0%}: max rel err {err:.2e} against attention over the kept tokens")
-        eager, graph = timing(fn, n_wg)
-        wg_us = graph if graph is not None else eager
+        wg_us, eager, err, fn, out = checked_time("wgkv", pool, data, seqs, keep, n_wg, f"{tag} {rate:.0%}")
         wg_tbs = wg_bytes / (wg_us * 1e-6) / 1e12
         row = {
             "config": f"{tag} {int(rate * 100)}%", "B": B, "L": L, "rate": rate,
