@@ -66,6 +66,9 @@ BATCHES = _arg_list("--batches", [1, 8, 32, 64, 128, 256])
 # --layout v: V-major pools ([dv][dk] states; imports transposed from fla's [dk][dv])
 LAYOUT = 1 if "--layout" in sys.argv and sys.argv[sys.argv.index("--layout") + 1] == "v" else 0
 RINGS = _arg_list("--rings", [8, 16, 32, 64])
+# each decode kernel forced in turn (KVR_GDN_DECODE), beside what the library picks
+KERNELS = (sys.argv[sys.argv.index("--kernels") + 1].split(",") if "--kernels" in sys.argv
+           else ["wdecode", "fused", "stream", "warp", "general"])
 
 lib = kvr.Lib()
 ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
@@ -247,9 +250,10 @@ def decode_sweep(ceil_copy, results):
             row[f"replay{L}_bytes"] = B * (STATE * (1 + 1 / L) + ENTRY * ((L + 1) / 2 + 1))
             free(p)
         # each decode kernel on the same work, for comparison (the default columns above are
-        # what the library picks): the streaming kernel (kernels/gdn_stream.cu), the
+        # what the library picks): the warp-streaming decode in two launches and in one
+        # (kernels/gdn_wdecode.cu), the streaming kernel (kernels/gdn_stream.cu), the
         # warp-per-rows kernel (kernels/gdn_decode.cu) and the general step kernel (kernels/gdn.cu)
-        for which in ("wdecode", "stream", "warp", "general"):
+        for which in KERNELS:
             os.environ["KVR_GDN_DECODE"] = which
             for name, L in ((f"{which}_recurrent", 0), (f"{which}_replay16", 16)):
                 p, seqs = pool(B, L, ns)
@@ -274,7 +278,7 @@ def decode_sweep(ceil_copy, results):
             t = row[f"replay{L}_us"]
             by = row[f"replay{L}_bytes"]
             line += f"L{L} {t:7.1f} ({100 * by / (ceil_copy * 1e6) / t:3.0f}%)  "
-        for which in ("wdecode", "stream", "warp", "general"):
+        for which in KERNELS:
             line += f"{which}: rec {row[which + '_recurrent_us']:7.1f} L16 {row[which + '_replay16_us']:7.1f}  "
         if "fla_us" in row:
             line += "x fla: " + " ".join(f"{row['fla_us'] / row[f'replay{L}_us']:.2f}" for L in RINGS)

@@ -3,7 +3,9 @@
 // (kernels/gdn_stream.cu) on the same pool contents (Qwen3-Next layer: 16/32 heads, d 128, f32
 // state V-major, f32 ring): outputs, states, ring and metadata compared after 40 steps; then µs
 // per step under graph replay (16-step cycles, so one flush per sequence), the prep and state
-// kernels alone, and the state kernel in recurrent mode. The device has nvcc, so a kernel edit
+// kernels alone, and the state kernel in recurrent mode; and the one-launch form
+// (kvr_gdn_fdecode, small batches) on a third copy of the pool, checked the same way. The
+// device has nvcc, so a kernel edit
 // is measured in one call (about a minute) without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
 //     gdn_kernel_ab.cu -o ab && ./ab 16 [B]        # ring length, optional single batch size
@@ -13,6 +15,8 @@
 #define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
 #define MAIN (L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16)
 #define MAIN_SMEM 0
+#define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + D)) * 4 + 16)
+#define FUSED (L > 16 ? kvr_gdn_fdecode_f32_v_d128_r32 : kvr_gdn_fdecode_f32_v_d128_r16)
 #define MAIN_GRID(B) (B * HV * 4)
 #include <algorithm>
 #include <vector>
@@ -55,6 +59,9 @@ int main(int argc, char** argv) {
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   CK(cudaFuncSetAttribute(kvr_gdn_sdecode_f32_v_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  int fper_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fper_sm, FUSED, 128, L * D * 4));
+  printf("one-launch kernel: %d CTAs per SM\n", fper_sm);
   int per_sm = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MAIN, 128, MAIN_SMEM));
   printf("state kernel: %d CTAs per SM\n", per_sm);
@@ -63,7 +70,7 @@ int main(int argc, char** argv) {
   for (int B : Bs) {
     if (only && B != only) continue;
     const int NSETS = 8;
-    Pool P[2];
+    Pool P[3];
     for (auto& pl : P) {
       pl.n_state = (size_t)B * HV * D * D;
       pl.n_ru = (size_t)B * L * HV * D;
@@ -156,7 +163,7 @@ int main(int argc, char** argv) {
       StepParams p = params(1, set, o);
       p.tv = 32;
       p.tiles = D / 32;
-      PREP<<<B, KVR_GDN_DPREP_THREADS, (2 * HK * (L > 0 ? L : 1) + HK * D + HK + HV * (L > 0 ? L : 1) + HV * D) * 4 + 16, st>>>(p);
+      p.stages = B < 128 ? HK : 1; if (B < 128) PREP<<<B * HK, 64, PREP_SMEM(1), st>>>(p); else PREP<<<B, KVR_GDN_DPREP_THREADS, PREP_SMEM(HK), st>>>(p);
       cudaLaunchConfig_t cfg;
       memset(&cfg, 0, sizeof cfg);
       cfg.gridDim = dim3(MAIN_GRID(B));
@@ -170,8 +177,14 @@ int main(int argc, char** argv) {
       cfg.numAttrs = 1;
       CK(cudaLaunchKernelEx(&cfg, MAIN, p));
     };
+    auto launch_f = [&](int set, float* o) {
+      StepParams p = params(2, set, o);
+      p.tv = 32;
+      p.tiles = D / 32;
+      FUSED<<<MAIN_GRID(B), 128, L * D * 4, st>>>(p);
+    };
     // correctness: 40 steps
-    double e_out = 0;
+    double e_out = 0, e_fout = 0;
     std::vector<float> o0((size_t)B * HV * D), o1(o0.size());
     for (int step = 0; step < 40; ++step) {
       launch_stream(step % NSETS, out[0]);
@@ -183,6 +196,13 @@ int main(int argc, char** argv) {
       double mx = 0, md = 0;
       for (size_t i = 0; i < o0.size(); ++i) { mx = fmax(mx, fabs(o0[i])); md = fmax(md, fabs(o0[i] - o1[i])); }
       e_out = fmax(e_out, md / (mx + 1e-30));
+      launch_f(step % NSETS, out[1]);
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(o1.data(), out[1], o1.size() * 4, cudaMemcpyDeviceToHost));
+      md = 0;
+      for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
+      e_fout = fmax(e_fout, md / (mx + 1e-30));
     }
     auto cmp = [&](float* a, float* b, size_t n) {
       std::vector<float> x(n), y(n);
@@ -195,12 +215,21 @@ int main(int argc, char** argv) {
     const double e_state = cmp(P[0].state, P[1].state, P[0].n_state);
     const double e_ring = fmax(fmax(cmp(P[0].ru, P[1].ru, P[0].n_ru), cmp(P[0].rk, P[1].rk, P[0].n_rk)),
                                cmp(P[0].rg, P[1].rg, P[0].n_rg));
-    std::vector<int> m0((size_t)B * 8), m1(m0.size());
+    const double e_fstate = cmp(P[0].state, P[2].state, P[0].n_state);
+    const double e_fring = fmax(fmax(cmp(P[0].ru, P[2].ru, P[0].n_ru), cmp(P[0].rk, P[2].rk, P[0].n_rk)),
+                                cmp(P[0].rg, P[2].rg, P[0].n_rg));
+    std::vector<int> m0((size_t)B * 8), m1(m0.size()), m2(m0.size());
     CK(cudaMemcpy(m0.data(), P[0].meta, m0.size() * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(m1.data(), P[1].meta, m1.size() * 4, cudaMemcpyDeviceToHost));
-    bool meta_ok = true;
+    CK(cudaMemcpy(m2.data(), P[2].meta, m2.size() * 4, cudaMemcpyDeviceToHost));
+    bool meta_ok = true, fmeta_ok = true;
     for (int b = 0; b < B; ++b)
-      for (int i = 0; i < 5; ++i) meta_ok &= m0[b * 8 + i] == m1[b * 8 + i];
+      for (int i = 0; i < 5; ++i) {
+        meta_ok &= m0[b * 8 + i] == m1[b * 8 + i];
+        fmeta_ok &= m0[b * 8 + i] == m2[b * 8 + i];
+      }
+    // (the arrival counter, word 5, is back at 0 after every step)
+    for (int b = 0; b < B; ++b) fmeta_ok &= m2[b * 8 + KVR_GDN_META_ARRIVE] == 0;
     // timing: graphs of 16 steps
     auto time = [&](auto launch) {
       cudaGraph_t gr;
@@ -229,11 +258,11 @@ int main(int argc, char** argv) {
     const double tprep = time([&](int set, float* o) {
       StepParams p = params(1, set, o);
       p.tv = 32; p.tiles = D / 32;
-      PREP<<<B, KVR_GDN_DPREP_THREADS, (2 * HK * (L > 0 ? L : 1) + HK * D + HK + HV * (L > 0 ? L : 1) + HV * D) * 4 + 16, st>>>(p);
+      p.stages = B < 128 ? HK : 1; if (B < 128) PREP<<<B * HK, 64, PREP_SMEM(1), st>>>(p); else PREP<<<B, KVR_GDN_DPREP_THREADS, PREP_SMEM(HK), st>>>(p);
     });
     const double tmain = time([&](int set, float* o) {
       StepParams p = params(1, set, o);
-      p.tv = 32; p.tiles = D / 32;
+      p.tv = 32; p.tiles = D / 32; p.stages = B < 128 ? HK : 1;
       MAIN<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
     });
     StepParams prec = params(1, 0, out[0]);
@@ -242,6 +271,9 @@ int main(int argc, char** argv) {
       kvr_gdn_wdecode_f32_v_d128_r0<<<MAIN_GRID(B), 128, 0, st>>>(prec);
     });
     printf("      prep alone %.2f us, main alone %.2f us, main recurrent (L=0) %.2f us\n", tprep, tmain, trec);
+    const double tf = time(launch_f);
+    printf("      one launch (fdecode) %.2f us (%.2fx stream, %.2fx wdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
+           tf, ts / tf, tw / tf, e_fout, e_fstate, e_fring, fmeta_ok ? "meta ok" : "META MISMATCH");
     // floor: state read once, (L-1)/2 ring u + k rows read on average, one entry written, the state written every L steps
     const double per_head = D * D * 4.0 + (L - 1) / 2.0 * (D * 4.0 + D * 4.0 * HK / HV) + D * 4.0 + D * D * 4.0 / L;
     const double floor_us = B * HV * per_head / 4.25e12 * 1e6;

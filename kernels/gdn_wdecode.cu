@@ -1,5 +1,5 @@
 // Gated DeltaNet (and additive-rule) single-token decode, warp-streaming form, in two launches:
-//   kvr_gdn_dprep_d<dk>              one CTA per batch row: the sequence's bookkeeping
+//   kvr_gdn_dprep_d<dk>              one CTA per (batch row, key head): the bookkeeping
 //   kvr_gdn_wdecode_<state>_v_d<dk>  one warp per 8 value rows of a (row, value head): the
 //                                    state stream and everything per value row
 // for V-major states in pools without KV-only mode, ring length 0 (recurrent) or up to
@@ -12,17 +12,18 @@
 // split off into a small kernel that runs first, and the state kernel never waits on a
 // dependent global load before its state is in registers:
 //
-// kvr_gdn_dprep (per batch row; it lets the state kernel launch at once, programmatic
-// dependent launch): reads the metadata; per key head q and k normalized (into the scratch) and
+// kvr_gdn_dprep (per batch row and key head; it lets the state kernel launch at once,
+// programmatic dependent launch): reads the metadata; q and k of its key head normalized (into the scratch) and
 // the key products k_p . q and k_p . k of every ring slot p; per value head the suffix weights
 // w_j = e^{g_{j+1} + ... + g_{h-1}} of the buffered entries' decays, e^G, e^g, beta, k . q and
 // the coefficients A_p = w_p (k_p . q), B_p = w_p (k_p . k) by slot (0 where no entry is
-// buffered) into the decode scratch (kvr_gdn_dscratch_layout); the row's v (copied whole:
+// buffered) into the decode scratch (kvr_gdn_dscratch_layout); the group's v (copied whole:
 // the state kernel's warps each need 8 values of a line, and scattered reads of the input
 // cost the state stream a third of its speed); the new entry's key and decay into the ring (in
 // a flush step the slot is the oldest entry, whose key the state kernel still folds: it is
-// first copied to the scratch); the conv window; the new metadata. Nothing else reads the
-// metadata in the step, so there is no arrival counting.
+// first copied to the scratch); its share of the conv window. The state kernel writes the new
+// metadata (one thread, after its griddepcontrol.wait: every prep CTA has read it by then).
+// Nothing else reads the metadata in the step, so there is no arrival counting.
 //
 // kvr_gdn_wdecode (per warp: 8 value rows, the whole key dimension in registers): issues its
 // state rows and every ring slot's u values of its rows first (no metadata needed), then waits
@@ -32,8 +33,27 @@
 // writes y (after skip and gate) and its rows of u into the ring; a flush step folds the ring
 // into its rows (e^G S + sum_p w_p u_p k_p^T) and stores them. Recurrent pools decay, read and
 // rewrite the rows every step from the inputs; the prep kernel only keeps their conv window
-// and metadata (without a conv window it is not launched: the state kernel counts the step).
+// (without one it is not launched); the state kernel counts the step.
+//
+// kvr_gdn_fdecode_<state>_v_d<dk> (small batches, one launch): the same state warps, each CTA
+// doing the prep kernel's work for its own (row, value head) instead of reading its record.
+// At a few batch rows the step is a chain of latencies, not a stream, and the prep launch's
+// round trips plus the dependent launch's hand-off were most of it. Everything a CTA needs is
+// requested at once, before the metadata arrives: its state rows, every ring slot's u values
+// of its rows, every slot's key of its key head (to shared memory) and decay, the metadata and
+// the inputs; slots that hold no buffered entry are masked by selects afterwards (never by
+// multiplying: a slot may be being rewritten while it is read). Each warp normalizes q and k
+// and takes the key products of every slot itself (no exchange), then runs the row phase
+// above. The new entry's key and decay go into their slot at once outside a flush (nobody
+// reads that slot this step); the last CTA of the sequence to arrive (the metadata's arrival
+// counter, as in gdn_stream.cu) writes the metadata and, in a flush step, the key and decay
+// into the oldest entry's slot, which every CTA folds.
 #include "gdn_common.cuh"
+
+// The one-launch kernel's key products: each warp all of them (0), or spread over the warps (1: measured faster, H200).
+#ifndef KVR_FDECODE_SPLIT
+#define KVR_FDECODE_SPLIT 1
+#endif
 
 namespace kvr {
 namespace gdn {
@@ -93,20 +113,31 @@ __device__ __forceinline__ void ld_state(const SD* p, float* d) {
 // Ring entries are addressed by physical slot p < L here: the coefficients of slots that hold
 // no buffered entry are 0 and their u values are masked, so that the state kernel can load
 // every slot's u rows before it knows the metadata.
+//
+// A CTA per batch row and share of its key heads (gridDim.x / b shares: one per key head at
+// small batches, where one CTA per row left a chain of 8-9 us exposed in front of the state
+// kernel; one per row at large ones, where more CTAs cost more than they overlap; H200,
+// BENCHMARKS.md): each warp one key head at a time (q and k normalized, the key products of
+// every slot, the new key), then one value head of the share at a time (weights,
+// coefficients, the new decay); the CTA copies the share's v and writes its share of the conv
+// window. `p.stages` is the number of shares. With one, the CTA writes the row's new metadata
+// at its end; with more, the state kernel does (one thread, once its griddepcontrol.wait has
+// seen every prep CTA end: they all read it).
 template <int DK, int LU>
 __device__ void dprep_body(const StepParams& p) {
   pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
-  const int b = blockIdx.x;
+  const int shares = p.stages > 1 ? p.stages : 1, nkh = p.hk / shares;
+  const int b = blockIdx.x / shares, share = blockIdx.x - b * shares, kh0 = share * nkh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
   if (seq < 0) return;
   const int L = p.l;
   const int Lc = L > 0 ? L : 1;
-  const int group = p.hv / p.hk;
+  const int group = p.hv / p.hk, h0 = kh0 * group, nh = nkh * group;
   __shared__ int mi[5];
-  extern __shared__ float dsm[];  // k_p . q [hk][Lc], k_p . k [hk][Lc], normalized k [hk][DK], k . q [hk]
+  extern __shared__ float dsm[];  // k_p . q, k_p . k [nkh][Lc], normalized k [nkh][DK], k . q [nkh], decays [nh][Lc], v
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   if (tid == 0) {
     const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
@@ -119,37 +150,39 @@ __device__ void dprep_body(const StepParams& p) {
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
   const bool ring = L > 0;
   float* cq = dsm;
-  float* ck = dsm + p.hk * Lc;
-  float* kn = ck + p.hk * Lc;
-  float* kqs = kn + p.hk * DK;
+  float* ck = dsm + nkh * Lc;
+  float* kn = ck + nkh * Lc;
+  float* kqs = kn + nkh * DK;
+  float* gsm = kqs + nkh;  // ring decays of the share's value heads [nh][Lc], by cp.async
   const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
-  float* gsm = kqs + p.hk;  // ring decays [hv][Lc], by cp.async
-  // v of the row (raw), 16-byte aligned
-  unsigned char* vsm = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(gsm + p.hv * Lc) + 15) & ~uintptr_t{15});
+  // v of the group's heads (raw), 16-byte aligned
+  unsigned char* vsm = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(gsm + nh * Lc) + 15) & ~uintptr_t{15});
   const int ves = p.v.dtype == KVR_DT_F32 ? 4 : 2;
-  const int vbytes = p.hv * p.dv * ves;
+  const int vbytes = nh * p.dv * ves;
+  const char* v0 = static_cast<const char*>(p.v.p) + (b * p.v.s[0] + h0 * p.v.s[2]) * ves;
   const bool vcopy = ring && p.v.s[3] == 1 && p.v.s[2] == p.dv && vbytes % 16 == 0 &&
-                     ((reinterpret_cast<uintptr_t>(p.v.p) + b * p.v.s[0] * ves) & 15) == 0;
+                     (reinterpret_cast<uintptr_t>(v0) & 15) == 0;
   auto key = [&](int c) { return wkey<DK>(lane, c); };
   if (ring) {
-    for (int i = tid; i < L * p.hv; i += blockDim.x) {
-      const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(gsm + (i % p.hv) * Lc + i / p.hv));
+    for (int i = tid; i < L * nh; i += blockDim.x) {
+      const int sl = i / nh, hh = i - sl * nh;
+      const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(gsm + hh * Lc + sl));
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sa),
-                   "l"(p.ring_g + static_cast<int64_t>(seq) * L * p.hv + i)
+                   "l"(p.ring_g + (static_cast<int64_t>(seq) * L + sl) * p.hv + h0 + hh)
                    : "memory");
     }
     cp_async_commit();
-    // The row's v, for the state kernel (whose warps each need 8 values of a line: a
-    // copy of whole lines costs less than their scattered reads), to shared memory now
-    // and to the scratch after the barrier; element by element where it is not contiguous.
+    // The share's v, for the state kernel (whose warps each need 8 values of a line: a copy
+    // of whole lines costs less than their scattered reads), to shared memory now and to the
+    // scratch after the barrier; element by element where it is not contiguous.
     if (vcopy) {
-      const char* v0 = static_cast<const char*>(p.v.p) + b * p.v.s[0] * ves;
       for (int i = tid * 16; i < vbytes; i += blockDim.x * 16) cp_async_16(vsm + i, v0 + i, 16);
       cp_async_commit();
     }
     // Per key head: q and k normalized, and the key products of every slot, CH slots a round.
-    constexpr int CH = DK > 128 ? 4 : (LU < 8 ? LU : 8);
-    for (int kh = warp; kh < p.hk; kh += nw) {
+    for (int kk = warp; kk < nkh; kk += nw) {
+      const int kh = kh0 + kk;
+      constexpr int CH = DK > 128 ? 4 : (LU < 8 ? LU : 8);
       float q[KL], k[KL];
       load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
       load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
@@ -168,13 +201,13 @@ __device__ void dprep_body(const StepParams& p) {
           float kq = 0.f;
 #pragma unroll
           for (int c = 0; c < KL; ++c) {
-            kn[kh * DK + key(c)] = k[c];
+            kn[kk * DK + key(c)] = k[c];
             qk[key(c)] = q[c];
             qk[DK + key(c)] = k[c];
             kq += k[c] * q[c];
           }
           kq = warp_sum(kq);
-          if (lane == 0) kqs[kh] = kq;
+          if (lane == 0) kqs[kk] = kq;
         }
         float P[2 * CH];
 #pragma unroll
@@ -190,28 +223,29 @@ __device__ void dprep_body(const StepParams& p) {
         }
         const float r = reduce_scatter<2 * CH>(P, lane);  // P[lane / (32 / (2 CH))]
         const int idx = lane / (32 / (2 * CH)), e = idx % CH;
-        if (lane % (32 / (2 * CH)) == 0 && p0 + e < L) (idx < CH ? cq : ck)[kh * Lc + p0 + e] = r;
+        if (lane % (32 / (2 * CH)) == 0 && p0 + e < L) (idx < CH ? cq : ck)[kk * Lc + p0 + e] = r;
       }
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // metadata, key products, normalized keys, ring decays
+  __syncthreads();  // metadata, key products, normalized key, ring decays, v
   const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
   const bool recurrent = !ring || mode == kModeRecurrent;
   const Place pl = placement(p, mode, start, hcnt);
   if (ring) {
-    char* vdst = reinterpret_cast<char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * p.dv * 4;
+    char* vdst = reinterpret_cast<char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * p.dv * 4 +
+                 static_cast<int64_t>(h0) * p.dv * ves;
     if (vcopy) {
       for (int i = tid * 16; i < vbytes; i += blockDim.x * 16)
         *reinterpret_cast<int4*>(vdst + i) = *reinterpret_cast<const int4*>(vsm + i);
     } else {
-      for (int i = tid; i < p.hv * p.dv; i += blockDim.x)
-        stx(vdst, p.v.dtype, i, ldx(p.v.p, p.v.dtype, b * p.v.s[0] + (i / p.dv) * p.v.s[2] + (i % p.dv) * p.v.s[3]));
+      for (int i = tid; i < nh * p.dv; i += blockDim.x)
+        stx(vdst, p.v.dtype, i, ldx(p.v.p, p.v.dtype, b * p.v.s[0] + (h0 + i / p.dv) * p.v.s[2] + (i % p.dv) * p.v.s[3]));
     }
   }
   if (!recurrent) {
     const int nbuf = hcnt;
-    if (tid == 0) {
+    if (share == 0 && tid == 0) {
       int* hdr = reinterpret_cast<int*>(p.scratch + lay.hdr) + 4 * b;
       hdr[0] = start;
       hdr[1] = nbuf;
@@ -220,7 +254,8 @@ __device__ void dprep_body(const StepParams& p) {
     }
     // The new entry's key into its slot; in a flush step the slot's old key (the oldest entry,
     // which the state kernel still folds) goes to the scratch first.
-    for (int kh = warp; kh < p.hk; kh += nw) {
+    for (int kk = warp; kk < nkh; kk += nw) {
+      const int kh = kh0 + kk;
       char* kd = p.ring_k + ((static_cast<int64_t>(seq) * L + pl.base) * p.hk + kh) * DK * ee;
       if (pl.flush) {
         float old[KL];
@@ -232,16 +267,16 @@ __device__ void dprep_body(const StepParams& p) {
       }
       __syncwarp();
 #pragma unroll
-      for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), kn[kh * DK + key(c)]);
+      for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), kn[kk * DK + key(c)]);
     }
     // Per value head: weights w_j = e^{g_{j+1} + ... + g_{h-1}} over the buffered entries in
     // ring order (lane j: entry j, slot (start + j) % L), then the coefficients by slot.
-    for (int h = warp; h < p.hv; h += nw) {
-      const int kh = h / group;
+    for (int hh = warp; hh < nh; hh += nw) {
+      const int h = h0 + hh, kk = hh / group;
       const float2 tgb = lane == 0 ? token_gb(p, b, 0, h) : make_float2(0.f, 0.f);
       const int slot = (start + lane) % L;
       const bool live = lane < nbuf;
-      const float x0 = lane < L ? gsm[h * Lc + slot] : 0.f;
+      const float x0 = lane < L ? gsm[hh * Lc + slot] : 0.f;
       float x = live ? x0 : 0.f;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -254,33 +289,43 @@ __device__ void dprep_body(const StepParams& p) {
       float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
       if (lane < L) {
         const float w = live ? expf(excl) : 0.f;
-        rec[4 + slot] = w * cq[kh * Lc + slot];
-        rec[4 + Lc + slot] = w * ck[kh * Lc + slot];
+        rec[4 + slot] = w * cq[kk * Lc + slot];
+        rec[4 + Lc + slot] = w * ck[kk * Lc + slot];
         rec[4 + 2 * Lc + slot] = w;
       }
       if (lane == 0) {
         rec[0] = expf(total);
         rec[1] = expf(tgb.x);
         rec[2] = tgb.y;
-        rec[3] = kqs[kh];
+        rec[3] = kqs[kk];
         p.ring_g[(static_cast<int64_t>(seq) * L + pl.base) * p.hv + h] = tgb.x;
       }
     }
   }
   if (p.conv_dim > 0) {
+    // This share of the conv channels into the window ring at slot conv_end.
+    const int lo = static_cast<int>(static_cast<int64_t>(share) * p.conv_dim / shares);
+    const int hi = static_cast<int>(static_cast<int64_t>(share + 1) * p.conv_dim / shares);
     const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
     char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + conv_end % p.conv_slots) * p.conv_dim * ce;
-    for (int c = tid; c < p.conv_dim; c += blockDim.x)
+    for (int c = lo + tid; c < hi; c += blockDim.x)
       stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
   }
-  __syncthreads();
-  if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+  if (ring && shares == 1) {
+    __syncthreads();
+    if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+  }
 }
 
-// NU: ring slots per lane, 16 each (ring length <= 16 NU); REC: recurrent pools (ring 0), a
-// kernel of their own so that the replay kernels carry none of their code.
-template <typename SD, int DK, int NU, bool REC>
+// What a state kernel serves: replay pools after the prep kernel, recurrent pools (ring 0;
+// kernels of their own so that the replay kernels carry none of their code), or replay pools
+// in one launch (small batches).
+enum WKind : int { kWPrep = 0, kWRec = 1, kWFused = 2 };
+
+// NU: ring slots per lane, 16 each (ring length <= 16 NU).
+template <typename SD, int DK, int NU, int KIND>
 __device__ void wdecode_body(const StepParams& p) {
+  constexpr bool REC = KIND == kWRec, FUSED = KIND == kWFused;
   constexpr int RL = kWRows, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -309,6 +354,30 @@ __device__ void wdecode_body(const StepParams& p) {
 #pragma unroll
     for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  // Recurrent pools: the thread that counts the step reads the metadata now, so that its
+  // round trip is not the launch's tail (a prep kernel, for the conv window, only reads it).
+  const bool counter = REC && h == 0 && tile == 0 && threadIdx.x == 0;
+  int4 m0 = make_int4(0, 0, 0, 0);
+  int conv_end = 0;
+  if (counter || FUSED) {
+    m0 = __ldcg(reinterpret_cast<const int4*>(meta));
+    conv_end = __ldcg(meta + kMetaConvEnd);
+  }
+  // Fused: every slot's key of this key head into shared memory, and lane s's decay of slot s.
+  extern __shared__ __align__(16) unsigned char fkeys[];
+  const int kbytes = DK * ee;
+  float gsl = 0.f;
+  if constexpr (FUSED) {
+    const char* kb = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * kbytes;
+    const int per = kbytes / 16;
+    for (int i = threadIdx.x; i < L * per; i += blockDim.x) {
+      const int sl = i / per, o = (i - sl * per) * 16;
+      cp_async_16(fkeys + sl * kbytes + o, kb + static_cast<int64_t>(sl) * p.hk * kbytes + o, 16);
+    }
+    cp_async_commit();
+    if (lane < L) gsl = __ldcg(p.ring_g + (static_cast<int64_t>(seq) * L + lane) * p.hv + h);
+  }
   // Every slot's u values of the warp's rows, before the metadata: lane 2 s + x holds rows
   // row0 + 4 x .. + 3 of slot s (+ 16 i).
   float u4[NU][4];
@@ -327,11 +396,115 @@ __device__ void wdecode_body(const StepParams& p) {
   float a, bt, kq;
   float vt;
   int4 hdr = make_int4(0, 0, 0, 0);
-  float eG = 1.f, cA = 0.f, cB = 0.f;
+  float eG = 1.f, cA = 0.f, cB = 0.f, cW = 0.f, g_new = 0.f;
   const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
   const float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
-  if constexpr (!REC) {
+  if constexpr (FUSED) {
+    load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
+    load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+    vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
+    const float2 gb = token_gb(p, b, 0, h);
+    g_new = gb.x;
+    a = expf(gb.x);
+    bt = gb.y;
+    normalize_qk<KL>(p, q, k, true);
+    kq = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
+    kq = warp_sum(kq);
+    cp_async_wait<0>();
+    __syncthreads();  // every slot's key
+    float cq = 0.f, ck = 0.f;
+#if KVR_FDECODE_SPLIT
+    // Key products of every slot, CH slots a round, the rounds spread over the CTA's warps
+    // (shared memory), then lane s takes slot s's.
+    constexpr int CH = 4, N = 2 * CH, S = 32 / N;
+    __shared__ float fprod[2][32];
+    for (int p0 = warp * CH; p0 < L; p0 += 4 * CH) {
+      float P[N];
+#pragma unroll
+      for (int e = 0; e < CH; ++e) {
+        float kj[KL];
+        const unsigned char* kp = fkeys + min(p0 + e, L - 1) * kbytes;
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) ld_entry<VW>(reinterpret_cast<const char*>(kp), p.entry_dtype, key(c), &kj[c]);
+        float x = 0.f, z = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          x += kj[c] * q[c];
+          z += kj[c] * k[c];
+        }
+        P[e] = x;
+        P[CH + e] = z;
+      }
+      const float r = reduce_scatter<N>(P, lane);  // P[lane / S]
+      const int idx = lane / S, e = idx % CH;
+      if (lane % S == 0 && p0 + e < L) fprod[idx / CH][p0 + e] = r;
+    }
+    __syncthreads();
+    if (lane < L) {
+      cq = fprod[0][lane];
+      ck = fprod[1][lane];
+    }
+#else
+    // Key products of every slot, CH slots a round; lane s keeps slot s's.
+    constexpr int CH = DK > 128 ? 4 : 8, N = 2 * CH, S = 32 / N;
+    for (int p0 = 0; p0 < L; p0 += CH) {
+      float P[N];
+#pragma unroll
+      for (int e = 0; e < CH; ++e) {
+        float kj[KL];
+        const unsigned char* kp = fkeys + min(p0 + e, L - 1) * kbytes;
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) ld_entry<VW>(reinterpret_cast<const char*>(kp), p.entry_dtype, key(c), &kj[c]);
+        float x = 0.f, z = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          x += kj[c] * q[c];
+          z += kj[c] * k[c];
+        }
+        P[e] = x;
+        P[CH + e] = z;
+      }
+      const float r = reduce_scatter<N>(P, lane);  // P[lane / S]
+      const int e = (lane - p0) & (CH - 1);
+      const float x = __shfl_sync(0xffffffffu, r, e * S), z = __shfl_sync(0xffffffffu, r, (CH + e) * S);
+      if (lane >= p0 && lane < p0 + CH) {
+        cq = x;
+        ck = z;
+      }
+    }
+#endif
+    // Weights w_j = e^{g_{j+1} + ... + g_{h-1}} over the buffered entries in ring order (lane
+    // j: entry j), then by slot (lane s: slot s).
+    const int start = m0.y, hcnt = m0.z;
+    const int slot_j = (start + lane) % L;
+    const bool live_j = lane < hcnt;
+    float x = pick(live_j, __shfl_sync(0xffffffffu, gsl, slot_j), 0.f);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float t = __shfl_down_sync(0xffffffffu, x, o);
+      if (lane + o < 32) x += t;
+    }
+    float excl = __shfl_down_sync(0xffffffffu, x, 1);
+    if (lane == 31) excl = 0.f;
+    const float total = __shfl_sync(0xffffffffu, x, 0);
+    const float w_j = live_j ? expf(excl) : 0.f;
+    const int j_s = (lane - start + 32 * L) % L;
+    const float w_s = __shfl_sync(0xffffffffu, w_j, j_s);
+    const bool live_s = lane < L && j_s < hcnt;
+    cA = pick(live_s, w_s * cq, 0.f);
+    cB = pick(live_s, w_s * ck, 0.f);
+    cW = pick(live_s, w_s, 0.f);
+    eG = expf(total);
+    hdr = make_int4(start, hcnt, hcnt + 1 > L, (start + hcnt) % L);
+  } else if constexpr (!REC) {
     pdl_wait();
+    // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
+    if (p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
+      const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+      finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
+    }
     hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
     const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
     eG = r0.x;
@@ -396,18 +569,10 @@ __device__ void wdecode_body(const StepParams& p) {
       for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
     }
     store_state();
-    if (p.conv_dim == 0) {
-      // No prep kernel (recurrent pools without a conv window): the metadata's step count is
-      // kept here, by one thread per row (nothing else reads it in the step).
-      if (h == 0 && tile == 0 && threadIdx.x == 0) {
-        int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
-        const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
-        const Place pl = placement(p, m.x, m.y, m.z);
-        finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), pl);
-      }
-    } else {
-      pdl_wait();  // the prep kernel (metadata, conv window) ends before this one
-    }
+    // The step count, by one thread per row; with a prep kernel (conv window), once it has
+    // read the metadata.
+    if (p.conv_dim > 0) pdl_wait();
+    if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
   } else {
     float sq, sk;
     state_dots(sq, sk);
@@ -455,7 +620,7 @@ __device__ void wdecode_body(const StepParams& p) {
     if (flush) {
       // Fold the ring (every slot is buffered) into this warp's rows: e^G S + sum_p w_p u_p k_p^T.
       // The base slot's key was displaced by the new entry's: the prep kernel left it in the scratch.
-      const float cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
+      if constexpr (!FUSED) cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
       scale_state(eG);
       const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
       const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
@@ -469,8 +634,11 @@ __device__ void wdecode_body(const StepParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int sl = min(g0 + e + 16 * i, L - 1);
-            const bool moved_here = sl == base;
-            const char* kp = moved_here ? reinterpret_cast<const char*>(moved) : kbase + sl * kstride;
+            // (fused: every slot's key, the base slot's included, is in shared memory)
+            const bool moved_here = !FUSED && sl == base;
+            const char* kp = FUSED ? reinterpret_cast<const char*>(fkeys) + sl * kbytes
+                             : moved_here ? reinterpret_cast<const char*>(moved)
+                                          : kbase + sl * kstride;
             const int dt = moved_here ? KVR_DT_F32 : p.entry_dtype;
 #pragma unroll
             for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, dt, key(c), &kj[e][c]);
@@ -493,6 +661,35 @@ __device__ void wdecode_body(const StepParams& p) {
     }
   }
   if (writer) stx(out.p, out.dtype, out_at, epilogue(p, b, 0, h, row0 + rr, vt, y));
+  if constexpr (FUSED) {
+    const int start = hdr.x, hcnt = hdr.y, base = hdr.w;
+    const bool flush = hdr.z != 0;
+    // Outside a flush the new entry's slot holds no buffered entry: its key (first tile of
+    // the key head's first value head) and decay (first tile of the value head) go there now.
+    if (!flush && tile == 0 && warp == 0) {
+      if (h % (p.hv / p.hk) == 0) {
+        char* kd = p.ring_k + ((static_cast<int64_t>(seq) * L + base) * p.hk + kh) * kbytes;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), k[c]);
+      }
+      if (lane == 0) p.ring_g[(static_cast<int64_t>(seq) * L + base) * p.hv + h] = g_new;
+    }
+    if (p.conv_dim > 0) conv_window_share(p, b, seq, h, tile, conv_end, threadIdx.x, blockDim.x);
+    // The last CTA of the sequence to arrive ends its step (everything it writes, the others
+    // have finished reading).
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(meta + kMetaArrive, 1) == p.hv * p.tiles - 1;
+    __syncthreads();
+    if (last) {
+      const Place pl{flush, false, base};
+      if (flush) ring_keys_and_decays(p, b, seq, base, warp, lane, threadIdx.x, blockDim.x);
+      if (threadIdx.x == 0) {
+        finish_meta(p, meta, m0.x, start, hcnt, m0.w, conv_end, pl);
+        meta[kMetaArrive] = 0;
+      }
+    }
+  }
 }
 
 }  // namespace gdn
@@ -508,7 +705,16 @@ __device__ void wdecode_body(const StepParams& p) {
 #define KVR_GDN_WDECODE(SD, SN, DK, LU, MB)                                                   \
   extern "C" __global__ void __launch_bounds__(128, MB)                                       \
       kvr_gdn_wdecode_##SN##_v_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::wdecode_body<SD, DK, LU == 0 ? 1 : LU / 16, LU == 0>(p);                        \
+    kvr::gdn::wdecode_body<SD, DK, LU == 0 ? 1 : LU / 16, LU == 0 ? kvr::gdn::kWRec : kvr::gdn::kWPrep>(p); \
+  }
+// Small batches, one launch (rings of up to LU slots, 16 or 32).
+#ifndef KVR_FDECODE_MINB
+#define KVR_FDECODE_MINB 4
+#endif
+#define KVR_GDN_FDECODE(SD, SN, DK, LU)                                                       \
+  extern "C" __global__ void __launch_bounds__(128, (DK) > 128 ? 2 : KVR_FDECODE_MINB)       \
+      kvr_gdn_fdecode_##SN##_v_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::wdecode_body<SD, DK, LU / 16, kvr::gdn::kWFused>(p);                            \
   }
 #define KVR_GDN_WDECODE_DK(DK, MB)                      \
   KVR_GDN_DPREP(DK, 16)                                 \
@@ -518,10 +724,15 @@ __device__ void wdecode_body(const StepParams& p) {
   KVR_GDN_WDECODE(float, f32, DK, 32, MB)               \
   KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 0, MB)       \
   KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 16, MB)      \
-  KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 32, MB)
+  KVR_GDN_WDECODE(__nv_bfloat16, bf16, DK, 32, MB)      \
+  KVR_GDN_FDECODE(float, f32, DK, 16)                   \
+  KVR_GDN_FDECODE(float, f32, DK, 32)                   \
+  KVR_GDN_FDECODE(__nv_bfloat16, bf16, DK, 16)          \
+  KVR_GDN_FDECODE(__nv_bfloat16, bf16, DK, 32)
 KVR_GDN_WDECODE_DK(64, 8)
 KVR_GDN_WDECODE_DK(128, 6)
 KVR_GDN_WDECODE_DK(256, 2)
 #undef KVR_GDN_WDECODE_DK
 #undef KVR_GDN_DPREP
 #undef KVR_GDN_WDECODE
+#undef KVR_GDN_FDECODE

@@ -94,11 +94,14 @@ done
 # mode and batch size; every one must match the CPU backend) and with verify on the
 # general kernel instead of gdn_sverify.cu.
 if [ -x bin/gpu_gdn ]; then
-  for k in stream warp wdecode; do
+  for k in stream warp wdecode fused; do
     job "gpu_gdn-$k" test "KVR_GDN_DECODE=$k" bin/gpu_gdn --test-threads=1 --nocapture
   done
-  # The Mamba-2 / linear-attention pools with the warp-streaming decode at every batch.
-  [ -x bin/gpu_ssm ] && job gpu_ssm-wdecode test "KVR_GDN_DECODE=wdecode" bin/gpu_ssm --test-threads=1 --nocapture
+  # The Mamba-2 / linear-attention pools with the warp-streaming decode at every batch, in
+  # two launches and in one.
+  for k in wdecode fused; do
+    [ -x bin/gpu_ssm ] && job "gpu_ssm-$k" test "KVR_GDN_DECODE=$k" bin/gpu_ssm --test-threads=1 --nocapture
+  done
   job gpu_gdn-stream-persistent test "KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1" \
     bin/gpu_gdn --test-threads=1 --nocapture
   job gpu_gdn-verify-general test "KVR_GDN_VERIFY=general" bin/gpu_gdn --test-threads=1 --nocapture

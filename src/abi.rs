@@ -125,7 +125,7 @@ abi_consts! {
     KVR_GDN_DECODE_MAX_WARPS: usize = 4;
     KVR_GDN_STREAM_THREADS: u32 = 256;
     /// Value rows per warp and ring lengths of the warp-streaming decode (gdn_wdecode.cu),
-    /// and the threads of its per-row prep kernel.
+    /// and the most threads of its prep kernel (a CTA per batch row, or per key head of it).
     KVR_GDN_WDECODE_ROWS: usize = 8;
     KVR_GDN_WDECODE_MAX_RING: usize = 32;
     KVR_GDN_DPREP_THREADS: u32 = 512;

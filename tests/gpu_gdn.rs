@@ -411,11 +411,13 @@ fn gpu_decode_matches_cpu_across_flushes() {
         (1, 1, 256, 16, 0, K, F32, F32, F32),
         (1, 1, 256, 8, 0, V, F32, F32, F32),
         (1, 2, 32, 16, 0, V, F32, F32, F32),
-        (1, 2, 128, 8, 48, K, F32, F32, F32), // KV-only, then state
-        (2, 4, 64, 16, 30, V, F32, F32, F32), // KV-only, then state
+        (2, 4, 128, 12, 0, V, F32, BF16, BF16), // bf16 entries, a ring of 12
+        (16, 32, 128, 16, 0, V, F32, F32, BF16), // Qwen3-Next's layer, V-major
+        (1, 2, 128, 8, 48, K, F32, F32, F32),   // KV-only, then state
+        (2, 4, 64, 16, 30, V, F32, F32, F32),   // KV-only, then state
         (1, 2, 128, 16, 100, V, F32, BF16, BF16), // KV-only with bf16 entries
-        (1, 2, 128, 0, 0, K, F32, F32, F32),  // recurrent
-        (1, 1, 64, 0, 0, V, BF16, F32, F32),  // recurrent, bf16 state
+        (1, 2, 128, 0, 0, K, F32, F32, F32),    // recurrent
+        (1, 1, 64, 0, 0, V, BF16, F32, F32),    // recurrent, bf16 state
     ];
     let mut report = Vec::new();
     for (i, &(hk, hv, d, ring, tau, layout, state, entry, input)) in cases.iter().enumerate() {
@@ -546,6 +548,23 @@ fn gpu_large_batches_device_ids_and_the_qwen3_next_shape() {
         let x = random_tokens(&mut rng, &c, ids.len(), 1);
         let (want, got) = p.run(&ids, &x, false, step % 2 == 1);
         worst = worst.max(err(&want, &got, c.dv));
+    }
+    assert!(worst < tol(&c), "{worst:e}");
+    // 160 rows of 4 key heads: the warp-streaming decode's prep kernel runs a CTA per row
+    // from 128 rows (below, one per row and key head), across flushes of a ring of 16.
+    let mut c = cfg(4, 8, 64, 16, 0, StateLayout::VMajor, DType::F32, DType::F32);
+    c.max_seqs = 160;
+    let p = Pair::new(&g, c, DType::BF16);
+    let ids: Vec<i32> = (0..160).map(|_| p.add()).collect();
+    for step in 0..36 {
+        let x = random_tokens(&mut rng, &c, ids.len(), 1);
+        let (want, got) = p.run(&ids, &x, false, step % 2 == 0);
+        worst = worst.max(err(&want, &got, c.dv));
+    }
+    for &id in &ids[..4] {
+        p.same_meta(id, "160 rows");
+        let (a, b) = p.export(id);
+        worst = worst.max(err(&a, &b, c.dk));
     }
     assert!(worst < tol(&c), "{worst:e}");
     // Qwen3-Next: 16 key heads, 32 value heads, dk = dv = 128, bf16 inputs, fp32 state.

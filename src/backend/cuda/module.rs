@@ -105,6 +105,14 @@ pub(crate) enum Kernel {
     },
     /// `kvr_wgkv_scatter` (kernels/wgkv.cu): row copies of the write-gated KV mode.
     WgKvScatter,
+    /// `kvr_gdn_fdecode_<state>_v_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the warp-streaming
+    /// decode of replay pools in one launch (small batches); dk in [`GDN_DECODE_DKS`], rings
+    /// of up to 16 or 32 entries.
+    GdnFDecode {
+        state: DType,
+        dk: usize,
+        ring32: bool,
+    },
 }
 
 /// Ring lengths the warp-streaming decode kernels are compiled for (0: recurrent pools).
@@ -133,7 +141,8 @@ const GDN_RECUR_BASE: usize = 79;
 const GDN_DPREP_BASE: usize = 91;
 const GDN_WDECODE_BASE: usize = 97;
 const WGKV_SCATTER: usize = 115;
-const KERNEL_COUNT: usize = 116;
+const GDN_FDECODE_BASE: usize = 116;
+const KERNEL_COUNT: usize = 128;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -211,6 +220,13 @@ impl Kernel {
             }
         }
         v.push(Kernel::WgKvScatter);
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for ring32 in [false, true] {
+                    v.push(Kernel::GdnFDecode { state, dk, ring32 });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -267,6 +283,12 @@ impl Kernel {
                     + r.expect("a compiled ring length")
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
+            Kernel::GdnFDecode { state, dk, ring32 } => {
+                GDN_FDECODE_BASE
+                    + 4 * dk_slot(dk)
+                    + if state == DType::BF16 { 2 } else { 0 }
+                    + ring32 as usize
+            }
         }
     }
 
@@ -314,6 +336,11 @@ impl Kernel {
                 format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
             }
             Kernel::WgKvScatter => "kvr_wgkv_scatter".into(),
+            Kernel::GdnFDecode { state, dk, ring32 } => format!(
+                "kvr_gdn_fdecode_{}_v_d{dk}_r{}",
+                state.name(),
+                if ring32 { 32 } else { 16 }
+            ),
         }
     }
 }

@@ -199,7 +199,23 @@ struct WDecode {
     /// Batch rows from which it is used (below, the streaming kernel's single launch measured
     /// faster on the H200 for replay decode).
     min_rows: usize,
+    /// Replay pools: batches of fewer rows than this take the one-launch kernel
+    /// (`kvr_gdn_fdecode`, no prep kernel), with `fused_smem` bytes of shared memory.
+    fused_rows: usize,
+    fused_smem: u32,
+    /// Shared memory of a prep CTA of one key head (batches below `PREP_SPLIT_ROWS`).
+    prep_smem_split: u32,
 }
+
+/// Batch rows below which the prep kernel runs a CTA per (row, key head) instead of per row
+/// (H200, BENCHMARKS.md: its chain shrinks from 8-9 to 5 us at small batches; at 128 rows
+/// and more, the 16x more CTAs cost more than they overlap).
+const PREP_SPLIT_ROWS: usize = 128;
+
+/// Batch rows below which replay decode takes the one-launch warp-streaming kernel (the
+/// prep kernel's launch and hand-off cost more than they save there; H200, BENCHMARKS.md).
+/// KVR_GDN_FUSED_ROWS overrides it (benchmarking).
+const FUSED_ROWS: usize = 2;
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
 /// state tile and with two (persistent; 0 where two do not fit).
@@ -427,12 +443,12 @@ impl ReplayCuda {
         // The warp-streaming decode: V-major pools without KV-only mode whose states take
         // 16-byte loads. KVR_GDN_DECODE=stream (or warp, general) selects the older kernels.
         let lc = cfg.ring_len.max(1);
-        // The prep kernel's shared memory: key products, normalized keys, k . q [hk]; ring
-        // decays [hv][lc]; v of the row.
-        let prep_smem = (2 * lc + cfg.dk + 1) * cfg.k_heads * 4
-            + cfg.v_heads * lc * 4
-            + 16
-            + cfg.v_heads * cfg.dv * 4;
+        // The prep kernel's shared memory for a CTA of `nkh` key heads: key products,
+        // normalized keys, k . q; ring decays and v of their value heads.
+        let group = cfg.v_heads / cfg.k_heads.max(1);
+        let prep_bytes =
+            |nkh: usize| (2 * lc + cfg.dk + 1) * nkh * 4 + nkh * group * (lc + cfg.dv) * 4 + 16;
+        let prep_smem = prep_bytes(cfg.k_heads);
         let wdecode = if cfg.layout == StateLayout::VMajor
             && cfg.kv_only_threshold == 0
             && GDN_DECODE_DKS.contains(&cfg.dk)
@@ -468,18 +484,46 @@ impl ReplayCuda {
             } else {
                 None
             };
+            // The one-launch kernel for small batches of replay pools: every slot's key of
+            // one key head in shared memory.
+            let fused_smem = (cfg.ring_len * cfg.dk * cfg.entry_dtype.size()) as u32;
+            let fused = cfg.ring_len > 0
+                && cuda.prepare_kernel(
+                    Kernel::GdnFDecode {
+                        state: cfg.state_dtype,
+                        dk: cfg.dk,
+                        ring32,
+                    },
+                    fused_smem,
+                    (32 * WDECODE_WARPS) as u32,
+                )? > 0;
+            // KVR_GDN_DECODE=wdecode: the two launches at every batch; =fused: one launch
+            // at every batch (tests, benchmarking).
+            let fused_rows = match which.as_str() {
+                _ if !fused => 0,
+                "wdecode" => 0,
+                "fused" => usize::MAX,
+                _ => std::env::var("KVR_GDN_FUSED_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or(FUSED_ROWS),
+            };
             (prep > 0 && main > 0).then_some(WDecode {
                 ring32,
                 scratch,
                 scratch_bytes,
                 rows,
                 prep_smem,
-                // KVR_GDN_DECODE=wdecode: at every batch (tests, benchmarking).
-                min_rows: if cfg.ring_len > 0 && which != "wdecode" {
+                prep_smem_split: prep_bytes(1) as u32,
+                // Without the one-launch kernel, replay below 8 rows measured faster on the
+                // streaming kernel.
+                min_rows: if cfg.ring_len > 0 && which != "wdecode" && !fused {
                     8
                 } else {
                     1
                 },
+                fused_rows,
+                fused_smem,
             })
         } else {
             None
@@ -746,7 +790,8 @@ impl ReplayCuda {
     }
 
     /// The warp-streaming decode: the prep kernel, then the state kernel as its programmatic
-    /// dependent (`p.tv` = 32 value rows per CTA).
+    /// dependent, or at small batches of replay pools the one-launch kernel (`p.tv` = 32
+    /// value rows per CTA).
     fn launch_wdecode(
         &self,
         p: &mut StepParams,
@@ -759,6 +804,22 @@ impl ReplayCuda {
             .scratch
             .as_ref()
             .map_or(0, |s| (s.addr() + layer * w.scratch_bytes) as u64);
+        if cfg.ring_len > 0 && rows < w.fused_rows {
+            let kernel = Kernel::GdnFDecode {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+                ring32: w.ring32,
+            };
+            let grid = rows * cfg.v_heads * p.tiles as usize;
+            return self.run(
+                kernel,
+                grid,
+                (32 * WDECODE_WARPS) as u32,
+                w.fused_smem,
+                p,
+                stream,
+            );
+        }
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
         let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
         if prep {
@@ -766,7 +827,15 @@ impl ReplayCuda {
                 dk: cfg.dk,
                 ring32: w.ring32,
             };
-            self.run(kernel, rows, DPREP_THREADS, w.prep_smem, p, stream)?;
+            // p.stages: the prep CTAs per batch row, for both kernels (which of them writes
+            // the metadata).
+            let (shares, threads, smem) = if rows < PREP_SPLIT_ROWS {
+                (cfg.k_heads, 64, w.prep_smem_split)
+            } else {
+                (1, DPREP_THREADS, w.prep_smem)
+            };
+            p.stages = shares as i32;
+            self.run(kernel, rows * shares, threads, smem, p, stream)?;
         }
         let kernel = Kernel::GdnWDecode {
             state: cfg.state_dtype,
