@@ -15,7 +15,7 @@ gate. On the same inputs, under CUDA Graph replay with states rotating over sets
   linattn  plain linear attention (32 heads, d 128, fp32 state), replay vs recurrent at
            ring m in {8, 16, 23, 32, 64}, B = 128.
 
-    python3 bench_mamba2.py            # writes $OUT/mamba2_bench.json when $OUT is set
+    python3 bench_mamba2.py   # writes $OUT/mamba2_bench.json and $OUT/h200-mamba2.json (keys) when $OUT is set
 """
 
 import json
@@ -228,15 +228,34 @@ def ring_sweep(b=128, rings=(8, 16, 23, 32, 64)):
     return out
 
 
+def summary(res):
+    """The flat figures issue 10 lists (bench/results/h200.json)."""
+    dec = {r["B"]: r for r in res["decode"]}
+    ver = {r["B"]: r for r in res["verify"]}
+    out = {f"mamba2_replay_vs_peer_b{b}": round(dec[b]["replay_vs_peer"], 3)
+           for b in (1, 8, 128, 256) if "replay_vs_peer" in dec.get(b, {})}
+    out.update({f"mamba2_recurrent_vs_peer_b{b}": round(dec[b]["recurrent_vs_peer"], 3)
+                for b in (1, 8, 128, 256) if "recurrent_vs_peer" in dec.get(b, {})})
+    if 128 in ver:
+        out["mamba2_verify_speedup_t4_b128"] = round(ver[128]["speedup"], 3)
+    if 32 in ver:
+        out["mamba2_verify_speedup_t4_b32"] = round(ver[32]["speedup"], 3)
+    out["linattn_replay_vs_recurrent_m16_b128"] = round(res["linattn_b128"]["m16_speedup"], 3)
+    return out
+
+
 def main():
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.2f} TB/s; peer: {'mamba_ssm 2.3.2.post1' if ssu else 'none'}", flush=True)
     res = {"ceiling_tbs": ceiling, "decode": decode_sweep(ceiling), "verify": verify_sweep(),
            "linattn_b128": ring_sweep()}
+    print(json.dumps(summary(res), indent=1))
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "mamba2_bench.json"), "w") as f:
             json.dump(res, f, indent=1)
+        with open(os.path.join(out, "h200-mamba2.json"), "w") as f:
+            json.dump(summary(res), f, indent=1)
 
 
 if __name__ == "__main__":

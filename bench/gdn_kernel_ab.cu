@@ -15,7 +15,7 @@
 #define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
 #define MAIN (L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16)
 #define MAIN_SMEM 0
-#define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + D)) * 4 + 16)
+#define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + D + 2)) * 4 + 16)
 #define FUSED (L > 16 ? kvr_gdn_fdecode_f32_v_d128_r32 : kvr_gdn_fdecode_f32_v_d128_r16)
 #define MAIN_GRID(B) (B * HV * 4)
 #include <algorithm>

@@ -290,16 +290,17 @@ __device__ __forceinline__ void conv_window_share(const StepParams& p, int b, in
 // when `round_k`: replay buffers it), for a warp holding KL elements of each per lane.
 template <int KL>
 __device__ __forceinline__ void normalize_qk(const StepParams& p, float (&q)[KL], float (&k)[KL], bool round_k) {
-  float sq = 0.f, sk = 0.f;
+  float fq = 1.f, fk = 1.f;
+  if (p.l2norm) {  // (uniform: the shuffles of the sums are a latency chain worth skipping)
+    float sq = 0.f, sk = 0.f;
 #pragma unroll
-  for (int c = 0; c < KL; ++c) {
-    sq += q[c] * q[c];
-    sk += k[c] * k[c];
+    for (int c = 0; c < KL; ++c) {
+      sq += q[c] * q[c];
+      sk += k[c] * k[c];
+    }
+    fq = 1.f / sqrtf(warp_sum(sq) + 1e-6f);
+    fk = 1.f / sqrtf(warp_sum(sk) + 1e-6f);
   }
-  sq = warp_sum(sq);
-  sk = warp_sum(sk);
-  const float fq = p.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
-  const float fk = p.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
 #pragma unroll
   for (int c = 0; c < KL; ++c) {
     q[c] = q[c] * fq * p.scale;
@@ -341,14 +342,25 @@ __device__ __forceinline__ float2 token_gb(const StepParams& p, int b, int s, in
 }
 
 // The output of (row b, token s, value head h, value row r) after the skip and the gate:
-// (y + skip[h] v) * silu(z).
-__device__ __forceinline__ float epilogue(const StepParams& p, int b, int s, int h, int r, float v, float y) {
-  if (p.skip.p) y += ldx(p.skip.p, p.skip.dtype, h * p.skip.s[0]) * v;
-  if (p.gate.p) {
-    const float z = ldx(p.gate.p, p.gate.dtype, b * p.gate.s[0] + s * p.gate.s[1] + h * p.gate.s[2] + r * p.gate.s[3]);
-    y *= z / (1.f + expf(-z));
-  }
+// (y + skip[h] v) * silu(z). Its inputs can be loaded ahead (epilogue_in), so that a kernel's
+// last step does not wait on a cold read.
+struct EpilogueIn {
+  float skip, z;
+};
+__device__ __forceinline__ EpilogueIn epilogue_in(const StepParams& p, int b, int s, int h, int r) {
+  EpilogueIn e{0.f, 0.f};
+  if (p.skip.p) e.skip = ldx(p.skip.p, p.skip.dtype, h * p.skip.s[0]);
+  if (p.gate.p)
+    e.z = ldx(p.gate.p, p.gate.dtype, b * p.gate.s[0] + s * p.gate.s[1] + h * p.gate.s[2] + r * p.gate.s[3]);
+  return e;
+}
+__device__ __forceinline__ float epilogue(const StepParams& p, const EpilogueIn& e, float v, float y) {
+  if (p.skip.p) y += e.skip * v;
+  if (p.gate.p) y *= e.z / (1.f + expf(-e.z));
   return y;
+}
+__device__ __forceinline__ float epilogue(const StepParams& p, int b, int s, int h, int r, float v, float y) {
+  return epilogue(p, epilogue_in(p, b, s, h, r), v, y);
 }
 
 struct Place {

@@ -1,4 +1,4 @@
-// Gated DeltaNet speculative verify, streaming form:
+// Gated DeltaNet (and additive-rule: Mamba-2, linear attention) speculative verify, streaming form:
 //   kvr_gdn_sverify_<state>_<k|v>_d<dk>   T = 1..8 draft tokens per sequence in one launch, in
 //                                         replay pools without KV-only mode (src/linear/gdn/
 //                                         cuda.rs picks it: `verify_launch`)
@@ -14,6 +14,8 @@
 // gam_s = g_0 + ... + g_s the drafts' cumulative log decays (math::verify_head):
 //   u_s = beta_s (v_s - e^{gam_s} H(k_s)) - sum_{s' < s} beta_s e^{gam_s - gam_s'} (k_s . k_s') u_s'
 //   y_s = e^{gam_s} H(q_s) + sum_{s' <= s} e^{gam_s - gam_s'} (k_s' . q_s) u_s'
+// The additive rule (Mamba-2, linear attention) has u_s = beta_s v_s (beta: Mamba-2's dt) and
+// needs no H(k_s): only S q is read out. Outputs pass the skip and gate epilogue.
 // The u_s go into the ring after the committed entries; the metadata records T pending drafts
 // (kvr_gdn_commit keeps the accepted prefix). When h + 2T > L the ring flushes first: the
 // tile's state e^G S + sum_j w_j u_j k_j^T is written back, and the drafts start a new ring.
@@ -37,6 +39,7 @@ __device__ __forceinline__ int vprep_floats(int dk, int L, int Tm) {
 template <int DK>
 __device__ void vprep_body(const StepParams& p) {
   __shared__ float qs[kMaxT * DK], ks[kMaxT * DK];
+  pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int T = p.t, Tm = p.max_drafts;
@@ -118,6 +121,7 @@ __device__ void sverify_body(const StepParams& p) {
   const int dv = p.dv, L = p.l;
   const int per_seq = p.hv * p.tiles;
   const Tensor& out = p.out;
+  const bool delta = p.rule == KVR_GDN_RULE_DELTA;
   const int ee = p.entry_dtype == 0 ? 4 : 2;
   const kvr_gdn_verify_smem lay = kvr_gdn_verify_smem_layout(VM, DK, R, ES, L, ee, T);
   unsigned char* st = sm;
@@ -208,13 +212,32 @@ __device__ void sverify_body(const StepParams& p) {
     mi[4] = __ldcg(meta_g + kMetaConvEnd);
   }
   if (tid < T) {
-    gt[tid] = ldx(p.g.p, p.g.dtype, b * p.g.s[0] + tid * p.g.s[1] + h * p.g.s[2]);
-    bt[tid] = ldx(p.beta.p, p.beta.dtype, b * p.beta.s[0] + tid * p.beta.s[1] + h * p.beta.s[2]);
+    const float2 gb = token_gb(p, b, tid, h);
+    gt[tid] = gb.x;
+    bt[tid] = gb.y;
   }
+  // The gate's z of the tile's rows, with the additive rule (Mamba-2) in the space of the S k
+  // readouts, which that rule does not use: a cold read per draft in the row phase was most of
+  // a Mamba-2 verify CTA's life (H200, BENCHMARKS.md). The delta rule reads it there.
+  const bool zpre = !delta && p.gate.p;
+  float* zt = sk;
+  // The readouts' tensor-core tiles: 16 rows x 8 of the columns q_0..q_{T-1} (and k_0..k_{T-1}:
+  // the additive rule reads out S q only); with fewer tiles than half the warps, each tile's
+  // key dimension in two halves on two warps, summed into zeroed slots.
+  const int nx = delta ? 2 * T : T;
+  const int mtiles = R / 16, ntiles = (nx + 7) / 8, tmn = mtiles * ntiles;
+  const int ksplit = 2 * tmn <= kStreamWarps ? 2 : 1;
   for (int i = tid; i < T * R; i += kStreamThreads) {
     const int s = i / R, r = i - s * R;
+    if (ksplit == 2) {
+      sq[i] = 0.f;
+      if (delta) sk[i] = 0.f;
+    }
     vt[i] = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + s * p.v.s[1] + h * p.v.s[2] + (v0 + r) * p.v.s[3]);
+    if (zpre)
+      zt[i] = ldx(p.gate.p, p.gate.dtype, b * p.gate.s[0] + s * p.gate.s[1] + h * p.gate.s[2] + (v0 + r) * p.gate.s[3]);
   }
+  const float skip = p.skip.p ? ldx(p.skip.p, p.skip.dtype, h * p.skip.s[0]) : 0.f;
   __syncthreads();  // (B1) metadata
 
   const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
@@ -244,7 +267,10 @@ __device__ void sverify_body(const StepParams& p) {
     for (int s = 0; s <= tid; ++s) a += gt[s];
     gam[tid] = a;
   }
-  // The group's record from kvr_gdn_vprep: q and k, entry products, draft products.
+  // The group's record from kvr_gdn_vprep: q and k, entry products, draft products (the
+  // verify kernel is launched as the prep's programmatic dependent: the state tile, the
+  // metadata and the inputs above are in flight while the prep ends).
+  pdl_wait();
   {
     const int Tm = p.max_drafts;
     const float* sc = p.scratch + static_cast<int64_t>(b * p.hk + kh) * vprep_floats(DK, L, Tm);
@@ -296,18 +322,18 @@ __device__ void sverify_body(const StepParams& p) {
     // with the operands split into high and low TF32 parts (f32 accuracy), a warp per 16 x 8
     // output tile. S[m][k] is row m of a V-major tile, column m of a K-major one.
     const int g = lane >> 2, t4 = lane & 3;
-    const int mtiles = R / 16, ntiles = (2 * T + 7) / 8;
     auto S = [&](int m, int k) {
       return to_float(*reinterpret_cast<const SD*>(st + (VM ? m * row_bytes + k * ES : k * row_bytes + m * ES)));
     };
-    for (int tl = warp; tl < mtiles * ntiles; tl += kStreamWarps) {
+    for (int w = warp; w < tmn * ksplit; w += kStreamWarps) {
+      const int tl = w % tmn, k0 = (w / tmn) * (DK / ksplit);
       const int m0 = (tl % mtiles) * 16, n0 = (tl / mtiles) * 8;
       const int n = n0 + g;
       const float* xr = n < T ? qs + n * QS : ks + (n < 2 * T ? n - T : 0) * QS;
-      const float xm = n < 2 * T ? 1.f : 0.f;
+      const float xm = n < nx ? 1.f : 0.f;
       float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-      for (int kk = 0; kk < DK; kk += 8) {
+      for (int kk = k0; kk < k0 + DK / ksplit; kk += 8) {
         const float av[4] = {S(m0 + g, kk + t4), S(m0 + g + 8, kk + t4), S(m0 + g, kk + t4 + 4),
                              S(m0 + g + 8, kk + t4 + 4)};
         const float bv[2] = {xm * xr[kk + t4], xm * xr[kk + t4 + 4]};
@@ -316,10 +342,9 @@ __device__ void sverify_body(const StepParams& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = m0 + g + (e >= 2 ? 8 : 0), col = n0 + 2 * t4 + (e & 1);
-        if (col < T)
-          sq[col * R + row] = c[e];
-        else if (col < 2 * T)
-          sk[(col - T) * R + row] = c[e];
+        float* dst = col < T ? sq + col * R + row : col < nx ? sk + (col - T) * R + row : nullptr;
+        if (dst && ksplit == 1) *dst = c[e];
+        if (dst && ksplit == 2) atomicAdd(dst, c[e]);  // two partial sums into 0: exact order
       }
     }
   }
@@ -336,7 +361,7 @@ __device__ void sverify_body(const StepParams& p) {
     for (int i = 0; i < 4; ++i) {
       const int s = g + i * G;
       hq[i] = s < T ? eG * sq[s * R + r] : 0.f;
-      hk[i] = s < T ? eG * sk[s * R + r] : 0.f;
+      hk[i] = s < T && delta ? eG * sk[s * R + r] : 0.f;
     }
     for (int j = 0; j < nbuf; ++j) {
       const float uj = ldx(ut, p.entry_dtype, j * R + r);
@@ -354,7 +379,7 @@ __device__ void sverify_body(const StepParams& p) {
       const int s = g + i * G;
       if (s < T) {
         sq[s * R + r] = hq[i];
-        sk[s * R + r] = hk[i];
+        if (delta) sk[s * R + r] = hk[i];  // (additive: zt lives there)
       }
     }
   }
@@ -367,20 +392,25 @@ __device__ void sverify_body(const StepParams& p) {
 #pragma unroll
     for (int s = 0; s < kMaxT; ++s) {
       hq[s] = s < T ? sq[s * R + tid] : 0.f;
-      hk[s] = s < T ? sk[s * R + tid] : 0.f;
+      hk[s] = s < T && delta ? sk[s * R + tid] : 0.f;
     }
     float u[kMaxT];
 #pragma unroll
     for (int s = 0; s < kMaxT; ++s) {
       if (s < T) {
-        float x = bt[s] * (vt[s * R + tid] - expf(gam[s]) * hk[s]);
+        // Delta rule: forward substitution over the earlier drafts; additive: u_s = beta_s v_s.
+        const float vs = vt[s * R + tid];
+        float x = bt[s] * (delta ? vs - expf(gam[s]) * hk[s] : vs);
 #pragma unroll
-        for (int s2 = 0; s2 < s; ++s2) x -= cA[s * T + s2] * u[s2];
+        for (int s2 = 0; s2 < s; ++s2) x -= delta ? cA[s * T + s2] * u[s2] : 0.f;
         u[s] = x;
         float y = expf(gam[s]) * hq[s];
 #pragma unroll
         for (int s2 = 0; s2 <= s; ++s2) y += cB[s * T + s2] * u[s2];
-        stx(out.p, out.dtype, b * out.s[0] + s * out.s[1] + h * out.s[2] + (v0 + tid) * out.s[3], y);
+        EpilogueIn e{skip, 0.f};
+        if (p.gate.p) e.z = zpre ? zt[s * R + tid] : epilogue_in(p, b, s, h, v0 + tid).z;
+        stx(out.p, out.dtype, b * out.s[0] + s * out.s[1] + h * out.s[2] + (v0 + tid) * out.s[3],
+            epilogue(p, e, vs, y));
         char* dst = p.ring_u + ((static_cast<int64_t>(seq) * Lc + (base + s) % Lc) * p.hv + h) * dv * ee;
         stx(dst, p.entry_dtype, v0 + tid, u[s]);
       }
@@ -441,11 +471,18 @@ __device__ void sverify_body(const StepParams& p) {
 }  // namespace gdn
 }  // namespace kvr
 
-// Three resident CTAs per SM (80 registers): the shared memory of a 64-row tile allows three,
-// and one CTA's dependent phases hide only behind the others'.
+// Three resident CTAs per SM (80 registers): the shared memory of a 64-row tile at dk 128
+// allows three, and one CTA's dependent phases hide only behind the others'. The _o4 kernels
+// aim for four (64 registers) for tiles of at most 64 rows x 128 keys, where shared memory
+// allows four (src/linear/replay/cuda.rs picks them: H200, Mamba-2's 64-row heads, verify
+// T = 4 at B = 128 771 -> 657 us; GDN's 128-row tiles keep three).
 #define KVR_GDN_SVERIFY(SD, SN, VM, LN, DK)                                                  \
   extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 3)                 \
       kvr_gdn_sverify_##SN##_##LN##_d##DK(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::sverify_body<SD, VM, DK>(p);                                                   \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 4)                 \
+      kvr_gdn_sverify_##SN##_##LN##_d##DK##_o4(const __grid_constant__ kvr::gdn::StepParams p) { \
     kvr::gdn::sverify_body<SD, VM, DK>(p);                                                   \
   }
 #define KVR_GDN_SVERIFY_DK(DK)                         \

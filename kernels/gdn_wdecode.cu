@@ -133,7 +133,7 @@ __device__ void dprep_body(const StepParams& p) {
   const int Lc = L > 0 ? L : 1;
   const int group = p.hv / p.hk, h0 = kh0 * group, nh = nkh * group;
   __shared__ int mi[5];
-  extern __shared__ float dsm[];  // k_p . q, k_p . k [nkh][Lc], normalized k [nkh][DK], k . q [nkh], decays [nh][Lc], v
+  extern __shared__ float dsm[];  // k_p . q, k_p . k [nkh][Lc], normalized k [nkh][DK], k . q [nkh], (g, beta) [2][nh], decays [nh][Lc], v
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   if (tid == 0) {
     const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
@@ -149,7 +149,8 @@ __device__ void dprep_body(const StepParams& p) {
   float* ck = dsm + nkh * Lc;
   float* kn = ck + nkh * Lc;
   float* kqs = kn + nkh * DK;
-  float* gsm = kqs + nkh;  // ring decays of the share's value heads [nh][Lc], by cp.async
+  float* tgs = kqs + nkh;  // the new token's (g, beta) of the share's value heads [2][nh]
+  float* gsm = tgs + 2 * nh;  // ring decays of the share's value heads [nh][Lc], by cp.async
   const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
   // v of the group's heads (raw), 16-byte aligned
   unsigned char* vsm = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(gsm + nh * Lc) + 15) & ~uintptr_t{15});
@@ -174,6 +175,14 @@ __device__ void dprep_body(const StepParams& p) {
     if (vcopy) {
       for (int i = tid * 16; i < vbytes; i += blockDim.x * 16) cp_async_16(vsm + i, v0 + i, 16);
       cp_async_commit();
+    }
+    // The new token's (g, beta) of every value head of the share, by the last threads (the
+    // first warps take the key heads): Mamba-2's dt gate reads three tensors, a round trip
+    // the value-head loop below would otherwise pay once per head.
+    for (int i = blockDim.x - 1 - tid; i < nh; i += blockDim.x) {
+      const float2 gb = token_gb(p, b, 0, h0 + i);
+      tgs[i] = gb.x;
+      tgs[nh + i] = gb.y;
     }
     // Per key head: q and k normalized, and the key products of every slot, CH slots a round.
     for (int kk = warp; kk < nkh; kk += nw) {
@@ -269,7 +278,7 @@ __device__ void dprep_body(const StepParams& p) {
     // ring order (lane j: entry j, slot (start + j) % L), then the coefficients by slot.
     for (int hh = warp; hh < nh; hh += nw) {
       const int h = h0 + hh, kk = hh / group;
-      const float2 tgb = lane == 0 ? token_gb(p, b, 0, h) : make_float2(0.f, 0.f);
+      const float2 tgb = make_float2(tgs[hh], tgs[nh + hh]);
       const int slot = (start + lane) % L;
       const bool live = lane < nbuf;
       const float x0 = lane < L ? gsm[hh * Lc + slot] : 0.f;
@@ -312,6 +321,10 @@ __device__ void dprep_body(const StepParams& p) {
     if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
   }
 }
+
+#ifndef KVR_WD_EPI_EARLY
+#define KVR_WD_EPI_EARLY 1
+#endif
 
 // What a state kernel serves: replay pools after the prep kernel, recurrent pools (ring 0;
 // kernels of their own so that the replay kernels carry none of their code), or replay pools
@@ -374,6 +387,12 @@ __device__ void wdecode_body(const StepParams& p) {
     cp_async_commit();
     if (lane < L) gsl = __ldcg(p.ring_g + (static_cast<int64_t>(seq) * L + lane) * p.hv + h);
   }
+  // The skip and gate inputs of the writer's row, loaded first where the step is a chain of
+  // latencies (a cold read at the end is the warp's last round trip) and at the end in the
+  // streaming kernels (KVR_WD_EPI_EARLY=2: first in every kind).
+  constexpr bool EPI_EARLY = KVR_WD_EPI_EARLY >= 2 || (KVR_WD_EPI_EARLY == 1 && FUSED);
+  EpilogueIn epi{0.f, 0.f};
+  if (EPI_EARLY && writer) epi = epilogue_in(p, b, 0, h, row0 + rr);
   // Every slot's u values of the warp's rows, before the metadata: lane 2 s + x holds rows
   // row0 + 4 x .. + 3 of slot s (+ 16 i).
   float u4[NU][4];
@@ -627,7 +646,10 @@ __device__ void wdecode_body(const StepParams& p) {
       store_state();
     }
   }
-  if (writer) stx(out.p, out.dtype, out_at, epilogue(p, b, 0, h, row0 + rr, vt, y));
+  if (writer) {
+    if (!EPI_EARLY) epi = epilogue_in(p, b, 0, h, row0 + rr);
+    stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+  }
   if constexpr (FUSED) {
     const int start = hdr.x, hcnt = hdr.y, base = hdr.w;
     const bool flush = hdr.z != 0;

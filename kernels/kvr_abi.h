@@ -246,7 +246,7 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_*, kvr_gdn_sverify_*, kvr_gdn_vprep_* */
 #define KVR_GDN_WDECODE_ROWS 8         /* kvr_gdn_wdecode_*: value rows per warp */
 #define KVR_GDN_WDECODE_MAX_RING 32    /* ... ring lengths up to this */
-#define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64 per key head) */
+#define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64..512 per key head) */
 
 /* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
 #define KVR_GDN_META_MODE 0     /* KVR_GDN_KV_ONLY, KVR_GDN_REPLAY or KVR_GDN_RECURRENT */

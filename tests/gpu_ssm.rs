@@ -140,6 +140,27 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
             cases += 1;
         }
     }
+    // Head dims the streaming kernels take (dk 64: the warp-streaming decode, its prep kernel
+    // with 4 warps per group of 8 heads, the streaming verify of both layouts; recurrent
+    // decode on the warp kernel), every kind.
+    for (i, kind) in kinds.into_iter().enumerate() {
+        for (j, (ring, layout, conv)) in [
+            (16usize, StateLayout::VMajor, 12usize),
+            (16, StateLayout::KMajor, 0),
+            (0, StateLayout::VMajor, 12),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut c = config(ring, 0, layout, conv);
+            (c.k_heads, c.v_heads, c.dk, c.dv) = (2, 16, 64, 64);
+            let steps = sanitizer_scaled(40, 12);
+            let e = pair_session(&g, c, kind, steps, 700 + 10 * i as u64 + j as u64);
+            assert!(e < 2e-4, "dk 64: {kind:?} ring {ring} {layout:?}: {e:e}");
+            worst = worst.max(e);
+            cases += 1;
+        }
+    }
     // The Nemotron-H shape (128 heads of 64, 8 groups of 128), V-major, ring 16.
     let mut c = config(16, 0, StateLayout::VMajor, 0);
     (c.k_heads, c.v_heads, c.dk, c.dv, c.layers) = (8, 128, 128, 64, 1);

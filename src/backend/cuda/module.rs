@@ -84,6 +84,8 @@ pub(crate) enum Kernel {
         state: DType,
         vmajor: bool,
         dk: usize,
+        /// `_o4`: compiled for four resident CTAs per SM (small tiles) instead of three.
+        occ4: bool,
     },
     /// `kvr_gdn_vprep_d<dk>` (kernels/gdn_sverify.cu): the drafts' q/k and key products of
     /// a verify, per (row, key head); dk is one of [`GDN_DECODE_DKS`].
@@ -142,7 +144,8 @@ const GDN_DPREP_BASE: usize = 91;
 const GDN_WDECODE_BASE: usize = 97;
 const WGKV_SCATTER: usize = 115;
 const GDN_FDECODE_BASE: usize = 116;
-const KERNEL_COUNT: usize = 128;
+const GDN_VERIFY4_BASE: usize = 128;
+const KERNEL_COUNT: usize = 140;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -195,7 +198,12 @@ impl Kernel {
         for dk in GDN_DECODE_DKS {
             for state in [DType::F32, DType::BF16] {
                 for vmajor in [false, true] {
-                    v.push(Kernel::GdnVerify { state, vmajor, dk });
+                    v.push(Kernel::GdnVerify {
+                        state,
+                        vmajor,
+                        dk,
+                        occ4: false,
+                    });
                 }
             }
         }
@@ -224,6 +232,18 @@ impl Kernel {
             for state in [DType::F32, DType::BF16] {
                 for ring32 in [false, true] {
                     v.push(Kernel::GdnFDecode { state, dk, ring32 });
+                }
+            }
+        }
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for vmajor in [false, true] {
+                    v.push(Kernel::GdnVerify {
+                        state,
+                        vmajor,
+                        dk,
+                        occ4: true,
+                    });
                 }
             }
         }
@@ -263,8 +283,18 @@ impl Kernel {
             Kernel::GdnStream { state, vmajor, dk } => {
                 GDN_STREAM_BASE + gdn_decode_slot(state, vmajor, dk)
             }
-            Kernel::GdnVerify { state, vmajor, dk } => {
-                GDN_VERIFY_BASE + gdn_decode_slot(state, vmajor, dk)
+            Kernel::GdnVerify {
+                state,
+                vmajor,
+                dk,
+                occ4,
+            } => {
+                let base = if occ4 {
+                    GDN_VERIFY4_BASE
+                } else {
+                    GDN_VERIFY_BASE
+                };
+                base + gdn_decode_slot(state, vmajor, dk)
             }
             Kernel::GdnVprep { dk } => GDN_VPREP_BASE + dk_slot(dk),
             Kernel::GdnRecur { dk, rows } => {
@@ -322,10 +352,16 @@ impl Kernel {
                 state.name(),
                 if vmajor { "v" } else { "k" }
             ),
-            Kernel::GdnVerify { state, vmajor, dk } => format!(
-                "kvr_gdn_sverify_{}_{}_d{dk}",
+            Kernel::GdnVerify {
+                state,
+                vmajor,
+                dk,
+                occ4,
+            } => format!(
+                "kvr_gdn_sverify_{}_{}_d{dk}{}",
                 state.name(),
-                if vmajor { "v" } else { "k" }
+                if vmajor { "v" } else { "k" },
+                if occ4 { "_o4" } else { "" }
             ),
             Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
             Kernel::GdnRecur { dk, rows } => format!("kvr_gdn_recur_d{dk}_r{rows}"),

@@ -118,6 +118,19 @@ fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
 }
 
 /// Shared memory of one streaming verify CTA at `t` drafts (`kvr_gdn_verify_smem_layout`).
+/// The streaming verify kernel for tiles of `rows` value rows: the one compiled for four
+/// resident CTAs per SM where a tile is at most 64 rows of 128 keys (its shared memory then
+/// allows four; on the H200 Mamba-2's 64-row tiles verified 15 % faster with it, GDN's 128-row
+/// tiles 2 % slower), else the one for three.
+fn verify_kernel(cfg: &ReplayConfig, rows: usize) -> Kernel {
+    Kernel::GdnVerify {
+        state: cfg.state_dtype,
+        vmajor: cfg.layout == StateLayout::VMajor,
+        dk: cfg.dk,
+        occ4: rows * cfg.dk <= 64 * 128,
+    }
+}
+
 fn sverify_smem_bytes(cfg: &ReplayConfig, rows: usize, t: usize) -> usize {
     pool_smem(cfg, rows, t, crate::abi::gdn_verify_smem_bytes)
 }
@@ -395,12 +408,7 @@ impl ReplayCuda {
             && aligned
             && std::env::var("KVR_GDN_VERIFY").as_deref() != Ok("general")
         {
-            let kernel = Kernel::GdnVerify {
-                state: cfg.state_dtype,
-                vmajor: cfg.layout == StateLayout::VMajor,
-                dk: cfg.dk,
-            };
-            // Resident CTAs per SM of every (rows, T), in increasing shared memory so that the
+            // Resident CTAs per SM of every (rows, T), in increasing shared memory so that each
             // kernel's dynamic shared memory limit ends at the largest that fits.
             let mut fits: Vec<(usize, usize, usize)> = STREAM_ROWS
                 .into_iter()
@@ -410,10 +418,16 @@ impl ReplayCuda {
                 .filter(|&(bytes, _, _)| bytes <= STREAM_SMEM_LIMIT)
                 .collect();
             if !fits.is_empty() {
-                cuda.prefer_shared_memory(kernel)?;
+                let mut kernels: Vec<Kernel> =
+                    fits.iter().map(|f| verify_kernel(cfg, f.1)).collect();
+                kernels.dedup();
+                for k in kernels {
+                    cuda.prefer_shared_memory(k)?;
+                }
                 fits.sort_unstable();
                 let mut per_sm = Vec::new();
                 for (bytes, r, t) in fits {
+                    let kernel = verify_kernel(cfg, r);
                     let n = cuda.prepare_kernel(kernel, bytes as u32, STREAM_THREADS)? as usize;
                     per_sm.push((r, t, n));
                 }
@@ -444,10 +458,11 @@ impl ReplayCuda {
         // 16-byte loads. KVR_GDN_DECODE=stream (or warp, general) selects the older kernels.
         let lc = cfg.ring_len.max(1);
         // The prep kernel's shared memory for a CTA of `nkh` key heads: key products,
-        // normalized keys, k . q; ring decays and v of their value heads.
+        // normalized keys, k . q; the new token's (g, beta), ring decays and v of their
+        // value heads.
         let group = cfg.v_heads / cfg.k_heads.max(1);
         let prep_bytes =
-            |nkh: usize| (2 * lc + cfg.dk + 1) * nkh * 4 + nkh * group * (lc + cfg.dv) * 4 + 16;
+            |nkh: usize| (2 * lc + cfg.dk + 1) * nkh * 4 + nkh * group * (lc + cfg.dv + 2) * 4 + 16;
         let prep_smem = prep_bytes(cfg.k_heads);
         let wdecode = if cfg.layout == StateLayout::VMajor
             && cfg.kv_only_threshold == 0
@@ -623,14 +638,21 @@ impl ReplayCuda {
         p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
         let vprep = Kernel::GdnVprep { dk: cfg.dk };
         self.run(vprep, rows * cfg.k_heads, STREAM_THREADS, 0, p, stream)?;
-        let kernel = Kernel::GdnVerify {
-            state: cfg.state_dtype,
-            vmajor: cfg.layout == StateLayout::VMajor,
-            dk: cfg.dk,
-        };
+        let kernel = verify_kernel(cfg, p.tv as usize);
         let smem = sverify_smem_bytes(cfg, p.tv as usize, p.t as usize) as u32;
         let grid = rows * cfg.v_heads * p.tiles as usize;
-        self.run(kernel, grid, STREAM_THREADS, smem, p, stream)
+        // A programmatic dependent of the prep kernel (it waits for the prep's record only
+        // after issuing its state tile).
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch_ex(
+            kernel,
+            (grid as u32, 1, 1),
+            (STREAM_THREADS, 1, 1),
+            smem,
+            stream,
+            &mut args,
+            true,
+        )
     }
 
     /// The streaming decode launch for a batch of `rows` sequences, or `None` where the
@@ -829,8 +851,12 @@ impl ReplayCuda {
             };
             // p.stages: the prep CTAs per batch row, for both kernels (which of them writes
             // the metadata).
+            // A CTA per key head: a warp per two of its value heads, 2..16 warps (Mamba-2's
+            // groups of 16 heads: 8 warps; with 2 the prep took 13 us at B = 8 on the H200).
             let (shares, threads, smem) = if rows < PREP_SPLIT_ROWS {
-                (cfg.k_heads, 64, w.prep_smem_split)
+                let group = cfg.v_heads / cfg.k_heads;
+                let warps = group.div_ceil(2).clamp(2, DPREP_THREADS as usize / 32);
+                (cfg.k_heads, 32 * warps as u32, w.prep_smem_split)
             } else {
                 (1, DPREP_THREADS, w.prep_smem)
             };
@@ -1098,10 +1124,9 @@ impl Executor for ReplayCuda {
             return Ok(());
         }
         // One token per sequence with auto-commit: a decode kernel where one applies. The
-        // streaming and single-token kernels implement the delta rule only (the additive
-        // rule runs on gdn.cu).
-        let fast = plan.rule == Rule::Delta;
-        let single = step.t == 1 && step.auto_commit && fast;
+        // streaming and single-token decode kernels implement the delta rule only (the
+        // additive rule decodes on the warp-streaming kernel or gdn.cu).
+        let single = step.t == 1 && step.auto_commit && plan.rule == Rule::Delta;
         let decode = self.decode_rows.filter(|_| single);
         // The warp-streaming decode takes both rules.
         let wd = self
@@ -1125,7 +1150,8 @@ impl Executor for ReplayCuda {
             } else {
                 None
             };
-            let verified = if step.auto_commit || !fast {
+            // The streaming verify takes both rules.
+            let verified = if step.auto_commit {
                 None
             } else {
                 self.verify_launch(cfg, rows, step.t)
