@@ -109,7 +109,10 @@ __device__ void vprep_body(const StepParams& p) {
   }
 }
 
-template <typename SD, bool VM, int DK>
+// ADD: the additive rule (Mamba-2, linear attention; the `_add` kernels), else the delta rule.
+// Compiled apart so that each rule's kernel carries none of the other's code (the delta
+// kernel with both rules behind runtime branches verified 3-10 % slower on the H200).
+template <typename SD, bool VM, int DK, bool ADD>
 __device__ void sverify_body(const StepParams& p) {
   extern __shared__ __align__(16) unsigned char sm[];
   constexpr int ES = sizeof(SD);
@@ -121,7 +124,7 @@ __device__ void sverify_body(const StepParams& p) {
   const int dv = p.dv, L = p.l;
   const int per_seq = p.hv * p.tiles;
   const Tensor& out = p.out;
-  const bool delta = p.rule == KVR_GDN_RULE_DELTA;
+  constexpr bool delta = !ADD;
   const int ee = p.entry_dtype == 0 ? 4 : 2;
   const kvr_gdn_verify_smem lay = kvr_gdn_verify_smem_layout(VM, DK, R, ES, L, ee, T);
   unsigned char* st = sm;
@@ -219,7 +222,7 @@ __device__ void sverify_body(const StepParams& p) {
   // The gate's z of the tile's rows, with the additive rule (Mamba-2) in the space of the S k
   // readouts, which that rule does not use: a cold read per draft in the row phase was most of
   // a Mamba-2 verify CTA's life (H200, BENCHMARKS.md). The delta rule reads it there.
-  const bool zpre = !delta && p.gate.p;
+  const bool zpre = ADD && p.gate.p;
   float* zt = sk;
   // The readouts' tensor-core tiles: 16 rows x 8 of the columns q_0..q_{T-1} (and k_0..k_{T-1}:
   // the additive rule reads out S q only); with fewer tiles than half the warps, each tile's
@@ -471,19 +474,18 @@ __device__ void sverify_body(const StepParams& p) {
 }  // namespace gdn
 }  // namespace kvr
 
-// Three resident CTAs per SM (80 registers): the shared memory of a 64-row tile at dk 128
-// allows three, and one CTA's dependent phases hide only behind the others'. The _o4 kernels
-// aim for four (64 registers) for tiles of at most 64 rows x 128 keys, where shared memory
-// allows four (src/linear/replay/cuda.rs picks them: H200, Mamba-2's 64-row heads, verify
-// T = 4 at B = 128 771 -> 657 us; GDN's 128-row tiles keep three).
+// Delta rule: three resident CTAs per SM (80 registers): the shared memory of a 64-row tile
+// at dk 128 allows three, and one CTA's dependent phases hide only behind the others'.
+// Additive rule (`_add`): four (64 registers): Mamba-2's 64-row heads, verify T = 4 at B = 128
+// on the H200 771 us with three, 657 us with four.
 #define KVR_GDN_SVERIFY(SD, SN, VM, LN, DK)                                                  \
   extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 3)                 \
       kvr_gdn_sverify_##SN##_##LN##_d##DK(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::sverify_body<SD, VM, DK>(p);                                                   \
+    kvr::gdn::sverify_body<SD, VM, DK, false>(p);                                            \
   }                                                                                          \
   extern "C" __global__ void __launch_bounds__(kvr::gdn::kStreamThreads, 4)                 \
-      kvr_gdn_sverify_##SN##_##LN##_d##DK##_o4(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::sverify_body<SD, VM, DK>(p);                                                   \
+      kvr_gdn_sverify_##SN##_##LN##_d##DK##_add(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::sverify_body<SD, VM, DK, true>(p);                                             \
   }
 #define KVR_GDN_SVERIFY_DK(DK)                         \
   KVR_GDN_SVERIFY(float, f32, false, k, DK)            \

@@ -84,8 +84,8 @@ pub(crate) enum Kernel {
         state: DType,
         vmajor: bool,
         dk: usize,
-        /// `_o4`: compiled for four resident CTAs per SM (small tiles) instead of three.
-        occ4: bool,
+        /// `_add`: the additive rule (Mamba-2, linear attention), else the delta rule.
+        additive: bool,
     },
     /// `kvr_gdn_vprep_d<dk>` (kernels/gdn_sverify.cu): the drafts' q/k and key products of
     /// a verify, per (row, key head); dk is one of [`GDN_DECODE_DKS`].
@@ -144,7 +144,7 @@ const GDN_DPREP_BASE: usize = 91;
 const GDN_WDECODE_BASE: usize = 97;
 const WGKV_SCATTER: usize = 115;
 const GDN_FDECODE_BASE: usize = 116;
-const GDN_VERIFY4_BASE: usize = 128;
+const GDN_VERIFY_ADD_BASE: usize = 128;
 const KERNEL_COUNT: usize = 140;
 
 impl Kernel {
@@ -202,7 +202,7 @@ impl Kernel {
                         state,
                         vmajor,
                         dk,
-                        occ4: false,
+                        additive: false,
                     });
                 }
             }
@@ -242,7 +242,7 @@ impl Kernel {
                         state,
                         vmajor,
                         dk,
-                        occ4: true,
+                        additive: true,
                     });
                 }
             }
@@ -287,10 +287,10 @@ impl Kernel {
                 state,
                 vmajor,
                 dk,
-                occ4,
+                additive,
             } => {
-                let base = if occ4 {
-                    GDN_VERIFY4_BASE
+                let base = if additive {
+                    GDN_VERIFY_ADD_BASE
                 } else {
                     GDN_VERIFY_BASE
                 };
@@ -356,12 +356,12 @@ impl Kernel {
                 state,
                 vmajor,
                 dk,
-                occ4,
+                additive,
             } => format!(
                 "kvr_gdn_sverify_{}_{}_d{dk}{}",
                 state.name(),
                 if vmajor { "v" } else { "k" },
-                if occ4 { "_o4" } else { "" }
+                if additive { "_add" } else { "" }
             ),
             Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
             Kernel::GdnRecur { dk, rows } => format!("kvr_gdn_recur_d{dk}_r{rows}"),

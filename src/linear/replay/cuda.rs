@@ -117,20 +117,18 @@ fn stream_smem_bytes(cfg: &ReplayConfig, rows: usize, stages: usize) -> usize {
     pool_smem(cfg, rows, stages, crate::abi::gdn_stream_smem_bytes)
 }
 
-/// Shared memory of one streaming verify CTA at `t` drafts (`kvr_gdn_verify_smem_layout`).
-/// The streaming verify kernel for tiles of `rows` value rows: the one compiled for four
-/// resident CTAs per SM where a tile is at most 64 rows of 128 keys (its shared memory then
-/// allows four; on the H200 Mamba-2's 64-row tiles verified 15 % faster with it, GDN's 128-row
-/// tiles 2 % slower), else the one for three.
-fn verify_kernel(cfg: &ReplayConfig, rows: usize) -> Kernel {
+/// The streaming verify kernel of a rule (the additive one is compiled apart, for four
+/// resident CTAs per SM instead of three).
+fn verify_kernel(cfg: &ReplayConfig, additive: bool) -> Kernel {
     Kernel::GdnVerify {
         state: cfg.state_dtype,
         vmajor: cfg.layout == StateLayout::VMajor,
         dk: cfg.dk,
-        occ4: rows * cfg.dk <= 64 * 128,
+        additive,
     }
 }
 
+/// Shared memory of one streaming verify CTA at `t` drafts (`kvr_gdn_verify_smem_layout`).
 fn sverify_smem_bytes(cfg: &ReplayConfig, rows: usize, t: usize) -> usize {
     pool_smem(cfg, rows, t, crate::abi::gdn_verify_smem_bytes)
 }
@@ -175,12 +173,14 @@ pub(crate) struct ReplayCuda {
     /// (value rows per CTA, resident CTAs per SM at `max_drafts`) the streaming verify
     /// kernel (kernels/gdn_sverify.cu) may use, widest first; empty where it does not apply
     /// (recurrent or KV-only pools, other dk, unaligned states, KVR_GDN_VERIFY=general).
-    verify_rows: Vec<(usize, [usize; MAX_DRAFTS + 1])>,
+    verify_rows: [Vec<(usize, [usize; MAX_DRAFTS + 1])>; 2],
     /// The verify kernels' per-(row, key head) records, for `verify_chunk` rows a launch.
     scratch: Option<DeviceBuffer>,
     verify_chunk: usize,
     /// KVR_GDN_VERIFY_ROWS: forced rows per CTA of the verify kernel (benchmarking).
     forced_verify_rows: Option<usize>,
+    /// The verify kernel as a programmatic dependent of its prep (KVR_GDN_VERIFY_PDL=0: not).
+    verify_pdl: bool,
     /// The warp-streaming decode (kernels/gdn_wdecode.cu), where it applies.
     wdecode: Option<WDecode>,
 }
@@ -401,7 +401,7 @@ impl ReplayCuda {
         };
         // The streaming verify kernel: replay pools without KV-only mode (recurrent pools
         // keep the per-draft snapshots of the general kernel: they are the baseline).
-        let mut verify_rows = Vec::new();
+        let mut verify_rows: [Vec<(usize, [usize; MAX_DRAFTS + 1])>; 2] = [Vec::new(), Vec::new()];
         if GDN_DECODE_DKS.contains(&cfg.dk)
             && cfg.ring_len > 0
             && cfg.kv_only_threshold == 0
@@ -417,17 +417,16 @@ impl ReplayCuda {
                 .map(|(r, t)| (sverify_smem_bytes(cfg, r, t), r, t))
                 .filter(|&(bytes, _, _)| bytes <= STREAM_SMEM_LIMIT)
                 .collect();
-            if !fits.is_empty() {
-                let mut kernels: Vec<Kernel> =
-                    fits.iter().map(|f| verify_kernel(cfg, f.1)).collect();
-                kernels.dedup();
-                for k in kernels {
-                    cuda.prefer_shared_memory(k)?;
+            fits.sort_unstable();
+            // One table per rule (the pool learns its family's rule only from a step's plan).
+            for (additive, table) in verify_rows.iter_mut().enumerate() {
+                if fits.is_empty() {
+                    break;
                 }
-                fits.sort_unstable();
+                let kernel = verify_kernel(cfg, additive == 1);
+                cuda.prefer_shared_memory(kernel)?;
                 let mut per_sm = Vec::new();
-                for (bytes, r, t) in fits {
-                    let kernel = verify_kernel(cfg, r);
+                for &(bytes, r, t) in &fits {
                     let n = cuda.prepare_kernel(kernel, bytes as u32, STREAM_THREADS)? as usize;
                     per_sm.push((r, t, n));
                 }
@@ -437,7 +436,7 @@ impl ReplayCuda {
                         by_t[t] = n;
                     }
                     if by_t[1..=cfg.max_drafts].iter().all(|&n| n > 0) {
-                        verify_rows.push((r, by_t));
+                        table.push((r, by_t));
                     }
                 }
             }
@@ -446,7 +445,7 @@ impl ReplayCuda {
         let verify_chunk = (VERIFY_SCRATCH_MAX / (record * cfg.k_heads))
             .clamp(1, MAX_INLINE)
             .min(cfg.max_seqs);
-        let scratch = if verify_rows.is_empty() {
+        let scratch = if verify_rows.iter().all(|t| t.is_empty()) {
             None
         } else {
             Some(DeviceBuffer::new(
@@ -571,10 +570,11 @@ impl ReplayCuda {
             verify_rows: verify_rows.clone(),
             scratch,
             verify_chunk,
+            verify_pdl: std::env::var("KVR_GDN_VERIFY_PDL").as_deref() != Ok("0"),
             forced_verify_rows: std::env::var("KVR_GDN_VERIFY_ROWS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
-                .filter(|r| verify_rows.iter().any(|w| w.0 == *r)),
+                .filter(|r| verify_rows.iter().flatten().any(|w| w.0 == *r)),
             wdecode,
         })
     }
@@ -582,8 +582,18 @@ impl ReplayCuda {
     /// Value rows per CTA of the streaming verify kernel for a batch of `rows` sequences:
     /// the widest tile whose CTAs still fill every SM, or the narrowest; `None` where the
     /// kernel does not apply.
-    fn verify_launch(&self, cfg: &ReplayConfig, rows: usize, t: usize) -> Option<usize> {
-        if let Some(r) = self.forced_verify_rows {
+    fn verify_launch(
+        &self,
+        cfg: &ReplayConfig,
+        rows: usize,
+        t: usize,
+        additive: bool,
+    ) -> Option<usize> {
+        let table = &self.verify_rows[additive as usize];
+        if let Some(r) = self
+            .forced_verify_rows
+            .filter(|r| table.iter().any(|w| w.0 == *r))
+        {
             return Some(r);
         }
         let sms = self.sm_count as usize;
@@ -593,7 +603,7 @@ impl ReplayCuda {
         // T = 4, which fits two; a tile of 64 rows then wins). Where none fits two, the
         // general kernel verifies.
         let two = || {
-            self.verify_rows
+            table
                 .iter()
                 .map(move |&(r, by_t)| (r, by_t[t]))
                 .filter(|&(_, n)| n >= 2)
@@ -638,11 +648,11 @@ impl ReplayCuda {
         p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
         let vprep = Kernel::GdnVprep { dk: cfg.dk };
         self.run(vprep, rows * cfg.k_heads, STREAM_THREADS, 0, p, stream)?;
-        let kernel = verify_kernel(cfg, p.tv as usize);
+        let kernel = verify_kernel(cfg, p.rule == KVR_GDN_RULE_ADDITIVE);
         let smem = sverify_smem_bytes(cfg, p.tv as usize, p.t as usize) as u32;
         let grid = rows * cfg.v_heads * p.tiles as usize;
         // A programmatic dependent of the prep kernel (it waits for the prep's record only
-        // after issuing its state tile).
+        // after issuing its state tile); KVR_GDN_VERIFY_PDL=0 launches it after the prep ends.
         let mut args = [p as *mut StepParams as *mut c_void];
         self.cuda.launch_ex(
             kernel,
@@ -651,7 +661,7 @@ impl ReplayCuda {
             smem,
             stream,
             &mut args,
-            true,
+            self.verify_pdl,
         )
     }
 
@@ -1134,7 +1144,7 @@ impl Executor for ReplayCuda {
             .as_ref()
             .filter(|_| step.t == 1 && step.auto_commit);
         let chunk_rows = match step.ids {
-            BatchIds::Host(_) if !step.auto_commit && !self.verify_rows.is_empty() => {
+            BatchIds::Host(_) if !step.auto_commit && !self.verify_rows[0].is_empty() => {
                 self.verify_chunk
             }
             BatchIds::Host(_) => MAX_INLINE,
@@ -1154,7 +1164,7 @@ impl Executor for ReplayCuda {
             let verified = if step.auto_commit {
                 None
             } else {
-                self.verify_launch(cfg, rows, step.t)
+                self.verify_launch(cfg, rows, step.t, plan.rule == Rule::Additive)
             };
             let tv = wdecoded
                 .map(|_| WDECODE_WARPS * KVR_GDN_WDECODE_ROWS)
