@@ -195,18 +195,21 @@ impl Kernel {
                 }
             }
         }
-        for dk in GDN_DECODE_DKS {
-            for state in [DType::F32, DType::BF16] {
-                for vmajor in [false, true] {
-                    v.push(Kernel::GdnVerify {
-                        state,
-                        vmajor,
-                        dk,
-                        additive: false,
-                    });
+        let verify = |v: &mut Vec<Kernel>, additive: bool| {
+            for dk in GDN_DECODE_DKS {
+                for state in [DType::F32, DType::BF16] {
+                    for vmajor in [false, true] {
+                        v.push(Kernel::GdnVerify {
+                            state,
+                            vmajor,
+                            dk,
+                            additive,
+                        });
+                    }
                 }
             }
-        }
+        };
+        verify(&mut v, false);
         for dk in GDN_DECODE_DKS {
             v.push(Kernel::GdnVprep { dk });
         }
@@ -235,18 +238,7 @@ impl Kernel {
                 }
             }
         }
-        for dk in GDN_DECODE_DKS {
-            for state in [DType::F32, DType::BF16] {
-                for vmajor in [false, true] {
-                    v.push(Kernel::GdnVerify {
-                        state,
-                        vmajor,
-                        dk,
-                        additive: true,
-                    });
-                }
-            }
-        }
+        verify(&mut v, true);
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }

@@ -624,14 +624,27 @@ impl ReplayCuda {
         p: &mut StepParams,
         stream: Stream,
     ) -> Result<()> {
+        self.run_ex(kernel, (grid, threads, smem), p, stream, false)
+    }
+
+    /// `run`, as a programmatic dependent of the previous kernel on the stream when `pdl`.
+    fn run_ex(
+        &self,
+        kernel: Kernel,
+        (grid, threads, smem): (usize, u32, u32),
+        p: &mut StepParams,
+        stream: Stream,
+        pdl: bool,
+    ) -> Result<()> {
         let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch(
+        self.cuda.launch_ex(
             kernel,
             (grid as u32, 1, 1),
             (threads, 1, 1),
             smem,
             stream,
             &mut args,
+            pdl,
         )
     }
 
@@ -653,16 +666,8 @@ impl ReplayCuda {
         let grid = rows * cfg.v_heads * p.tiles as usize;
         // A programmatic dependent of the prep kernel (it waits for the prep's record only
         // after issuing its state tile); KVR_GDN_VERIFY_PDL=0 launches it after the prep ends.
-        let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch_ex(
-            kernel,
-            (grid as u32, 1, 1),
-            (STREAM_THREADS, 1, 1),
-            smem,
-            stream,
-            &mut args,
-            self.verify_pdl,
-        )
+        let shape = (grid, STREAM_THREADS, smem);
+        self.run_ex(kernel, shape, p, stream, self.verify_pdl)
     }
 
     /// The streaming decode launch for a batch of `rows` sequences, or `None` where the
@@ -879,16 +884,8 @@ impl ReplayCuda {
             ring: wdecode_ring(cfg.ring_len),
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
-        let mut args = [p as *mut StepParams as *mut c_void];
-        self.cuda.launch_ex(
-            kernel,
-            (grid as u32, 1, 1),
-            ((32 * WDECODE_WARPS) as u32, 1, 1),
-            0,
-            stream,
-            &mut args,
-            prep,
-        )
+        let shape = (grid, (32 * WDECODE_WARPS) as u32, 0);
+        self.run_ex(kernel, shape, p, stream, prep)
     }
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
