@@ -290,17 +290,16 @@ __device__ __forceinline__ void conv_window_share(const StepParams& p, int b, in
 // when `round_k`: replay buffers it), for a warp holding KL elements of each per lane.
 template <int KL>
 __device__ __forceinline__ void normalize_qk(const StepParams& p, float (&q)[KL], float (&k)[KL], bool round_k) {
-  float fq = 1.f, fk = 1.f;
-  if (p.l2norm) {  // (uniform: the shuffles of the sums are a latency chain worth skipping)
-    float sq = 0.f, sk = 0.f;
+  float sq = 0.f, sk = 0.f;
 #pragma unroll
-    for (int c = 0; c < KL; ++c) {
-      sq += q[c] * q[c];
-      sk += k[c] * k[c];
-    }
-    fq = 1.f / sqrtf(warp_sum(sq) + 1e-6f);
-    fk = 1.f / sqrtf(warp_sum(sk) + 1e-6f);
+  for (int c = 0; c < KL; ++c) {
+    sq += q[c] * q[c];
+    sk += k[c] * k[c];
   }
+  sq = warp_sum(sq);
+  sk = warp_sum(sk);
+  const float fq = p.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
+  const float fk = p.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
 #pragma unroll
   for (int c = 0; c < KL; ++c) {
     q[c] = q[c] * fq * p.scale;
