@@ -16,6 +16,7 @@ gate. On the same inputs, under CUDA Graph replay with states rotating over sets
            ring m in {8, 16, 23, 32, 64}, B = 128.
 
     python3 bench_mamba2.py   # writes $OUT/mamba2_bench.json and $OUT/h200-mamba2.json (keys) when $OUT is set
+    python3 bench_mamba2.py --decode-only [--batches 1,8]   # the decode sweep only (kernel A/B runs; no files)
 """
 
 import json
@@ -35,7 +36,9 @@ H, P, G, N = 128, 64, 8, 128
 STATE = H * P * N * 4
 ENTRY = (H * P + G * N) * 4 + H * 4
 L2 = torch.cuda.get_device_properties(0).L2_cache_size
-BATCHES = [1, 8, 32, 64, 128, 256]
+DECODE_ONLY = "--decode-only" in sys.argv
+BATCHES = ([int(x) for x in sys.argv[sys.argv.index("--batches") + 1].split(",")] if "--batches" in sys.argv
+           else [1, 8, 32, 64, 128, 256])
 lib = kvr.Lib()
 ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
 
@@ -247,6 +250,9 @@ def summary(res):
 def main():
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.2f} TB/s; peer: {'mamba_ssm 2.3.2.post1' if ssu else 'none'}", flush=True)
+    if DECODE_ONLY:
+        decode_sweep(ceiling)
+        return
     res = {"ceiling_tbs": ceiling, "decode": decode_sweep(ceiling), "verify": verify_sweep(),
            "linattn_b128": ring_sweep()}
     print(json.dumps(summary(res), indent=1))

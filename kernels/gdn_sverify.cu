@@ -1,7 +1,9 @@
 // Gated DeltaNet (and additive-rule: Mamba-2, linear attention) speculative verify, streaming form:
-//   kvr_gdn_sverify_<state>_<k|v>_d<dk>   T = 1..8 draft tokens per sequence in one launch, in
-//                                         replay pools without KV-only mode (src/linear/gdn/
-//                                         cuda.rs picks it: `verify_launch`)
+//   kvr_gdn_sverify_<state>_<k|v>_d<dk>       T = 1..8 draft tokens per sequence in one launch,
+//                                             in replay pools without KV-only mode, delta rule
+//   kvr_gdn_sverify_<state>_<k|v>_d<dk>_add   the same for the additive rule, compiled apart
+//                                             (src/linear/replay/cuda.rs picks one:
+//                                             `verify_launch`)
 //
 // The structure of gdn_stream.cu's decode, for T tokens: a CTA owns one tile of R value rows
 // of one (sequence, value head) and first issues the bulk copy of its state tile into shared

@@ -322,9 +322,6 @@ __device__ void dprep_body(const StepParams& p) {
   }
 }
 
-#ifndef KVR_WD_EPI_EARLY
-#define KVR_WD_EPI_EARLY 1
-#endif
 
 // What a state kernel serves: replay pools after the prep kernel, recurrent pools (ring 0;
 // kernels of their own so that the replay kernels carry none of their code), or replay pools
@@ -387,10 +384,11 @@ __device__ void wdecode_body(const StepParams& p) {
     cp_async_commit();
     if (lane < L) gsl = __ldcg(p.ring_g + (static_cast<int64_t>(seq) * L + lane) * p.hv + h);
   }
-  // The skip and gate inputs of the writer's row, loaded first where the step is a chain of
-  // latencies (a cold read at the end is the warp's last round trip) and at the end in the
-  // streaming kernels (KVR_WD_EPI_EARLY=2: first in every kind).
-  constexpr bool EPI_EARLY = KVR_WD_EPI_EARLY >= 2 || (KVR_WD_EPI_EARLY == 1 && FUSED);
+  // The skip and gate inputs of the writer's row: loaded first where the step is a chain of
+  // latencies (one launch: a cold read at the end is the warp's last round trip), at the end
+  // in the streaming kinds (first measured the same there at B >= 128 on the H200, and it
+  // holds two registers across the whole tile).
+  constexpr bool EPI_EARLY = FUSED;
   EpilogueIn epi{0.f, 0.f};
   if (EPI_EARLY && writer) epi = epilogue_in(p, b, 0, h, row0 + rr);
   // Every slot's u values of the warp's rows, before the metadata: lane 2 s + x holds rows
