@@ -17,6 +17,7 @@ gate. On the same inputs, under CUDA Graph replay with states rotating over sets
 
     python3 bench_mamba2.py   # writes $OUT/mamba2_bench.json and $OUT/h200-mamba2.json (keys) when $OUT is set
     python3 bench_mamba2.py --decode-only [--batches 1,8]   # the decode sweep only (kernel A/B runs; no files)
+    python3 bench_mamba2.py --verify-only                   # the verify sweep only (no files)
 """
 
 import json
@@ -252,6 +253,9 @@ def main():
     print(f"copy ceiling {ceiling:.2f} TB/s; peer: {'mamba_ssm 2.3.2.post1' if ssu else 'none'}", flush=True)
     if DECODE_ONLY:
         decode_sweep(ceiling)
+        return
+    if "--verify-only" in sys.argv:
+        verify_sweep()
         return
     res = {"ceiling_tbs": ceiling, "decode": decode_sweep(ceiling), "verify": verify_sweep(),
            "linattn_b128": ring_sweep()}

@@ -225,10 +225,17 @@ struct WDecode {
 /// and more, the 16x more CTAs cost more than they overlap).
 const PREP_SPLIT_ROWS: usize = 128;
 
-/// Batch rows below which replay decode takes the one-launch warp-streaming kernel (the
-/// prep kernel's launch and hand-off cost more than they save there; H200, BENCHMARKS.md).
-/// KVR_GDN_FUSED_ROWS overrides it (benchmarking).
-const FUSED_ROWS: usize = 2;
+/// Batch rows below which replay decode takes the one-launch warp-streaming kernel: those
+/// whose grid (a CTA per 32 value rows of a head) fits in one wave of it. Within a wave the
+/// prep launch's round trips and hand-off cost more than they save; beyond, the one-launch
+/// CTAs wait for a second wave with all the per-row work in each. H200, same runs: GDN
+/// (32 heads x 4 tiles) B = 2 / 3 / 4: 7.5 / 8.9 / 10.0 us in one launch against 8.3 / 10.3 /
+/// 11.2 in two, B = 8: 16.9 against 14.8; Mamba-2 (128 heads x 2 tiles) B = 2: 9.9 against
+/// 11.7, B = 4: 17.5 against 16.1 (BENCHMARKS.md). At least one row always (B = 1 measured
+/// faster in one launch for both). KVR_GDN_FUSED_ROWS overrides it (benchmarking).
+fn fused_rows_one_wave(ctas_per_row: usize, wave: usize) -> usize {
+    (wave / ctas_per_row.max(1)).max(1) + 1
+}
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
 /// state tile and with two (persistent; 0 where two do not fit).
@@ -501,8 +508,8 @@ impl ReplayCuda {
             // The one-launch kernel for small batches of replay pools: every slot's key of
             // one key head in shared memory.
             let fused_smem = (cfg.ring_len * cfg.dk * cfg.entry_dtype.size()) as u32;
-            let fused = cfg.ring_len > 0
-                && cuda.prepare_kernel(
+            let fused_occ = if cfg.ring_len > 0 {
+                cuda.prepare_kernel(
                     Kernel::GdnFDecode {
                         state: cfg.state_dtype,
                         dk: cfg.dk,
@@ -510,7 +517,11 @@ impl ReplayCuda {
                     },
                     fused_smem,
                     (32 * WDECODE_WARPS) as u32,
-                )? > 0;
+                )?
+            } else {
+                0
+            };
+            let fused = fused_occ > 0;
             // KVR_GDN_DECODE=wdecode: the two launches at every batch; =fused: one launch
             // at every batch (tests, benchmarking).
             let fused_rows = match which.as_str() {
@@ -520,7 +531,10 @@ impl ReplayCuda {
                 _ => std::env::var("KVR_GDN_FUSED_ROWS")
                     .ok()
                     .and_then(|v| v.parse::<usize>().ok())
-                    .unwrap_or(FUSED_ROWS),
+                    .unwrap_or_else(|| {
+                        let wave = fused_occ as usize * cuda.sm_count().max(1) as usize;
+                        fused_rows_one_wave(cfg.v_heads * cfg.dv / 32, wave)
+                    }),
             };
             (prep > 0 && main > 0).then_some(WDecode {
                 ring32,
@@ -1256,5 +1270,16 @@ mod tests {
                 assert!(smem_bytes(dk, lo, 8, 1024) <= STEP_SMEM_LIMIT);
             }
         }
+    }
+
+    #[test]
+    fn one_launch_rows_fill_one_wave() {
+        // H200, 4 resident one-launch CTAs per SM: GDN (32 heads x 4 tiles) up to 4 rows,
+        // Mamba-2 (128 heads x 2 tiles) up to 2, the measured crossovers.
+        assert_eq!(fused_rows_one_wave(128, 132 * 4), 5);
+        assert_eq!(fused_rows_one_wave(256, 132 * 4), 3);
+        // A row that alone exceeds a wave still decodes in one launch; no division by zero.
+        assert_eq!(fused_rows_one_wave(4096, 528), 2);
+        assert_eq!(fused_rows_one_wave(0, 528), 529);
     }
 }
