@@ -132,6 +132,22 @@ int main(void) {
     }
     CHECK(worst < 1e-5);
 
+    /* Sizing: the one sequence's pages lie between the helper's at no and at full admission;
+     * no capacity needed; bad input gets a status and writes nothing. */
+    {
+        kvr_kv_pool_params sz = kv;
+        sz.capacity_pages = 0;
+        int64_t lo = -1, hi = -1, bad = 0x55;
+        CHECK_STATUS(kvr_wgkv_params_compute_pages_per_seq(&sz, &wg, len, 0.0, 0, &lo), KVR_STATUS_OK);
+        CHECK_STATUS(kvr_wgkv_params_compute_pages_per_seq(&sz, &wg, len, 1.0, 0, &hi), KVR_STATUS_OK);
+        const int64_t used = stats(pool).pages_used;
+        CHECK(lo == L * H * (W / PAGE) && lo <= used && used <= hi);
+        CHECK_STATUS(kvr_wgkv_params_compute_pages_per_seq(&sz, &wg, len, 2.0, 0, &bad), KVR_STATUS_INVALID_ARG);
+        CHECK_STATUS(kvr_wgkv_params_compute_pages_per_seq(&sz, &wg, len, 0.5, 9, &bad), KVR_STATUS_OUT_OF_RANGE);
+        CHECK_STATUS(kvr_wgkv_params_compute_pages_per_seq(NULL, &wg, len, 0.5, 0, &bad), KVR_STATUS_NULL_ARG);
+        CHECK(bad == 0x55);
+    }
+
     /* Bad input: a status, a message, nothing changed. */
     kvr_wgkv_pool_stats before = stats(pool);
     CHECK_STATUS(append(pool, 2, 1, 0), KVR_STATUS_UNKNOWN_ID);

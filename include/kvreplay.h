@@ -3080,6 +3080,36 @@ kvr_status kvr_wgkv_pool_new(const struct kvr_context *ctx,
                              struct kvr_wgkv_pool **out);
 
 /**
+ * Pages (each `page_size` tokens of one sequence, layer and KV head, `2 * page_size *
+ * head_dim * sizeof(dtype)` bytes) that one sequence of a write-gated pool holds after
+ * `context` committed tokens of which a fraction `admit` of those that left the local ring,
+ * beyond the sinks, were admitted (rounded up per row), with `drafts` pending drafts; with
+ * `kv` and `wg` as for `kvr_wgkv_pool_new`, whose capacity may be left unset here. Per row:
+ * the ring (`min(context, local_window)` tokens, the whole window once a token is in the
+ * global cache), the global cache (sinks and admitted tokens) and the drafts, in whole
+ * pages; this is the pool's own accounting for such a sequence (a fork shares its pages
+ * until a write copies a shared page). To size a pool for `max_seqs` sequences: that many
+ * times this at the longest context and highest admission rate expected (`admit` 1 is the
+ * bound; the default `max_global_tokens` is `max_seq_len`).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`kv` or `out_pages` NULL);
+ * `KVR_STATUS_INVALID_ARG` (parameters `kvr_wgkv_pool_new` refuses, negative `context`,
+ * `admit` outside [0, 1] or NaN); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE`
+ * (`drafts` outside 0..=8, a global cache past `max_global_tokens`, which appends would
+ * refuse, or a count past `INT64_MAX`); `KVR_STATUS_UNSUPPORTED` (external memory).
+ * Ownership: nothing is kept; `kv` and `wg` stay the caller's.
+ * Thread safety: thread-safe.
+ * On failure: `*out_pages` is not written.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_params_compute_pages_per_seq(const struct kvr_kv_pool_params *kv,
+                                                 const struct kvr_wgkv_params *wg,
+                                                 int64_t context,
+                                                 double admit,
+                                                 int32_t drafts,
+                                                 int64_t *out_pages);
+
+/**
  * Frees a write-gated pool, its sequences and its memory. NULL is a no-op. On CUDA, work
  * queued that uses the pool must be complete.
  *

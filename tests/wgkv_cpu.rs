@@ -809,3 +809,91 @@ fn lse_folded_and_per_head() {
         }
     }
 }
+
+/// `WgKvConfig::pages_per_seq` equals the pool's own page count for a sequence built with
+/// scores that admit exactly the fraction asked (every other token past the sinks for 0.5),
+/// across ring fills, sinks, drafts and page sizes; bad arguments get their errors.
+#[test]
+fn pages_per_seq_matches_the_pool() {
+    let ctx = cpu_ctx();
+    for (ps, w) in [(4usize, 8usize), (8, 16)] {
+        for sinks in [0usize, 3] {
+            let mut cfg = config(2, 2, 4, ps, w, DType::F32, 4096);
+            cfg.sinks = sinks;
+            for context in [0usize, 5, w, w + 1, 3 * w + 7] {
+                for admit in [0.0, 0.5, 1.0] {
+                    for drafts in [0usize, 3] {
+                        let pool = WgKvPool::new(ctx.clone(), cfg).unwrap();
+                        let a = pool.seq_add(S).unwrap();
+                        let older = context.saturating_sub(w);
+                        let score = |j: usize| -> f32 {
+                            let pick = j < older
+                                && j >= sinks
+                                && (admit == 1.0 || (admit == 0.5 && (j - sinks) % 2 == 0));
+                            if pick {
+                                0.9
+                            } else {
+                                0.05
+                            }
+                        };
+                        let h = cfg.kv_heads;
+                        let mut rng = Rng::new(5);
+                        for (n, draft) in [(context, false), (drafts, true)] {
+                            if n == 0 {
+                                continue;
+                            }
+                            let (k, v, _) = random_tokens(&mut rng, cfg.layers, n, h, cfg.head_dim);
+                            let s: Vec<f32> = (0..cfg.layers * n * h)
+                                .map(|i| if draft { 0.5 } else { score(i / h % n) })
+                                .collect();
+                            let shape = [cfg.layers, n, h, cfg.head_dim];
+                            pool.append(
+                                a,
+                                None,
+                                &view(&k, &shape),
+                                &view(&v, &shape),
+                                &s,
+                                draft,
+                                S,
+                            )
+                            .unwrap();
+                        }
+                        let want = pool.stats().pages_used;
+                        let got = cfg.pages_per_seq(context, admit, drafts).unwrap();
+                        assert_eq!(
+                            got, want,
+                            "page {ps} ring {w} sinks {sinks} context {context} admit {admit} \
+                             drafts {drafts}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let cfg = config(2, 2, 4, 4, 8, DType::F32, 64);
+    assert!(matches!(
+        cfg.pages_per_seq(10, 1.5, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        cfg.pages_per_seq(10, f64::NAN, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        cfg.pages_per_seq(10, 0.5, 9),
+        Err(Error::OutOfRange(_))
+    ));
+    let mut small = cfg;
+    small.max_global_tokens = 4;
+    assert!(matches!(
+        small.pages_per_seq(100, 1.0, 0),
+        Err(Error::OutOfRange(_))
+    ));
+    assert_eq!(small.pages_per_seq(12, 1.0, 0).unwrap(), 4 * 3);
+    let mut bad = cfg;
+    bad.local_window = 6;
+    assert!(matches!(
+        bad.pages_per_seq(10, 0.5, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+}

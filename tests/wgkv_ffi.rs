@@ -523,3 +523,115 @@ fn gate_through_the_c_api() {
     kvr_wgkv_pool_free(pool);
     kvr_context_free(ctx);
 }
+
+/// `kvr_wgkv_params_compute_pages_per_seq` equals the pool's page count for a sequence built through the
+/// C API and the core helper; no capacity needed; bad input gets a status and writes nothing.
+#[test]
+fn pages_per_seq_through_the_c_api() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, cfg) = new_pool(ctx, 512);
+    // 30 committed tokens (ring 8, sink 1, every token past it admitted: scores 0.9), 2 drafts.
+    let seq = {
+        let mut s = -1;
+        ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut s));
+        s
+    };
+    for (n, draft) in [(30usize, false), (2, true)] {
+        let k = vec![0.25f32; L * n * H * D];
+        let sc = vec![0.9f32; L * n * H];
+        let shape = [L as i64, n as i64, H as i64, D as i64];
+        let (kt, vt) = (t32(&k, &shape), t32(&k, &shape));
+        let st = t32(&sc, &[L as i64, n as i64, H as i64]);
+        let flags = if draft {
+            KVR_WGKV_DRAFT
+        } else {
+            KVR_WGKV_COMMITTED
+        };
+        ok(kvr_wgkv_pool_append(
+            pool,
+            seq,
+            KVR_LAYER_ALL,
+            &kt,
+            &vt,
+            null(),
+            &st,
+            flags,
+            null_mut(),
+        ));
+    }
+    let mut kv = std::mem::MaybeUninit::uninit();
+    ok(kvr_kv_pool_params_default(kv.as_mut_ptr()));
+    let mut kv: kvr_kv_pool_params = unsafe { kv.assume_init() };
+    kv.n_layers = L as i32;
+    kv.n_kv_heads = H as i32;
+    kv.head_dim = D as i32;
+    kv.page_size = 4;
+    kv.dtype = KVR_DTYPE_F32;
+    kv.max_seqs = 4;
+    kv.max_seq_len = 4096;
+    let mut wg = std::mem::MaybeUninit::uninit();
+    ok(kvr_wgkv_params_default(wg.as_mut_ptr()));
+    let mut wg: kvr_wgkv_params = unsafe { wg.assume_init() };
+    wg.local_window = 8;
+    wg.sinks = 1;
+    let mut pages = -7i64;
+    ok(kvr_wgkv_params_compute_pages_per_seq(
+        &kv, &wg, 30, 1.0, 2, &mut pages,
+    ));
+    assert_eq!(pages, stats(pool).pages_used);
+    assert_eq!(pages as usize, cfg.pages_per_seq(30, 1.0, 2).unwrap());
+    // (8 ring + 22 global + 2 drafts) / 4 per row, 4 rows.
+    assert_eq!(pages, 4 * 8);
+    for (context, admit, drafts, want) in [
+        (-1i64, 0.5, 0, KVR_STATUS_INVALID_ARG),
+        (30, 1.01, 0, KVR_STATUS_INVALID_ARG),
+        (30, f64::NAN, 0, KVR_STATUS_INVALID_ARG),
+        (30, -0.1, 0, KVR_STATUS_INVALID_ARG),
+        (30, 0.5, 9, KVR_STATUS_OUT_OF_RANGE),
+        (30, 0.5, -1, KVR_STATUS_OUT_OF_RANGE),
+        (1 << 40, 1.0, 0, KVR_STATUS_OUT_OF_RANGE),
+    ] {
+        let mut out = 0x55i64;
+        assert_eq!(
+            kvr_wgkv_params_compute_pages_per_seq(&kv, &wg, context, admit, drafts, &mut out),
+            want,
+            "context {context} admit {admit} drafts {drafts}: {}",
+            last_error()
+        );
+        assert_eq!(out, 0x55);
+    }
+    let mut out = 0x55i64;
+    assert_eq!(
+        kvr_wgkv_params_compute_pages_per_seq(null(), &wg, 30, 0.5, 0, &mut out),
+        KVR_STATUS_NULL_ARG
+    );
+    assert_eq!(
+        kvr_wgkv_params_compute_pages_per_seq(&kv, &wg, 30, 0.5, 0, null_mut()),
+        KVR_STATUS_NULL_ARG
+    );
+    let mut bad = wg;
+    bad.local_window = 6;
+    assert_eq!(
+        kvr_wgkv_params_compute_pages_per_seq(&kv, &bad, 30, 0.5, 0, &mut out),
+        KVR_STATUS_INVALID_ARG
+    );
+    let mut bad = kv;
+    bad.dtype = 77;
+    assert_ne!(
+        kvr_wgkv_params_compute_pages_per_seq(&bad, &wg, 30, 0.5, 0, &mut out),
+        KVR_STATUS_OK
+    );
+    assert_eq!(out, 0x55);
+    // NULL `wg`: the defaults (ring 256): 30 tokens stay in the ring, 8 pages per row.
+    ok(kvr_wgkv_params_compute_pages_per_seq(
+        &kv,
+        null(),
+        30,
+        0.5,
+        0,
+        &mut out,
+    ));
+    assert_eq!(out, 4 * 8);
+    kvr_wgkv_pool_free(pool);
+    kvr_context_free(ctx);
+}

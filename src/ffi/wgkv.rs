@@ -101,6 +101,83 @@ fn required_hidden(handle: usize) -> usize {
         .map_or(0, |e| e.1)
 }
 
+/// The pool configuration of `kvr_wgkv_pool_new`'s arguments (`kv` non-NULL), and the
+/// write-gated parameters read. `sizing`: a capacity may be left unset (0 and 0).
+fn wg_config(
+    kv: *const kvr_kv_pool_params,
+    wg: *const kvr_wgkv_params,
+    sizing: bool,
+) -> Result<(WgKvConfig, kvr_wgkv_params)> {
+    // SAFETY: non-NULL; `struct_size` readable bytes.
+    let mut p = unsafe {
+        read_versioned(
+            kv,
+            default_pool_params(),
+            size_of::<kvr_kv_pool_params>(),
+            "kvr_kv_pool_params",
+        )?
+    };
+    let w = if wg.is_null() {
+        default_wg_params()
+    } else {
+        // SAFETY: non-NULL; `struct_size` readable bytes.
+        unsafe { read_versioned(wg, default_wg_params(), WG_PARAMS_V1, "kvr_wgkv_params")? }
+    };
+    if !p.layers.is_null() {
+        return Err(Error::Unsupported(
+            "a write-gated pool owns its memory; kv->layers must be NULL".into(),
+        ));
+    }
+    if sizing && p.capacity_pages == 0 && p.capacity_bytes == 0 {
+        p.capacity_pages = 1;
+    }
+    // Capacity in write-gated pages (one layer, one head).
+    let bytes = p.capacity_bytes;
+    if p.capacity_pages == 0 && bytes > 0 {
+        p.capacity_pages = 1;
+        p.capacity_bytes = 0;
+    }
+    let (kc, storage) = config_from(&p)?;
+    debug_assert_eq!(storage, KvStorage::Owned);
+    for (name, v) in [
+        ("sinks", w.sinks as i64),
+        ("gate_hidden", w.gate_hidden as i64),
+        ("max_global_tokens", w.max_global_tokens),
+    ] {
+        if v < 0 {
+            return Err(Error::InvalidArgument(format!("{name} = {v} is negative")));
+        }
+    }
+    let mut cfg = WgKvConfig {
+        layers: kc.layers,
+        kv_heads: kc.kv_heads,
+        head_dim: kc.head_dim,
+        page_size: kc.page_size,
+        dtype: kc.dtype,
+        capacity_pages: kc.capacity_pages,
+        max_seqs: kc.max_seqs,
+        max_global_tokens: if w.max_global_tokens == 0 {
+            kc.max_seq_len
+        } else {
+            w.max_global_tokens as usize
+        },
+        local_window: positive("local_window", w.local_window as i64)?,
+        tau: w.tau,
+        sinks: w.sinks as usize,
+    };
+    if p.capacity_pages == 1 && bytes > 0 {
+        let bytes = bytes as usize;
+        cfg.capacity_pages = bytes / cfg.page_bytes();
+        if cfg.capacity_pages == 0 {
+            return Err(Error::OutOfRange(format!(
+                "capacity_bytes {bytes} is smaller than one page ({} bytes)",
+                cfg.page_bytes()
+            )));
+        }
+    }
+    Ok((cfg, w))
+}
+
 /// Creates a write-gated pool on `ctx` and stores it in `*out`. `kv` gives the shape and
 /// capacity as for `kvr_kv_pool_new` (`n_layers`, `n_kv_heads`, `head_dim`, `page_size`,
 /// `dtype`, `capacity_pages` or `capacity_bytes`, `max_seqs`, `max_seq_len`); here one
@@ -130,70 +207,7 @@ pub extern "C" fn kvr_wgkv_pool_new(
         let ctx = context_from(ctx)?;
         non_null(kv, "kv")?;
         non_null(out, "out")?;
-        // SAFETY: non-NULL; `struct_size` readable bytes.
-        let mut p = unsafe {
-            read_versioned(
-                kv,
-                default_pool_params(),
-                size_of::<kvr_kv_pool_params>(),
-                "kvr_kv_pool_params",
-            )?
-        };
-        let w = if wg.is_null() {
-            default_wg_params()
-        } else {
-            // SAFETY: non-NULL; `struct_size` readable bytes.
-            unsafe { read_versioned(wg, default_wg_params(), WG_PARAMS_V1, "kvr_wgkv_params")? }
-        };
-        if !p.layers.is_null() {
-            return Err(Error::Unsupported(
-                "a write-gated pool owns its memory; kv->layers must be NULL".into(),
-            ));
-        }
-        // Capacity in write-gated pages (one layer, one head).
-        let bytes = p.capacity_bytes;
-        if p.capacity_pages == 0 && bytes > 0 {
-            p.capacity_pages = 1;
-            p.capacity_bytes = 0;
-        }
-        let (kc, storage) = config_from(&p)?;
-        debug_assert_eq!(storage, KvStorage::Owned);
-        for (name, v) in [
-            ("sinks", w.sinks as i64),
-            ("gate_hidden", w.gate_hidden as i64),
-            ("max_global_tokens", w.max_global_tokens),
-        ] {
-            if v < 0 {
-                return Err(Error::InvalidArgument(format!("{name} = {v} is negative")));
-            }
-        }
-        let mut cfg = WgKvConfig {
-            layers: kc.layers,
-            kv_heads: kc.kv_heads,
-            head_dim: kc.head_dim,
-            page_size: kc.page_size,
-            dtype: kc.dtype,
-            capacity_pages: kc.capacity_pages,
-            max_seqs: kc.max_seqs,
-            max_global_tokens: if w.max_global_tokens == 0 {
-                kc.max_seq_len
-            } else {
-                w.max_global_tokens as usize
-            },
-            local_window: positive("local_window", w.local_window as i64)?,
-            tau: w.tau,
-            sinks: w.sinks as usize,
-        };
-        if p.capacity_pages == 1 && bytes > 0 {
-            let bytes = bytes as usize;
-            cfg.capacity_pages = bytes / cfg.page_bytes();
-            if cfg.capacity_pages == 0 {
-                return Err(Error::OutOfRange(format!(
-                    "capacity_bytes {bytes} is smaller than one page ({} bytes)",
-                    cfg.page_bytes()
-                )));
-            }
-        }
+        let (cfg, w) = wg_config(kv, wg, false)?;
         let pool = WgKvPool::new(ctx, cfg)?;
         let h = WG_POOLS.insert(pool);
         GATE_HIDDEN
@@ -202,6 +216,53 @@ pub extern "C" fn kvr_wgkv_pool_new(
             .push((h, w.gate_hidden as usize));
         // SAFETY: non-NULL.
         unsafe { out.write(h as *mut kvr_wgkv_pool) };
+        Ok(())
+    })
+}
+
+/// Pages (each `page_size` tokens of one sequence, layer and KV head, `2 * page_size *
+/// head_dim * sizeof(dtype)` bytes) that one sequence of a write-gated pool holds after
+/// `context` committed tokens of which a fraction `admit` of those that left the local ring,
+/// beyond the sinks, were admitted (rounded up per row), with `drafts` pending drafts; with
+/// `kv` and `wg` as for `kvr_wgkv_pool_new`, whose capacity may be left unset here. Per row:
+/// the ring (`min(context, local_window)` tokens, the whole window once a token is in the
+/// global cache), the global cache (sinks and admitted tokens) and the drafts, in whole
+/// pages; this is the pool's own accounting for such a sequence (a fork shares its pages
+/// until a write copies a shared page). To size a pool for `max_seqs` sequences: that many
+/// times this at the longest context and highest admission rate expected (`admit` 1 is the
+/// bound; the default `max_global_tokens` is `max_seq_len`).
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`kv` or `out_pages` NULL);
+/// `KVR_STATUS_INVALID_ARG` (parameters `kvr_wgkv_pool_new` refuses, negative `context`,
+/// `admit` outside [0, 1] or NaN); `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE`
+/// (`drafts` outside 0..=8, a global cache past `max_global_tokens`, which appends would
+/// refuse, or a count past `INT64_MAX`); `KVR_STATUS_UNSUPPORTED` (external memory).
+/// Ownership: nothing is kept; `kv` and `wg` stay the caller's.
+/// Thread safety: thread-safe.
+/// On failure: `*out_pages` is not written.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_wgkv_params_compute_pages_per_seq(
+    kv: *const kvr_kv_pool_params,
+    wg: *const kvr_wgkv_params,
+    context: i64,
+    admit: f64,
+    drafts: i32,
+    out_pages: *mut i64,
+) -> kvr_status {
+    guard("kvr_wgkv_params_compute_pages_per_seq", || {
+        non_null(kv, "kv")?;
+        non_null(out_pages, "out_pages")?;
+        let (cfg, _) = wg_config(kv, wg, true)?;
+        let context = usize::try_from(context)
+            .map_err(|_| Error::InvalidArgument(format!("context = {context} is negative")))?;
+        let drafts = usize::try_from(drafts)
+            .map_err(|_| Error::OutOfRange(format!("drafts = {drafts} is negative")))?;
+        let pages = cfg.pages_per_seq(context, admit, drafts)?;
+        let pages = i64::try_from(pages)
+            .map_err(|_| Error::OutOfRange("the page count overflows int64_t".into()))?;
+        // SAFETY: non-NULL.
+        unsafe { out_pages.write(pages) };
         Ok(())
     })
 }

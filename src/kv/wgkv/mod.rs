@@ -95,6 +95,50 @@ impl WgKvConfig {
         self.layers * self.kv_heads
     }
 
+    /// Pages one sequence holds (all its rows; `capacity_pages` is not looked at) after
+    /// `context` committed tokens of which a fraction `admit` of those that left the ring,
+    /// beyond the sinks, were admitted (rounded up per row), with `drafts` pending: per row
+    /// the ring (`min(context, W)` tokens; the whole window once a token is in the global
+    /// cache), the global cache (sinks + admitted) and the drafts, in whole pages. This is
+    /// what the pool's own accounting holds for such a sequence (a fork shares them until
+    /// a write copies a shared page). Sizing a pool: `max_seqs` times this at the longest
+    /// context and the highest admission rate expected; `admit` 1 gives the bound.
+    ///
+    /// Errors: `InvalidArgument` for a configuration the pool would refuse or `admit`
+    /// outside [0, 1]; `OutOfRange` for more than [`MAX_DRAFTS`] drafts, a global cache past
+    /// `max_global_tokens` (appends would fail) or a count that overflows.
+    pub fn pages_per_seq(&self, context: usize, admit: f64, drafts: usize) -> Result<usize> {
+        self.inner()?;
+        if !(0.0..=1.0).contains(&admit) {
+            return Err(Error::InvalidArgument(format!(
+                "admit {admit} must be in [0, 1]"
+            )));
+        }
+        if drafts > MAX_DRAFTS {
+            return Err(Error::OutOfRange(format!(
+                "{drafts} drafts; at most {MAX_DRAFTS}"
+            )));
+        }
+        let w = self.local_window;
+        let fill = context.min(w);
+        let older = context - fill;
+        let sinks = older.min(self.sinks);
+        let global = sinks + ((older - sinks) as f64 * admit).ceil() as usize;
+        if global > self.max_global_tokens {
+            return Err(Error::OutOfRange(format!(
+                "{global} global tokens per row at context {context}; max_global_tokens is {}",
+                self.max_global_tokens
+            )));
+        }
+        let mut row = Row::new(w);
+        row.fill = fill;
+        row.global = global;
+        let len = row.committed_len(w) + drafts;
+        len.div_ceil(self.page_size)
+            .checked_mul(self.rows_per_seq())
+            .ok_or_else(|| Error::OutOfRange("the page count overflows".into()))
+    }
+
     fn inner(&self) -> Result<KvPoolConfig> {
         if self.page_size == 0 || self.local_window == 0 {
             return Err(Error::InvalidArgument(
