@@ -26,7 +26,8 @@ fn t32(data: &[f32], shape: &[i64]) -> kvr_tensor {
     )
 }
 
-fn new_pool(ctx: *mut kvr_context, pages: i64) -> (*mut kvr_wgkv_pool, WgKvConfig) {
+/// The test pool's parameters (`pages` pages; ring 8, one sink).
+fn params(pages: i64) -> (kvr_kv_pool_params, kvr_wgkv_params) {
     let mut kv = std::mem::MaybeUninit::uninit();
     ok(kvr_kv_pool_params_default(kv.as_mut_ptr()));
     let mut kv: kvr_kv_pool_params = unsafe { kv.assume_init() };
@@ -44,6 +45,11 @@ fn new_pool(ctx: *mut kvr_context, pages: i64) -> (*mut kvr_wgkv_pool, WgKvConfi
     assert_eq!((wg.local_window, wg.tau, wg.sinks), (256, 0.1, 0));
     wg.local_window = 8;
     wg.sinks = 1;
+    (kv, wg)
+}
+
+fn new_pool(ctx: *mut kvr_context, pages: i64) -> (*mut kvr_wgkv_pool, WgKvConfig) {
+    let (kv, wg) = params(pages);
     let mut pool = null_mut();
     ok(kvr_wgkv_pool_new(ctx, &kv, &wg, &mut pool));
     let cfg = WgKvConfig {
@@ -559,21 +565,7 @@ fn pages_per_seq_through_the_c_api() {
             null_mut(),
         ));
     }
-    let mut kv = std::mem::MaybeUninit::uninit();
-    ok(kvr_kv_pool_params_default(kv.as_mut_ptr()));
-    let mut kv: kvr_kv_pool_params = unsafe { kv.assume_init() };
-    kv.n_layers = L as i32;
-    kv.n_kv_heads = H as i32;
-    kv.head_dim = D as i32;
-    kv.page_size = 4;
-    kv.dtype = KVR_DTYPE_F32;
-    kv.max_seqs = 4;
-    kv.max_seq_len = 4096;
-    let mut wg = std::mem::MaybeUninit::uninit();
-    ok(kvr_wgkv_params_default(wg.as_mut_ptr()));
-    let mut wg: kvr_wgkv_params = unsafe { wg.assume_init() };
-    wg.local_window = 8;
-    wg.sinks = 1;
+    let (kv, wg) = params(0); // no capacity: sizing comes first
     let mut pages = -7i64;
     ok(kvr_wgkv_params_compute_pages_per_seq(
         &kv, &wg, 30, 1.0, 2, &mut pages,
