@@ -533,7 +533,9 @@ impl ReplayCuda {
                     .and_then(|v| v.parse::<usize>().ok())
                     .unwrap_or_else(|| {
                         let wave = fused_occ as usize * cuda.sm_count().max(1) as usize;
-                        fused_rows_one_wave(cfg.v_heads * cfg.dv / 32, wave)
+                        let row_ctas =
+                            cfg.v_heads * cfg.dv / (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS);
+                        fused_rows_one_wave(row_ctas, wave)
                     }),
             };
             (prep > 0 && main > 0).then_some(WDecode {
