@@ -21,7 +21,7 @@ pool and a separate state tensor for fla), as the other layers of a model would 
 Bandwidth counts the bytes each implementation must move (below), against a read+write
 streaming ceiling (1 GiB copy) measured in the same run.
 
-    python3 bench_gdn.py [--quick] [--tiles] [--srows] [--decode-only | --verify-only] [--layout k|v]
+    python3 bench_gdn.py [--quick] [--tiles] [--srows] [--decode-only | --verify-only | --kvonly-only] [--layout k|v]
                          [--rings 8,16] [--batches 1,8,256]
                                         # writes $OUT/gdn_bench_<k|v>.json if $OUT is set
                                         # (a full V-major run also $OUT/h200-gdn.json, the
@@ -30,6 +30,7 @@ streaming ceiling (1 GiB copy) measured in the same run.
   --srows        value rows per CTA of the streaming decode kernel (KVR_GDN_STREAM_ROWS),
                  one CTA per item and persistent CTAs (KVR_GDN_STREAM_PERSIST=1)
   --decode-only  the decode sweep only
+  --kvonly-only  the KV-only sweep only ($OUT/gdn_bench_kvonly.json)
   --layout v     V-major pools (states imported transposed from fla's K-major)
   --rings, --batches   subsets of the ring lengths and batch sizes of the decode sweep
 
@@ -326,24 +327,39 @@ def kv_only_sweep(results):
     free(p)
     cap = lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
                              kv_only_threshold=kvr.GDN_THRESHOLD_DEFAULT).kv_only_threshold
-    p, seqs = pool(B, 16, ns, thr=int(cap), entry=kvr.DTYPE_BF16)
-    o = Ours(p, seqs, inp)
-    ctxs = [8, 16, 32, 64, 96, 120]
+    # The library's pick (the KV-only kernel beside the decode kernel, kernels/gdn_kvonly.cu)
+    # and, in the same run, the decode kernel alone (KVR_GDN_KVONLY=0: the previous path).
+    pools = {}
+    for name, env in (("kv_only", None), ("warp", "0")):
+        if env is None:
+            os.environ.pop("KVR_GDN_KVONLY", None)
+        else:
+            os.environ["KVR_GDN_KVONLY"] = env
+        pools[name] = pool(B, 16, ns, thr=int(cap), entry=kvr.DTYPE_BF16)
+    os.environ.pop("KVR_GDN_KVONLY", None)
+    ctxs = [4, 8, 16, 32, 64, 96, 120]
     for c in ctxs:
-        for s in seqs:
-            lib.check(lib.lib.kvr_gdn_pool_seq_reset(p, s, kvr.ctypes.c_void_p(cur_stream())), "reset")
-        for _ in range(c - 2):
-            for i in range(ns):
-                o(i)
-        torch.cuda.synchronize()
-        mode = lib.gdn_cursor(p, 0, seqs[0]).mode
-        t = time_graph(o, ns, ns * 4, replays=1, warm=False)
-        # time_graph replays once untimed first: the timed steps run at context c + 2..c + 5.
-        rows.append({"B": B, "context": c + 4, "kv_only_us": t, "recurrent_us": rec, "mode": mode,
-                     "speedup": rec / t})
-        print(f"B={B} context {c + 4:3d}  KV-only {t:7.1f}  recurrent {rec:7.1f}  speedup {rec / t:.2f}x "
-              f"(mode {mode})", flush=True)
-    free(p)
+        row = {"B": B, "context": c + 4, "recurrent_us": rec}
+        for name, (p, seqs) in pools.items():
+            o = Ours(p, seqs, inp)
+            for s in seqs:
+                lib.check(lib.lib.kvr_gdn_pool_seq_reset(p, s, kvr.ctypes.c_void_p(cur_stream())), "reset")
+            for _ in range(c - 2):
+                for i in range(ns):
+                    o(i)
+            torch.cuda.synchronize()
+            row[f"{name}_mode"] = lib.gdn_cursor(p, 0, seqs[0]).mode
+            # time_graph replays once untimed first: the timed steps run at context c + 2..c + 5.
+            row[f"{name}_us"] = time_graph(o, ns, ns * 4, replays=1, warm=False)
+        row["mode"] = row["kv_only_mode"]
+        row["speedup"] = rec / row["kv_only_us"]
+        row["speedup_warp"] = rec / row["warp_us"]
+        rows.append(row)
+        print(f"B={B} context {c + 4:3d}  KV-only {row['kv_only_us']:7.1f}  (decode kernel alone "
+              f"{row['warp_us']:7.1f})  recurrent {rec:7.1f}  speedup {row['speedup']:.2f}x "
+              f"(was {row['speedup_warp']:.2f}x; mode {row['mode']})", flush=True)
+    for p, _ in pools.values():
+        free(p)
     results["kv_only"] = {"threshold": int(cap), "rows": rows}
 
 
@@ -489,6 +505,13 @@ def main():
         stream_rows_sweep(results)
     if "--verify-only" in sys.argv:
         verify_sweep(results)
+        return
+    if "--kvonly-only" in sys.argv:
+        kv_only_sweep(results)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "gdn_bench_kvonly.json"), "w") as f:
+                json.dump(results, f, indent=1)
         return
     decode_sweep(results["copy_tbs"], results)
     if "--decode-only" not in sys.argv:

@@ -1,6 +1,9 @@
 """Eager GDN decode steps on one pool, for Nsight Compute (bench/profile_gdn.sh).
 
-    python3 profile_gdn.py B L [layout k|v] [steps]
+    python3 profile_gdn.py B L [layout k|v] [steps] [kv_only_threshold]
+
+With a KV-only threshold the ring entries are bf16 and the steps run in KV-only mode until
+the threshold (kernels/gdn_kvonly.cu beside gdn_decode.cu).
 """
 
 import sys
@@ -13,13 +16,15 @@ from benchutil import cur_stream
 B, L = int(sys.argv[1]), int(sys.argv[2])
 LAYOUT = 1 if len(sys.argv) > 3 and sys.argv[3] == "v" else 0
 STEPS = int(sys.argv[4]) if len(sys.argv) > 4 else 40
+THR = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 HK, HV, D = 16, 32, 128
 DEV = torch.device("cuda")
 
 lib = kvr.Lib()
 ctx = lib.context(kvr.BACKEND_CUDA, stream=cur_stream())
 p = lib.gdn_pool(ctx, n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, ring_len=L, max_seqs=B,
-                 kv_only_threshold=0, entry_dtype=kvr.DTYPE_F32, layout=LAYOUT)
+                 kv_only_threshold=THR, entry_dtype=kvr.DTYPE_BF16 if THR else kvr.DTYPE_F32,
+                 layout=LAYOUT)
 seqs = [lib.gdn_seq_add(p, cur_stream()) for _ in range(B)]
 ids_host = torch.tensor(seqs, dtype=torch.int32)  # kept alive: the view borrows it
 ids = kvr.torch_tensor(ids_host)

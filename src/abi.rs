@@ -129,6 +129,10 @@ abi_consts! {
     KVR_GDN_WDECODE_ROWS: usize = 8;
     KVR_GDN_WDECODE_MAX_RING: usize = 32;
     KVR_GDN_DPREP_THREADS: u32 = 512;
+    /// Threads of the KV-only decode kernel (a CTA per batch row and value head), and the
+    /// most entries and value rows it takes.
+    KVR_GDN_KVONLY_THREADS: u32 = 128;
+    KVR_GDN_KVONLY_MAX: usize = 256;
 
     /// Slots of the per-(layer, sequence) metadata record of `KVR_GDN_META_INTS` i32.
     KVR_GDN_META_MODE: usize = 0;
@@ -387,6 +391,10 @@ abi_structs! {
         dt_min: f32,
         dt_max: f32,
         export_prefix: i32,
+        /// Decode kernel: skip KV-only sequences that do not materialize (the KV-only
+        /// kernel, launched beside it, computes them).
+        kv_split: i32,
+        pad1: i32,
         ids_inline: [i32; KVR_GDN_MAX_INLINE],
     }
 

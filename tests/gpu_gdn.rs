@@ -416,8 +416,14 @@ fn gpu_decode_matches_cpu_across_flushes() {
         (1, 2, 128, 8, 48, K, F32, F32, F32),   // KV-only, then state
         (2, 4, 64, 16, 30, V, F32, F32, F32),   // KV-only, then state
         (1, 2, 128, 16, 100, V, F32, BF16, BF16), // KV-only with bf16 entries
-        (1, 2, 128, 0, 0, K, F32, F32, F32),    // recurrent
-        (1, 1, 64, 0, 0, V, BF16, F32, F32),    // recurrent, bf16 state
+        // The KV-only kernel at every value width it takes and the Qwen3-Next shape with
+        // its default threshold (bf16 entries: 127), rows joining, leaving and
+        // materializing while others decode KV-only or in replay.
+        (1, 1, 256, 16, 40, V, F32, BF16, F32),
+        (2, 2, 64, 8, 30, K, BF16, BF16, F32),
+        (16, 32, 128, 16, 127, V, F32, BF16, BF16),
+        (1, 2, 128, 0, 0, K, F32, F32, F32), // recurrent
+        (1, 1, 64, 0, 0, V, BF16, F32, F32), // recurrent, bf16 state
     ];
     let mut report = Vec::new();
     for (i, &(hk, hv, d, ring, tau, layout, state, entry, input)) in cases.iter().enumerate() {

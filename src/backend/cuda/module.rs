@@ -115,6 +115,9 @@ pub(crate) enum Kernel {
         dk: usize,
         ring32: bool,
     },
+    /// `kvr_gdn_kvonly_<state>_d<dk>` (kernels/gdn_kvonly.cu): single-token decode of the
+    /// KV-only sequences of a batch (beside [`Kernel::GdnDecode`]); dk in [`GDN_DECODE_DKS`].
+    GdnKvOnly { state: DType, dk: usize },
 }
 
 /// Ring lengths the warp-streaming decode kernels are compiled for (0: recurrent pools).
@@ -145,7 +148,8 @@ const GDN_WDECODE_BASE: usize = 97;
 const WGKV_SCATTER: usize = 115;
 const GDN_FDECODE_BASE: usize = 116;
 const GDN_VERIFY_ADD_BASE: usize = 128;
-const KERNEL_COUNT: usize = 140;
+const GDN_KVONLY_BASE: usize = 140;
+const KERNEL_COUNT: usize = 146;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -239,6 +243,11 @@ impl Kernel {
             }
         }
         verify(&mut v, true);
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                v.push(Kernel::GdnKvOnly { state, dk });
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -311,6 +320,9 @@ impl Kernel {
                     + if state == DType::BF16 { 2 } else { 0 }
                     + ring32 as usize
             }
+            Kernel::GdnKvOnly { state, dk } => {
+                GDN_KVONLY_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
+            }
         }
     }
 
@@ -369,6 +381,7 @@ impl Kernel {
                 state.name(),
                 if ring32 { 32 } else { 16 }
             ),
+            Kernel::GdnKvOnly { state, dk } => format!("kvr_gdn_kvonly_{}_d{dk}", state.name()),
         }
     }
 }

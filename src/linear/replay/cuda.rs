@@ -21,8 +21,8 @@ use crate::abi::{
     KVR_GDN_THREADS as THREADS,
 };
 use crate::abi::{
-    gdn_dscratch_floats, KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_WDECODE_MAX_RING,
-    KVR_GDN_WDECODE_ROWS,
+    gdn_dscratch_floats, KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVONLY_MAX,
+    KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
@@ -183,6 +183,9 @@ pub(crate) struct ReplayCuda {
     verify_pdl: bool,
     /// The warp-streaming decode (kernels/gdn_wdecode.cu), where it applies.
     wdecode: Option<WDecode>,
+    /// The KV-only decode kernel (kernels/gdn_kvonly.cu) runs beside the single-token
+    /// decode kernel of a pool with KV-only mode (KVR_GDN_KVONLY=0: not, for benchmarking).
+    kvonly: Option<Kernel>,
 }
 
 /// Warps per CTA of the warp-streaming decode kernel.
@@ -568,6 +571,23 @@ impl ReplayCuda {
                 seq_stride: s.seq_stride as i64,
             })
             .collect();
+        // KV-only rows of single-token decodes: a CTA per (row, value head) over at most
+        // KVR_GDN_KVONLY_MAX entries and value rows, 8 value rows per lane.
+        let kvonly = if decode_rows.is_some()
+            && cfg.kv_only_threshold > 0
+            && cfg.kv_only_threshold <= KVR_GDN_KVONLY_MAX
+            && [32, 64, 128, 256].contains(&cfg.dv)
+            && std::env::var("KVR_GDN_KVONLY").as_deref() != Ok("0")
+        {
+            let kernel = Kernel::GdnKvOnly {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+            };
+            cuda.prepare_kernel(kernel, 0, KVR_GDN_KVONLY_THREADS)?;
+            Some(kernel)
+        } else {
+            None
+        };
         let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerState>())?;
         layers.upload(&descs)?;
         Ok(ReplayCuda {
@@ -592,6 +612,7 @@ impl ReplayCuda {
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|r| verify_rows.iter().flatten().any(|w| w.0 == *r)),
             wdecode,
+            kvonly,
         })
     }
 
@@ -796,6 +817,8 @@ impl ReplayCuda {
             dt_min: 0.0,
             dt_max: f32::INFINITY,
             export_prefix: -1,
+            kv_split: 0,
+            pad1: 0,
             ids_inline: [0; MAX_INLINE],
         })
     }
@@ -906,8 +929,27 @@ impl ReplayCuda {
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
     /// finish kernel.
-    fn launch_decode(&self, p: &mut StepParams, rows: usize, stream: Stream) -> Result<()> {
+    fn launch_decode(
+        &self,
+        p: &mut StepParams,
+        rows: usize,
+        kv_only_rows: bool,
+        stream: Stream,
+    ) -> Result<()> {
         let cfg = &self.lay.cfg;
+        if let Some(kernel) = self.kvonly.filter(|_| kv_only_rows) {
+            // The KV-only rows first (they read the metadata as the decode kernel does and
+            // write nothing another row's kernel reads); the decode kernel skips them.
+            p.kv_split = 1;
+            self.run(
+                kernel,
+                rows * cfg.v_heads,
+                KVR_GDN_KVONLY_THREADS,
+                0,
+                p,
+                stream,
+            )?;
+        }
         let kernel = Kernel::GdnDecode {
             state: cfg.state_dtype,
             vmajor: cfg.layout == StateLayout::VMajor,
@@ -1209,7 +1251,7 @@ impl Executor for ReplayCuda {
             } else if verified.is_some() {
                 self.launch_verify(&mut p, rows, stream)?;
             } else if decode.is_some() {
-                self.launch_decode(&mut p, rows, stream)?;
+                self.launch_decode(&mut p, rows, step.kv_only_rows, stream)?;
             } else {
                 self.launch_step(&mut p, rows, stream)?;
             }

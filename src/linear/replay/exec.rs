@@ -42,6 +42,9 @@ pub struct Step<'a> {
     pub t: usize,
     /// Decode: the tokens are committed at once.
     pub auto_commit: bool,
+    /// Some row may be a sequence in KV-only mode (false: every listed sequence surely
+    /// has a state; the host's lower bound of each sequence's tokens, see `pool.rs`).
+    pub kv_only_rows: bool,
     /// Sequence ids (-1: unused row, outputs zeros).
     pub ids: &'a BatchIds,
     /// The checked call.

@@ -21,7 +21,16 @@ use crate::tensor::{DType, MemoryKind, TensorView};
 struct SeqHost {
     /// Drafts verified and not yet committed, per layer.
     pending: Vec<u8>,
+    /// Per layer: at least how many tokens the sequence has committed in KV-only mode
+    /// (decodes count one each, commits with host counts their accepted drafts, device
+    /// counts none), or `STATEFUL` once it surely has a state (import, flush, a step past
+    /// the threshold). Only decides whether a step launches the KV-only kernel: the mode
+    /// itself lives where the kernels run.
+    kv_tokens: Vec<u32>,
 }
+
+/// `SeqHost::kv_tokens` of a sequence that surely keeps a state.
+const STATEFUL: u32 = u32::MAX;
 
 /// A replay pool of family `F`. Thread-safe; device work of one pool must be ordered on one
 /// stream by the caller.
@@ -74,17 +83,40 @@ impl<F: Family> ReplayPool<F> {
         self.seqs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The host record of a new (or reset) sequence.
+    fn new_host(&self) -> SeqHost {
+        let kv = if meta::initial_mode(&self.cfg) == meta::MODE_KV_ONLY {
+            0
+        } else {
+            STATEFUL
+        };
+        SeqHost {
+            pending: vec![0; self.cfg.layers],
+            kv_tokens: vec![kv; self.cfg.layers],
+        }
+    }
+
+    /// Whether (sequence, layer) may still be in KV-only mode.
+    fn may_be_kv_only(&self, s: &SeqHost, layer: usize) -> bool {
+        s.kv_tokens[layer] as usize <= self.cfg.kv_only_threshold
+    }
+
+    /// The host count after `tokens` more committed tokens (`need` = what the step checked
+    /// against the threshold: a step past it materialized the state).
+    fn kv_after(&self, kv: u32, tokens: usize, need: usize) -> u32 {
+        if kv == STATEFUL || kv as usize + need > self.cfg.kv_only_threshold {
+            STATEFUL
+        } else {
+            kv + tokens as u32
+        }
+    }
+
     /// Adds a sequence (zero state, empty ring, zero conv window) and returns its id.
     pub fn seq_add(&self, stream: Stream) -> Result<i32> {
         let mut seqs = self.lock();
         let s = seqs.free_slot()?;
         self.exec.reset_slot(s, &meta::initial(&self.cfg), stream)?;
-        seqs.fill(
-            s,
-            SeqHost {
-                pending: vec![0; self.cfg.layers],
-            },
-        );
+        seqs.fill(s, self.new_host());
         Ok(s as i32)
     }
 
@@ -98,7 +130,7 @@ impl<F: Family> ReplayPool<F> {
         let mut seqs = self.lock();
         let s = seqs.slot(seq)?;
         self.exec.reset_slot(s, &meta::initial(&self.cfg), stream)?;
-        seqs.get_mut(seq)?.pending.iter_mut().for_each(|p| *p = 0);
+        *seqs.get_mut(seq)? = self.new_host();
         Ok(())
     }
 
@@ -200,11 +232,13 @@ impl<F: Family> ReplayPool<F> {
         conv: Option<&TensorView>,
         stream: Stream,
     ) -> Result<()> {
-        let seqs = self.lock();
+        let mut seqs = self.lock();
         let conv = conv.map(|c| (c, "conv window"));
         let s = self.check_state_io(&seqs, layer, seq, (state, "state"), conv)?;
         self.exec
-            .import_state(layer, s, state, conv.map(|c| c.0), stream)
+            .import_state(layer, s, state, conv.map(|c| c.0), stream)?;
+        seqs.get_mut(seq)?.kv_tokens[layer] = STATEFUL;
+        Ok(())
     }
 
     /// Writes the sequence's current state in `layer` (materialized from the checkpoint and
@@ -322,20 +356,36 @@ impl<F: Family> ReplayPool<F> {
         for id in ids.live() {
             Self::check_no_pending(&seqs, id, layer)?;
         }
+        // Device ids may name any live sequence.
+        let kv_only_rows = match &ids {
+            BatchIds::Host(_) => ids
+                .live()
+                .any(|id| seqs.get(id).is_ok_and(|s| self.may_be_kv_only(s, layer))),
+            BatchIds::Device(_) => seqs.iter().any(|(_, s)| self.may_be_kv_only(s, layer)),
+        };
         let step = Step {
             layer,
             b,
             t,
             auto_commit: decode,
+            kv_only_rows,
             ids: &ids,
             plan: &plan,
         };
         if b > 0 {
             self.exec.step(&step, stream)?;
         }
-        if !decode {
-            for id in ids.live() {
-                seqs.get_mut(id)?.pending[layer] = t as u8;
+        let need = if decode { t } else { 2 * t };
+        for id in ids.live() {
+            let s = seqs.get_mut(id)?;
+            if decode {
+                s.kv_tokens[layer] = self.kv_after(s.kv_tokens[layer], t, need);
+            } else {
+                s.pending[layer] = t as u8;
+                // A verify past the threshold materializes (whatever is accepted later).
+                if s.kv_tokens[layer] as usize + need > c.kv_only_threshold {
+                    s.kv_tokens[layer] = STATEFUL;
+                }
             }
         }
         Ok(())
@@ -500,9 +550,13 @@ impl<F: Family> ReplayPool<F> {
             conv_state,
         };
         self.exec.commit(&commit, stream)?;
-        for &id in ids.iter().filter(|&&i| i >= 0) {
+        for (i, &id) in ids.iter().enumerate().filter(|&(_, &i)| i >= 0) {
+            // Device counts add nothing to the host's lower bound.
+            let acc = host_accepted.as_ref().map_or(0, |a| a[i] as usize);
             for l in layers.clone() {
-                seqs.get_mut(id)?.pending[l] = 0;
+                let s = seqs.get_mut(id)?;
+                s.pending[l] = 0;
+                s.kv_tokens[l] = self.kv_after(s.kv_tokens[l], acc, acc);
             }
         }
         Ok(())
@@ -512,15 +566,19 @@ impl<F: Family> ReplayPool<F> {
     /// ring (before saving a checkpoint or preempting); KV-only sequences get their state
     /// materialized. `layer` None = every layer.
     pub fn flush(&self, layer: Option<usize>, seq_ids: &TensorView, stream: Stream) -> Result<()> {
-        let seqs = self.lock();
+        let mut seqs = self.lock();
         let (ids, layers) = self.host_ids_and_layers(&seqs, layer, seq_ids, "flush")?;
         for &id in ids.iter().filter(|&&i| i >= 0) {
             for l in layers.clone() {
                 Self::check_no_pending(&seqs, id, l)?;
             }
         }
-        for l in layers {
+        for l in layers.clone() {
             self.exec.flush(l, &ids, stream)?;
+        }
+        for &id in ids.iter().filter(|&&i| i >= 0) {
+            let s = seqs.get_mut(id)?;
+            layers.clone().for_each(|l| s.kv_tokens[l] = STATEFUL);
         }
         Ok(())
     }
