@@ -1,8 +1,8 @@
 // Gated DeltaNet single-token decode, the hot path of replay decoding:
 //   kvr_gdn_decode_<state>_<k|v>_d<dk>   one token per sequence (T = 1, auto-commit) for a
 //                                        batch in replay, recurrent or KV-only mode (with
-//                                        `kv_split`, KV-only rows that do not materialize are
-//                                        left to kvr_gdn_kvonly_*, kernels/gdn_kvonly.cu)
+//                                        `kv_split`, KV-only rows that do not materialize take
+//                                        kernels/gdn_kvonly.cuh's head-wide path)
 // (src/linear/gdn/cuda.rs picks it for dk in {64, 128, 256}; kernels/gdn.cu handles every
 // other step, and kvr_gdn_finish runs after this kernel as after the general one.)
 //
@@ -23,6 +23,7 @@
 // decays, reads and rewrites S every step. The arithmetic follows kernels/gdn.cu step for
 // step, so both kernels agree with the CPU backend to rounding.
 #include "gdn_common.cuh"
+#include "gdn_kvonly.cuh"
 
 namespace kvr {
 namespace gdn {
@@ -115,8 +116,13 @@ __device__ void decode_body(const StepParams& p) {
   const int4 m4 = __ldcg(reinterpret_cast<const int4*>(meta));
   const int mode = m4.x, start = m4.y, hcnt = m4.z;
   const bool recurrent = mode == kModeRecurrent, kvonly = mode == kModeKvOnly;
-  // kvr_gdn_kvonly_* computes the KV-only rows that stay KV-only (kernels/gdn_kvonly.cu).
-  if (p.kv_split && kvonly && !placement(p, mode, start, hcnt).flush) return;
+  // `kv_split`: a KV-only row that stays KV-only is computed by kvonly_head
+  // (kernels/gdn_kvonly.cuh), in kvr_gdn_kvonly_* (1) or here by its first tile's CTA of
+  // 128 threads (2); its other tiles have nothing to do.
+  if (p.kv_split && kvonly && !placement(p, mode, start, hcnt).flush) {
+    if (p.kv_split == 2 && tile == 0) kvonly_head<SD, DK>(p, b, h, seq, m4);
+    return;
+  }
   if (!early && !kvonly) state_io(false);
 
   float q[KL], k[KL];

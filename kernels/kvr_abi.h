@@ -247,7 +247,7 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_WDECODE_ROWS 8         /* kvr_gdn_wdecode_*: value rows per warp */
 #define KVR_GDN_WDECODE_MAX_RING 32    /* ... ring lengths up to this */
 #define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64..512 per key head) */
-#define KVR_GDN_KVONLY_THREADS 128     /* kvr_gdn_kvonly_*: one CTA per (batch row, value head) */
+#define KVR_GDN_KVONLY_THREADS 128     /* gdn_kvonly.cuh: one CTA per KV-only (batch row, value head) */
 #define KVR_GDN_KVONLY_MAX 256         /* ... entries and value rows at most */
 
 /* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
@@ -322,8 +322,9 @@ typedef struct {
   int32_t dt_mode;              /* KVR_GDN_DT_* */
   float dt_min, dt_max;
   int32_t export_prefix;        /* export: entries folded into the state (-1: all) */
-  int32_t kv_split;             /* kvr_gdn_decode_*: KV-only sequences that do not materialize
-                                   are kvr_gdn_kvonly_*'s (launched beside it): skip them */
+  int32_t kv_split;             /* kvr_gdn_decode_*: KV-only rows that do not materialize are
+                                   kvr_gdn_kvonly_*'s, launched before it (1), or computed by
+                                   the head's first tile, of 128 threads (2); 0: per tile */
   int32_t pad1;
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_step_args;

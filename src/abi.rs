@@ -391,8 +391,8 @@ abi_structs! {
         dt_min: f32,
         dt_max: f32,
         export_prefix: i32,
-        /// Decode kernel: skip KV-only sequences that do not materialize (the KV-only
-        /// kernel, launched beside it, computes them).
+        /// Decode kernel: KV-only rows that do not materialize are the KV-only kernel's,
+        /// launched before it (1), or computed by the head's first tile (2); 0: per tile.
         kv_split: i32,
         pad1: i32,
         ids_inline: [i32; KVR_GDN_MAX_INLINE],

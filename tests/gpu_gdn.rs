@@ -573,6 +573,37 @@ fn gpu_large_batches_device_ids_and_the_qwen3_next_shape() {
         worst = worst.max(err(&a, &b, c.dk));
     }
     assert!(worst < tol(&c), "{worst:e}");
+    // 160 rows in KV-only mode (threshold 30, bf16 entries): above the rows the decode
+    // kernel computes KV-only heads itself, the KV-only kernel runs first; rows that join
+    // later stay KV-only while the others materialize and replay.
+    let mut c = cfg(
+        4,
+        8,
+        64,
+        16,
+        30,
+        StateLayout::VMajor,
+        DType::F32,
+        DType::BF16,
+    );
+    c.max_seqs = 160;
+    let p = Pair::new(&g, c, DType::BF16);
+    let mut ids: Vec<i32> = (0..120).map(|_| p.add()).collect();
+    let mut wk = 0f64;
+    for step in 0..40 {
+        if step == 20 {
+            ids.extend((0..40).map(|_| p.add()));
+        }
+        let x = random_tokens(&mut rng, &c, ids.len(), 1);
+        let (want, got) = p.run(&ids, &x, false, step % 2 == 0);
+        wk = wk.max(err(&want, &got, c.dv));
+    }
+    for &id in [ids[0], ids[150]].iter() {
+        p.same_meta(id, "160 KV-only rows");
+        let (a, b) = p.export(id);
+        wk = wk.max(err(&a, &b, c.dk));
+    }
+    assert!(wk < tol(&c), "{wk:e}");
     // Qwen3-Next: 16 key heads, 32 value heads, dk = dv = 128, bf16 inputs, fp32 state.
     let mut q = cfg(
         16,
@@ -597,7 +628,10 @@ fn gpu_large_batches_device_ids_and_the_qwen3_next_shape() {
     let (a, b) = p.export(ids[3]);
     wq = wq.max(err(&a, &b, q.dv));
     assert!(wq < tol(&q), "{wq:e}");
-    println!("600-row batch (host and device ids): {worst:.2e}; Qwen3-Next shape over 40 steps: {wq:.2e}");
+    println!(
+        "600-row batch (host and device ids): {worst:.2e}; 160 KV-only rows: {wk:.2e}; \
+         Qwen3-Next shape over 40 steps: {wq:.2e}"
+    );
 }
 
 #[test]

@@ -186,6 +186,10 @@ pub(crate) struct ReplayCuda {
     /// The KV-only decode kernel (kernels/gdn_kvonly.cu) runs beside the single-token
     /// decode kernel of a pool with KV-only mode (KVR_GDN_KVONLY=0: not, for benchmarking).
     kvonly: Option<Kernel>,
+    /// Up to this many batch rows the decode kernel computes the KV-only rows itself (the
+    /// CTA of a head's first tile, `kv_split` 2: one launch fewer), above it the KV-only
+    /// kernel runs first (KVR_GDN_KVONLY_ROWS overrides, for benchmarking).
+    kvonly_inkernel_rows: usize,
 }
 
 /// Warps per CTA of the warp-streaming decode kernel.
@@ -588,6 +592,14 @@ impl ReplayCuda {
         } else {
             None
         };
+        // In-kernel while the KV-only (row, head) pairs are at most two per SM: on the H200
+        // (Qwen3-Next shape, 32 value heads) that is 8 rows, where one launch measured
+        // 8.8 / 11.0 us against 10.6 / 12.9 at 1 / 8 rows (context 8), and 36.4 against
+        // 32.7 at 64 rows (BENCHMARKS.md).
+        let kvonly_inkernel_rows = std::env::var("KVR_GDN_KVONLY_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or((2 * cuda.sm_count() as usize / cfg.v_heads).max(1));
         let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerState>())?;
         layers.upload(&descs)?;
         Ok(ReplayCuda {
@@ -613,6 +625,7 @@ impl ReplayCuda {
                 .filter(|r| verify_rows.iter().flatten().any(|w| w.0 == *r)),
             wdecode,
             kvonly,
+            kvonly_inkernel_rows,
         })
     }
 
@@ -937,18 +950,23 @@ impl ReplayCuda {
         stream: Stream,
     ) -> Result<()> {
         let cfg = &self.lay.cfg;
+        let threads = 4 * p.tv as u32;
         if let Some(kernel) = self.kvonly.filter(|_| kv_only_rows) {
-            // The KV-only rows first (they read the metadata as the decode kernel does and
-            // write nothing another row's kernel reads); the decode kernel skips them.
-            p.kv_split = 1;
-            self.run(
-                kernel,
-                rows * cfg.v_heads,
-                KVR_GDN_KVONLY_THREADS,
-                0,
-                p,
-                stream,
-            )?;
+            if rows <= self.kvonly_inkernel_rows && threads == KVR_GDN_KVONLY_THREADS {
+                p.kv_split = 2;
+            } else {
+                // The KV-only rows first (they read the metadata as the decode kernel does
+                // and write nothing another row's CTA reads); the decode kernel skips them.
+                p.kv_split = 1;
+                self.run(
+                    kernel,
+                    rows * cfg.v_heads,
+                    KVR_GDN_KVONLY_THREADS,
+                    0,
+                    p,
+                    stream,
+                )?;
+            }
         }
         let kernel = Kernel::GdnDecode {
             state: cfg.state_dtype,
@@ -956,7 +974,6 @@ impl ReplayCuda {
             dk: cfg.dk,
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
-        let threads = 4 * p.tv as u32;
         let smem = gdn_decode_smem_bytes(p.hmax as usize);
         self.run(kernel, grid, threads, smem, p, stream)?;
         self.finish(p, rows, stream)
