@@ -183,8 +183,9 @@ pub(crate) struct ReplayCuda {
     verify_pdl: bool,
     /// The warp-streaming decode (kernels/gdn_wdecode.cu), where it applies.
     wdecode: Option<WDecode>,
-    /// The KV-only decode kernel (kernels/gdn_kvonly.cu) runs beside the single-token
-    /// decode kernel of a pool with KV-only mode (KVR_GDN_KVONLY=0: not, for benchmarking).
+    /// The KV-only path of a pool with KV-only mode (kernels/gdn_kvonly.cuh): this kernel
+    /// before the single-token decode kernel, or inside it (`kvonly_inkernel_rows`);
+    /// None: the decode kernel's per-tile readout (KVR_GDN_KVONLY=0, for benchmarking).
     kvonly: Option<Kernel>,
     /// Up to this many batch rows the decode kernel computes the KV-only rows itself (the
     /// CTA of a head's first tile, `kv_split` 2: one launch fewer), above it the KV-only

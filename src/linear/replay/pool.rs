@@ -375,17 +375,14 @@ impl<F: Family> ReplayPool<F> {
         if b > 0 {
             self.exec.step(&step, stream)?;
         }
-        let need = if decode { t } else { 2 * t };
+        // A decode commits its token; a verify commits nothing yet, but one past the
+        // threshold materializes (whatever is accepted later).
+        let (tokens, need) = if decode { (t, t) } else { (0, 2 * t) };
         for id in ids.live() {
             let s = seqs.get_mut(id)?;
-            if decode {
-                s.kv_tokens[layer] = self.kv_after(s.kv_tokens[layer], t, need);
-            } else {
+            s.kv_tokens[layer] = self.kv_after(s.kv_tokens[layer], tokens, need);
+            if !decode {
                 s.pending[layer] = t as u8;
-                // A verify past the threshold materializes (whatever is accepted later).
-                if s.kv_tokens[layer] as usize + need > c.kv_only_threshold {
-                    s.kv_tokens[layer] = STATEFUL;
-                }
             }
         }
         Ok(())
