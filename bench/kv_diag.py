@@ -4,7 +4,8 @@ CUDA Graph replay; B = 1..8 shapes where the fixed cost shows.
 
     python3 kv_diag.py            # small-batch points
     python3 kv_diag.py --tlb      # also: paged vs contiguous at 2 and 8 GiB in a fresh process,
-                                  # then again after allocation churn (--tlb-only: just that)
+                                  # then again after allocation churn (--tlb-only: just that;
+                                  # --vmm: also pools on cuMemCreate memory)
 
 Stage-skip variants (return after the partition, no tile math, no cross-CTA merge) were
 measured with a diagnostic build that read them from the launch parameters; see BENCHMARKS.md.
@@ -72,6 +73,70 @@ def run(name, Hq, Hkv, B, L, libs):
     torch.cuda.empty_cache()
 
 
+class Vmm:
+    """Device memory from the CUDA driver's virtual memory API (ctypes on libcuda): one
+    reserved range mapped with physical chunks of `chunk` bytes (the allocation granularity,
+    2 MiB on the H200, or one chunk for the whole range), read-write for this device."""
+
+    def __init__(self, nbytes, chunk=None):
+        import ctypes as C
+
+        cu = C.CDLL("libcuda.so.1")
+        self.cu, self.C = cu, C
+
+        class Loc(C.Structure):
+            _fields_ = [("type", C.c_int), ("id", C.c_int)]
+
+        class Prop(C.Structure):
+            _fields_ = [("type", C.c_int), ("handle_types", C.c_int), ("loc", Loc),
+                        ("win32", C.c_void_p), ("flags", C.c_uint64)]
+
+        class Access(C.Structure):
+            _fields_ = [("loc", Loc), ("flags", C.c_int)]
+
+        dev = torch.cuda.current_device()
+        prop = Prop(1, 0, Loc(1, dev), None, 0)  # pinned, no handle types, this device
+        gran = C.c_size_t()
+        self.ck(cu.cuMemGetAllocationGranularity(C.byref(gran), C.byref(prop), 1), "granularity")
+        g = gran.value
+        chunk = g if chunk is None else max(g, (chunk + g - 1) // g * g)
+        size = (nbytes + chunk - 1) // chunk * chunk
+        base = C.c_uint64()
+        self.ck(cu.cuMemAddressReserve(C.byref(base), C.c_size_t(size), C.c_size_t(g),
+                                       C.c_uint64(0), C.c_uint64(0)), "reserve")
+        self.base, self.size, self.handles = base.value, size, []
+        for off in range(0, size, chunk):
+            h = C.c_uint64()
+            self.ck(cu.cuMemCreate(C.byref(h), C.c_size_t(chunk), C.byref(prop), C.c_uint64(0)), "create")
+            self.ck(cu.cuMemMap(C.c_uint64(self.base + off), C.c_size_t(chunk), C.c_size_t(0), h,
+                                C.c_uint64(0)), "map")
+            self.handles.append((off, chunk, h))
+        acc = Access(Loc(1, dev), 3)
+        self.ck(cu.cuMemSetAccess(C.c_uint64(self.base), C.c_size_t(size), C.byref(acc), C.c_size_t(1)),
+                "access")
+        self.ck(cu.cuMemsetD8_v2(C.c_uint64(self.base), C.c_ubyte(0), C.c_size_t(size)), "memset")
+        self.granularity, self.chunk = g, chunk
+
+    def ck(self, r, what):
+        if r != 0:
+            raise RuntimeError(f"cuMem {what}: CUresult {r}")
+
+    def free(self):
+        C = self.C
+        torch.cuda.synchronize()
+        for off, n, h in self.handles:
+            self.ck(self.cu.cuMemUnmap(C.c_uint64(self.base + off), C.c_size_t(n)), "unmap")
+            self.ck(self.cu.cuMemRelease(h), "release")
+        self.ck(self.cu.cuMemAddressFree(C.c_uint64(self.base), C.c_size_t(self.size)), "address free")
+
+
+def vmm_layouts(mem, pages, Hkv, D, page):
+    """One layer's K and V in `mem` in the pool's own HND layout (bf16)."""
+    n = pages * Hkv * page * D
+    return [kvr.LayerLayout(mem.base, mem.base + 2 * n, Hkv * page * D, page * D, D,
+                            Hkv * page * D, page * D, D)]
+
+
 def tlb_point(lib, ctx, B, L, note):
     """Paged (page 16, filled in runs of 256 tokens as in bench_kv_decode.py) vs the same
     kernel on a contiguous layout vs cuDNN, both pools alive, at one >= 2 GiB shape."""
@@ -79,12 +144,22 @@ def tlb_point(lib, ctx, B, L, note):
     Hq, Hkv = 32, 8
     data = b.KvData(B, Hq, Hkv, 128, [L] * B, 1)
     tag = f"Llama B={B} L={L // 1024}K"
-    made = []
-    for kind in ("paged", "contig"):
-        page = 16 if kind == "paged" else L
-        pool = lib.pool(ctx, 1, Hkv, 128, page, kvr.DTYPE_BF16, B * L // page, B, L)
+    made, vmms = [], []
+    kinds = ["paged", "contig"]
+    if "--vmm" in sys.argv:
+        kinds += ["paged vmm 2M", "paged vmm 1 chunk"]
+    for kind in kinds:
+        page = 16 if kind.startswith("paged") else L
+        pages = B * L // page
+        layouts = None
+        if "vmm" in kind:
+            nbytes = 2 * pages * Hkv * page * 128 * 2
+            mem = Vmm(nbytes, None if "2M" in kind else nbytes)
+            vmms.append(mem)
+            layouts = vmm_layouts(mem, pages, Hkv, 128, page)
+        pool = lib.pool(ctx, 1, Hkv, 128, page, kvr.DTYPE_BF16, pages, B, L, layouts)
         seqs = [lib.seq_add(pool, cur_stream()) for _ in range(B)]
-        b.fill_pool(pool, data, seqs, 256 if kind == "paged" else L)
+        b.fill_pool(pool, data, seqs, 256 if kind.startswith("paged") else L)
         made.append((kind, pool, seqs))
     for kind, pool, seqs in made:
         fn, out = b.ours_fn(pool, data, seqs)
@@ -93,10 +168,12 @@ def tlb_point(lib, ctx, B, L, note):
     rows.append((tag, "cudnn", note, t_graph(b.sdpa_fn(data, SDPBackend.CUDNN_ATTENTION), 1)))
     for _, pool, _ in made:
         lib.lib.kvr_kv_pool_free(pool)
+    for mem in vmms:
+        mem.free()
     del data
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows[-3:]), flush=True)
+    print("\n".join(f"{r[0]:24s} {r[1]:6s} {r[2]:28s} {r[3]:8.1f}" for r in rows[-len(kinds) - 1:]), flush=True)
 
 
 def churn():

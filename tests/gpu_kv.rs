@@ -679,6 +679,49 @@ fn gpu_decode_graph_replays_while_sequences_grow() {
     println!("graph replay over 24 growing steps: max relative error {worst:.2e}");
 }
 
+/// Large buffers (pools from 64 MiB) are mapped through the virtual memory API
+/// (`cuMemCreate` + `cuMemMap`), small ones come from `cuMemAlloc`; both read and write
+/// every byte, and the mapped memory goes back to the device when dropped.
+#[test]
+fn gpu_large_buffers_are_mapped_and_returned() {
+    let Some(g) = gpu_ctx("gpu_large_buffers_are_mapped_and_returned") else {
+        return;
+    };
+    let vmm = std::env::var("KVR_CUDA_VMM").as_deref() != Ok("0");
+    let small = alloc(&g, 1 << 20);
+    assert!(!small.is_mapped());
+    // Not a multiple of the 2 MiB granularity: the tail of the last chunk is addressable.
+    let n = (64 << 20) + 12_345;
+    let big = alloc(&g, n);
+    assert_eq!(big.is_mapped(), vmm, "a {n}-byte buffer");
+    assert_eq!(big.len(), n);
+    let pattern: Vec<u32> = (0..n / 4)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761))
+        .collect();
+    big.upload(&pattern).unwrap();
+    let mut back = vec![0u32; n / 4];
+    big.download(&mut back).unwrap();
+    assert!(back == pattern, "mapped memory read back differs");
+    big.fill_async(cuda(&g), 0xA5, Stream::DEFAULT).unwrap();
+    big.download(&mut back).unwrap();
+    assert!(back.iter().all(|&x| x == 0xA5A5_A5A5));
+    drop(big);
+    // 8 GiB mapped and dropped in 1 GiB buffers: the device gets it back (other tests of
+    // this binary may hold memory meanwhile, far less than the 4 GiB allowance).
+    let free = || g.device_info().unwrap().free_memory as i64;
+    let before = free();
+    for _ in 0..8 {
+        let b = alloc(&g, 1 << 30);
+        assert_eq!(b.is_mapped(), vmm);
+    }
+    let after = free();
+    assert!(
+        after > before - (4 << 30),
+        "free device memory {before} -> {after} after 8 GiB of buffers were dropped"
+    );
+    println!("large buffers: mapped {vmm}, free memory {before} -> {after} bytes");
+}
+
 #[test]
 fn gpu_pool_refuses_what_it_cannot_decode() {
     let Some(g) = gpu_ctx("gpu_pool_refuses_what_it_cannot_decode") else {

@@ -12,17 +12,30 @@ use crate::error::{Error, Result};
 pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     bytes: usize,
+    /// Bytes reserved and mapped through the virtual memory API (`map_large`); 0 for a
+    /// `cuMemAlloc` allocation.
+    mapped: usize,
     device: sys::CUdevice,
     ctx: sys::CUcontext,
 }
+
+/// Allocations of at least this many bytes are mapped through the driver's virtual memory
+/// API (`cuMemCreate` + `cuMemMap`, one physical allocation rounded up to the recommended
+/// granularity) instead of `cuMemAlloc`. The reason is measured (H200, BENCHMARKS.md, issue
+/// 15): once a process has allocated and freed many GiB, a multi-GiB `cuMemAlloc` pool
+/// made the paged decode, whose CTAs read 4-8 KB of many scattered pages, 15-19 % slower
+/// (2295 vs 1975 us at 8 GiB) while contiguous reads barely moved; the same pool on mapped
+/// memory stayed at its fresh-process speed. `KVR_CUDA_VMM=0` turns it off (A/B runs).
+const VMM_MIN_BYTES: usize = 64 << 20;
 
 // SAFETY: a device pointer and a retained context handle may be used from any thread.
 unsafe impl Send for DeviceBuffer {}
 unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
-    /// Allocates `bytes` (at least 1) of device memory, 256-byte aligned.
-    /// Synchronous (cuMemAlloc): never call it inside a decode step.
+    /// Allocates `bytes` (at least 1) of device memory, 256-byte aligned (from
+    /// `VMM_MIN_BYTES` on mapped through the virtual memory API, aligned to its granularity).
+    /// Synchronous (cuMemAlloc, cuMemMap): never call it inside a decode step.
     pub fn new(backend: &CudaBackend, bytes: usize) -> Result<DeviceBuffer> {
         let _cur = backend.make_current()?;
         // SAFETY: the context is current; retain/alloc write only their outputs.
@@ -37,6 +50,25 @@ impl DeviceBuffer {
                 "cuDevicePrimaryCtxRetain",
                 sys::cuDevicePrimaryCtxRetain(&mut ctx, device),
             )?;
+            if bytes >= VMM_MIN_BYTES && vmm_enabled() {
+                match map_large(device, bytes) {
+                    Ok(Some((ptr, mapped))) => {
+                        return Ok(DeviceBuffer {
+                            ptr,
+                            bytes,
+                            mapped,
+                            device,
+                            ctx,
+                        })
+                    }
+                    // No virtual memory management on this device: cuMemAlloc below.
+                    Ok(None) => {}
+                    Err(e) => {
+                        let _ = sys::cuDevicePrimaryCtxRelease_v2(device);
+                        return Err(e);
+                    }
+                }
+            }
             let mut ptr: sys::CUdeviceptr = 0;
             let r = sys::cuMemAlloc_v2(&mut ptr, bytes.max(1));
             if r != sys::CUresult::CUDA_SUCCESS {
@@ -51,6 +83,7 @@ impl DeviceBuffer {
             Ok(DeviceBuffer {
                 ptr,
                 bytes,
+                mapped: 0,
                 device,
                 ctx,
             })
@@ -65,6 +98,11 @@ impl DeviceBuffer {
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.bytes
+    }
+
+    /// True where the memory is mapped through the virtual memory API (large buffers).
+    pub fn is_mapped(&self) -> bool {
+        self.mapped > 0
     }
 
     /// True for a zero-byte buffer.
@@ -134,9 +172,96 @@ impl Drop for DeviceBuffer {
         // SAFETY: frees what `new` allocated, then releases the retained context.
         unsafe {
             if let Ok(_cur) = CurrentContext::push(self.ctx) {
-                let _ = sys::cuMemFree_v2(self.ptr);
+                if self.mapped > 0 {
+                    // cuMemFree waits for work that may still read the memory; unmapping
+                    // does not promise to, so wait first. The physical memory goes with
+                    // its last mapping.
+                    let _ = sys::cuCtxSynchronize();
+                    let _ = sys::cuMemUnmap(self.ptr, self.mapped);
+                    let _ = sys::cuMemAddressFree(self.ptr, self.mapped);
+                } else {
+                    let _ = sys::cuMemFree_v2(self.ptr);
+                }
             }
             let _ = sys::cuDevicePrimaryCtxRelease_v2(self.device);
         }
     }
+}
+
+fn vmm_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVR_CUDA_VMM").as_deref() != Ok("0"))
+}
+
+/// Reserves an address range for `bytes` (rounded up to the recommended granularity), backs
+/// it with one physical allocation on `device` and maps it read-write for that device:
+/// `(address, mapped bytes)`, or `None` where the device has no virtual memory management.
+/// Out of memory is `Error::OutOfMemory`; every step is undone on failure.
+///
+/// # Safety
+/// `device`'s primary context must be current.
+unsafe fn map_large(
+    device: sys::CUdevice,
+    bytes: usize,
+) -> Result<Option<(sys::CUdeviceptr, usize)>> {
+    let mut vmm = 0;
+    let r = sys::cuDeviceGetAttribute(
+        &mut vmm,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        device,
+    );
+    if r != sys::CUresult::CUDA_SUCCESS || vmm == 0 {
+        return Ok(None);
+    }
+    // SAFETY: plain-old-data driver structs; every field that matters is set below.
+    let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    let mut gran = 0usize;
+    check(
+        "cuMemGetAllocationGranularity",
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        ),
+    )?;
+    let gran = gran.max(1);
+    let size = bytes.div_ceil(gran) * gran;
+    let oom = |r: sys::CUresult, call: &'static str| {
+        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            Error::OutOfMemory(format!("cannot allocate {bytes} bytes of device memory"))
+        } else {
+            super::driver::cuda_error(call, r, String::new())
+        }
+    };
+    let mut ptr: sys::CUdeviceptr = 0;
+    let r = sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0);
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(oom(r, "cuMemAddressReserve"));
+    }
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    let r = sys::cuMemCreate(&mut handle, size, &prop, 0);
+    if r != sys::CUresult::CUDA_SUCCESS {
+        let _ = sys::cuMemAddressFree(ptr, size);
+        return Err(oom(r, "cuMemCreate"));
+    }
+    let r = sys::cuMemMap(ptr, size, 0, handle, 0);
+    // The mapping holds the physical memory from here on (or nothing does).
+    let _ = sys::cuMemRelease(handle);
+    if r != sys::CUresult::CUDA_SUCCESS {
+        let _ = sys::cuMemAddressFree(ptr, size);
+        return Err(oom(r, "cuMemMap"));
+    }
+    let mut access: sys::CUmemAccessDesc = std::mem::zeroed();
+    access.location = prop.location;
+    access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    let r = sys::cuMemSetAccess(ptr, size, &access, 1);
+    if r != sys::CUresult::CUDA_SUCCESS {
+        let _ = sys::cuMemUnmap(ptr, size);
+        let _ = sys::cuMemAddressFree(ptr, size);
+        return Err(oom(r, "cuMemSetAccess"));
+    }
+    Ok(Some((ptr, size)))
 }
