@@ -155,18 +155,21 @@ def run_config(name, Hq, Hkv, D, B, L, ceiling, results):
     row = {"config": tag, "B": B, "L": L, "kv_mib": kv_bytes / (1 << 20), "sets": n_sets,
            "floor_us": kv_bytes / (ceiling * 1e12) * 1e6}
     impls = {}
-    pool_p, seqs_p = make_pool(data, 16)
-    fn_p, out_p = ours_fn(pool_p, data, seqs_p)
-    fn_p(0)
-    torch.cuda.synchronize()
-    row["err_paged"] = rel_err(out_p, ref)
-    impls["paged16"] = fn_p
-    pool_c, seqs_c = make_pool(data, L)
-    fn_c, out_c = ours_fn(pool_c, data, seqs_c)
-    fn_c(0)
-    torch.cuda.synchronize()
-    row["err_contig"] = rel_err(out_c, ref)
-    impls["contig"] = fn_c
+    # KVR_BENCH_CONTIG_FIRST=1 creates the contiguous pool before the paged one (the first
+    # multi-GiB allocation after the data can get slower memory: BENCHMARKS.md, issue 15).
+    contig_first = os.environ.get("KVR_BENCH_CONTIG_FIRST") == "1"
+    for kind in ("contig", "paged16") if contig_first else ("paged16", "contig"):
+        pool, seqs = make_pool(data, 16 if kind == "paged16" else L)
+        fn, out = ours_fn(pool, data, seqs)
+        fn(0)
+        torch.cuda.synchronize()
+        row["err_paged" if kind == "paged16" else "err_contig"] = rel_err(out, ref)
+        impls[kind] = fn
+        if kind == "paged16":
+            pool_p = pool
+        else:
+            pool_c = pool
+    impls = {k: impls[k] for k in ("paged16", "contig")}
     for label, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         f = sdpa_fn(data, be)
         try:
@@ -185,7 +188,7 @@ def run_config(name, Hq, Hkv, D, B, L, ceiling, results):
         row[f"{label}_tbs"] = kv_bytes / (best * 1e-6) / 1e12
     lib.lib.kvr_kv_pool_free(pool_p)
     lib.lib.kvr_kv_pool_free(pool_c)
-    del data, impls, fn_p, fn_c, out_p, out_c
+    del data, impls, fn, out
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     results["matrix"].append(row)

@@ -5,7 +5,9 @@ CUDA Graph replay; B = 1..8 shapes where the fixed cost shows.
     python3 kv_diag.py            # small-batch points
     python3 kv_diag.py --tlb      # also: paged vs contiguous at 2 and 8 GiB in a fresh process,
                                   # then again after allocation churn (--tlb-only: just that;
-                                  # --vmm: also pools on cuMemCreate memory)
+                                  # --vmm: also pools on cuMemCreate memory;
+                                  # --runs: also pages grown in longer runs;
+                                  # --hold: churn survivors stay allocated)
 
 Stage-skip variants (return after the partition, no tile math, no cross-CTA merge) were
 measured with a diagnostic build that read them from the launch parameters; see BENCHMARKS.md.
@@ -148,6 +150,11 @@ def tlb_point(lib, ctx, B, L, note):
     kinds = ["paged", "contig"]
     if "--vmm" in sys.argv:
         kinds += ["paged vmm 2M", "paged vmm 1 chunk"]
+    # --runs: also paged pools grown 1024 and 4096 tokens per sequence per round (runs of
+    # 64 and 256 pages per sequence instead of 16: fewer 2 MiB regions per CTA stream).
+    runs = {"paged": 256, "paged runs 1024": 1024, "paged runs 4096": 4096}
+    if "--runs" in sys.argv:
+        kinds += ["paged runs 1024", "paged runs 4096"]
     for kind in kinds:
         page = 16 if kind.startswith("paged") else L
         pages = B * L // page
@@ -159,7 +166,7 @@ def tlb_point(lib, ctx, B, L, note):
             layouts = vmm_layouts(mem, pages, Hkv, 128, page)
         pool = lib.pool(ctx, 1, Hkv, 128, page, kvr.DTYPE_BF16, pages, B, L, layouts)
         seqs = [lib.seq_add(pool, cur_stream()) for _ in range(B)]
-        b.fill_pool(pool, data, seqs, 256 if kind.startswith("paged") else L)
+        b.fill_pool(pool, data, seqs, runs.get(kind, 256) if kind.startswith("paged") else L)
         made.append((kind, pool, seqs))
     for kind, pool, seqs in made:
         fn, out = b.ours_fn(pool, data, seqs)
@@ -192,8 +199,15 @@ def churn():
         if len(keep) > 12:
             keep.pop(rnd.randrange(len(keep)))
         torch.cuda.empty_cache()
+    if "--hold" in sys.argv:
+        # Keep the survivors (up to ~12 blocks, tens of GiB scattered over the device) while
+        # the pools are created and timed, as a benchmark process holding torch's cache does.
+        HELD.extend(keep)
     del keep
     torch.cuda.empty_cache()
+
+
+HELD = []
 
 
 def tlb(lib, ctx):
