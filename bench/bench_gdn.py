@@ -331,8 +331,11 @@ def kv_only_rows(B, rows):
     p, seqs = pool(B, 0, ns)
     rec = time_graph(Ours(p, seqs, inp), ns, ns * 8, replays=5)
     free(p)
-    cap = lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
-                             kv_only_threshold=kvr.GDN_THRESHOLD_DEFAULT).kv_only_threshold
+    # KV-only mode is opt-in (the default threshold is off): min(dk, what a head's f32 state
+    # holds of bf16 entries) = 127, the largest useful threshold.
+    cap = kvr.kv_only_threshold(D, D, 4, 2)
+    assert lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
+                                 kv_only_threshold=cap).kv_only_threshold == cap
     # The library's pick (the KV-only kernel beside the decode kernel, kernels/gdn_kvonly.cu)
     # and, in the same run, the previous path: the decode kernel's per-tile readout alone
     # (KVR_GDN_KVONLY=0).

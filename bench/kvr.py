@@ -209,7 +209,13 @@ WGKV_COMMITTED, WGKV_DRAFT = 0, 1
 
 STATE_K_MAJOR, STATE_V_MAJOR = 0, 1
 GDN_MODE_KV_ONLY, GDN_MODE_REPLAY, GDN_MODE_RECURRENT = 0, 1, 2
-GDN_THRESHOLD_DEFAULT, GDN_THRESHOLD_OFF = -1, 0
+GDN_THRESHOLD_DEFAULT, GDN_THRESHOLD_OFF = -1, 0  # the default is off, as OFF
+
+
+def kv_only_threshold(dk, dv, state_size=4, entry_size=4):
+    """min(dk, the KV-only entries one value head's state memory holds): the largest useful
+    KV-only threshold (what GDN_THRESHOLD_DEFAULT picked before the default became off)."""
+    return min(dk, dk * dv * state_size // ((dk + dv) * entry_size + 4))
 
 
 class KvrError(RuntimeError):

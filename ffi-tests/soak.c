@@ -1,12 +1,13 @@
-/* The long-run soak (issue 12 part 4): a KV pool and two GDN pools (a replay pool with
- * KV-only mode, and a recurrent pool: ring 0, one snapshot per draft; each GDN operation
- * picks one) driven through N random operations on the backend under test, with a mirror
- * of the pools on the CPU backend given the same operations. Every output is compared with
- * the mirror's as it is made; every K operations a checkpoint compares the whole state (KV
- * stats, lengths and a decode of every sequence in every layer; GDN cursors, exported
- * states, conv windows and a materialized prefix); at the end every sequence is freed and
- * the memory must be back where it was (device memory from cuMemGetInfo on CUDA, the
- * process's resident set, the pools' page accounting).
+/* The long-run soak (issue 12 part 4): a KV pool and three GDN pools (a replay pool with
+ * KV-only mode, one with the default threshold (off) and a recurrent pool: ring 0, one
+ * snapshot per draft; each GDN operation picks one) driven through N random operations on
+ * the backend under test, with a mirror of the pools on the CPU backend given the same
+ * operations. Every output is compared with the mirror's as it is made; every K operations
+ * a checkpoint compares the whole state (KV stats, lengths and a decode of every sequence
+ * in every layer; GDN cursors, exported states, conv windows and a materialized prefix);
+ * at the end every sequence is freed and the memory must be back where it was (device
+ * memory from cuMemGetInfo on CUDA, the process's resident set, the pools' page
+ * accounting).
  *
  * Operations: KV add / fork / free / truncate / append / extend + write (all layers at
  * once or layer by layer) / decode (T = 1..3 query tokens, sliding window, softcap, unused
@@ -42,6 +43,9 @@ enum {
     KV_SEQS = 12, KV_MAXLEN = 320, KV_MAXT = 3,
     G_LAYERS = 2, G_HK = 2, G_HV = 4, G_D = 64, G_RING = 8, G_MAXT = 4, G_SEQS = 8,
     G_CONV = 32, G_CK = 4,
+    /* GDN pools; pool 0's KV-only threshold: min(dk, the entries one head's state holds) =
+     * min(64, 16384 / 516) (the default, which pool 2 takes, is off) */
+    G_POOLS = 3, G_KV = 31,
     MAXB = 4
 };
 static const double KV_TOL = 1e-2, LSE_TOL = 2e-2, GDN_TOL = 2e-3;
@@ -239,7 +243,9 @@ static void lse_compare(size_t off, size_t n) {
 typedef struct {
     kvr_context *ctx;
     kvr_kv_pool *kv;
-    kvr_gdn_pool *gdns[2]; /* a replay pool (ring G_RING) and a recurrent one (ring 0) */
+    /* replay pools (ring G_RING) with KV-only mode (0) and without (2), a recurrent one (1,
+     * ring 0) */
+    kvr_gdn_pool *gdns[G_POOLS];
     kvr_gdn_pool *gdn;     /* the one the current operation uses */
 } side_t;
 static side_t S[2];
@@ -270,12 +276,13 @@ static void side_ok(int s, kvr_status st) {
     } while (0)
 
 /* ---- the model: live ids and lengths ---- */
-static int32_t kv_live[KV_SEQS], g_lives[2][G_SEQS];
+static int32_t kv_live[KV_SEQS], g_lives[G_POOLS][G_SEQS];
 static int64_t kv_len[KV_SEQS];
-static int n_kv, n_gs[2], g_cur;
+static int n_kv, n_gs[G_POOLS], g_cur;
 #define g_live (g_lives[g_cur])
 #define n_g (n_gs[g_cur])
-/* Makes GDN pool p (0: replay, 1: recurrent) the current one on both sides. */
+/* Makes GDN pool p (0: replay with KV-only mode, 1: recurrent, 2: replay) the current one
+ * on both sides. */
 static void use_gdn(int p) {
     g_cur = p;
     for (int s = 0; s < 2; s++) S[s].gdn = S[s].gdns[p];
@@ -895,7 +902,10 @@ static void pools(side_t *s) {
     gp.max_seqs = G_SEQS;
     gp.conv_dim = G_CONV;
     gp.conv_kernel = G_CK;
-    if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdns[0]) != KVR_STATUS_OK) die("kvr_gdn_pool_new");
+    if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdns[2]) != KVR_STATUS_OK) die("kvr_gdn_pool_new");
+    gp.kv_only_threshold = G_KV;
+    if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdns[0]) != KVR_STATUS_OK) die("kvr_gdn_pool_new (KV-only)");
+    gp.kv_only_threshold = KVR_GDN_THRESHOLD_DEFAULT;
     gp.ring_len = 0; /* recurrent: one state snapshot per draft */
     if (kvr_gdn_pool_new(s->ctx, &gp, &s->gdns[1]) != KVR_STATUS_OK) die("kvr_gdn_pool_new (recurrent)");
 }
@@ -936,7 +946,7 @@ int main(int argc, char **argv) {
     S[1].ctx = context(0);
     for (int s = 0; s < 2; s++) pools(&S[s]);
     if (kvr_gdn_step_params_default(&g_step) != KVR_STATUS_OK) die("step params");
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < G_POOLS; p++) {
         kvr_gdn_pool_memory gm[2];
         for (int s = 0; s < 2; s++) {
             memset(&gm[s], 0, sizeof gm[s]);
@@ -944,6 +954,7 @@ int main(int argc, char **argv) {
             side_ok(s, kvr_gdn_pool_get_memory(S[s].gdns[p], &gm[s]));
         }
         if (memcmp(&gm[0], &gm[1], sizeof gm[0]) != 0) die("gdn pool %d: memory differs", p);
+        if (gm[0].kv_only_threshold != (p == 0 ? G_KV : 0)) die("gdn pool %d: KV-only threshold", p);
     }
     g_step.l2norm_qk = 1;
     arena_new(&IN, 1 << 20, 0);
@@ -975,13 +986,16 @@ int main(int argc, char **argv) {
         while (w >= ops[i].weight) w -= ops[i++].weight;
         g_what = ops[i].name;
         IN.used = OUT.used = 0;
-        if (ops[i].gdn) use_gdn(rng_below(&R, 4) == 0); /* a quarter on the recurrent pool */
+        if (ops[i].gdn) { /* a quarter on the recurrent pool, the rest on the replay pools */
+            int k = rng_below(&R, 8);
+            use_gdn(k < 2 ? 1 : k < 5 ? 0 : 2);
+        }
         ops[i].f();
         if (ops[i].gdn) n_ops_gdn++; else n_ops_kv++;
         if ((g_op + 1) % every == 0 || g_op + 1 == n_ops) {
             g_what = "checkpoint";
             kv_checkpoint();
-            for (int p = 0; p < 2; p++) use_gdn(p), g_checkpoint();
+            for (int p = 0; p < G_POOLS; p++) use_gdn(p), g_checkpoint();
             n_checkpoints++;
             double gpu = gpu_used_mib();
             if (n_checkpoints == 1) gpu0 = gpu, rss0 = rss_mib();
@@ -994,7 +1008,7 @@ int main(int argc, char **argv) {
         BOTH(kvr_kv_pool_seq_free(S[s].kv, kv_live[0], NULL));
         list_remove(kv_live, &n_kv, kv_live[0]);
     }
-    for (int p = 0; p < 2; p++)
+    for (int p = 0; p < G_POOLS; p++)
         for (use_gdn(p); n_g;) {
             BOTH(kvr_gdn_pool_seq_free(S[s].gdn, g_live[0], NULL));
             list_remove(g_live, &n_g, g_live[0]);
@@ -1011,8 +1025,7 @@ int main(int argc, char **argv) {
     double secs = now() - t0;
     for (int s = 0; s < 2; s++) {
         kvr_kv_pool_free(S[s].kv);
-        kvr_gdn_pool_free(S[s].gdns[0]);
-        kvr_gdn_pool_free(S[s].gdns[1]);
+        for (int p = 0; p < G_POOLS; p++) kvr_gdn_pool_free(S[s].gdns[p]);
         kvr_context_free(S[s].ctx);
     }
     arena_free(&IN, 0);

@@ -674,6 +674,9 @@ static void test_kv_rounding(kvr_context *ctx) {
 
 enum { GL = 2, GHK = 2, GHV = 4, GD = 8, CONV = 4, K1 = 2, MAXT = 4, GS = 4, RING = 8 };
 #define GSTATE (GHV * GD * GD)
+/* The KV-only threshold of the runs in KV-only mode (the default is off): min(dk, the
+ * entries one head's state holds) = min(8, 256 / 68). */
+enum { GKV = 3 };
 
 /* The reference: per (sequence, layer) states as [Hv][dv][dk] and the conv window; the
  * states after each pending draft and the pending drafts' conv inputs. */
@@ -928,8 +931,20 @@ static void test_gdn_params(kvr_context *ctx) {
     CHECK(m.state_bytes == (int64_t)GL * GSTATE * 4);
     CHECK(m.ring_bytes == (int64_t)GL * RING * ((GHV * GD + GHK * GD) * 4 + GHV * 4));
     CHECK(m.snapshot_bytes == 0 && m.total_bytes == m.state_bytes + m.ring_bytes + m.conv_bytes);
-    /* Default threshold: min(dk, entries one head's state holds) = min(8, 256 / 68). */
-    CHECK(m.kv_only_threshold == 3);
+    /* The default threshold is off; KV-only mode on request, up to the entries one head's
+     * state holds (GKV, in the same memory). */
+    CHECK(m.kv_only_threshold == 0);
+    {
+        kvr_gdn_pool_params q = p;
+        kvr_gdn_pool_memory mk;
+        memset(&mk, 0, sizeof mk);
+        mk.struct_size = sizeof mk;
+        q.kv_only_threshold = GKV;
+        CHECK_STATUS(kvr_gdn_pool_params_memory(&q, &mk), KVR_STATUS_OK);
+        CHECK(mk.kv_only_threshold == GKV && mk.total_bytes == m.total_bytes);
+        q.kv_only_threshold = GKV + 1;
+        CHECK_STATUS(kvr_gdn_pool_params_memory(&q, &mk), KVR_STATUS_OUT_OF_RANGE);
+    }
     CHECK_STATUS(kvr_gdn_pool_new(ctx, newer_struct(&big, &p, sizeof p, 0), &pool), KVR_STATUS_OK);
     kvr_gdn_pool_memory m2;
     memset(&m2, 0, sizeof m2);
@@ -988,7 +1003,10 @@ static double gdn_round(kvr_gdn_pool *rp, kvr_gdn_pool *cp, const int32_t *ids, 
     return worst;
 }
 
-static void test_gdn_pool(kvr_context *ctx) {
+/* `threshold`: the replay pool's KV-only threshold (KVR_GDN_THRESHOLD_DEFAULT: off, its
+ * sequences replay from the first token; GKV: they start KV-only). */
+static void test_gdn_pool(kvr_context *ctx, kvr_gdn_threshold threshold) {
+    const kvr_gdn_mode first = threshold > 0 ? KVR_GDN_MODE_KV_ONLY : KVR_GDN_MODE_REPLAY;
     rng_t r = rng_new(2);
     memset(GS_, 0, sizeof GS_);
     memset(GWIN, 0, sizeof GWIN);
@@ -997,6 +1015,7 @@ static void test_gdn_pool(kvr_context *ctx) {
     CHECK_STATUS(kvr_gdn_step_params_default(NULL), KVR_STATUS_NULL_ARG);
     STEP.l2norm_qk = 1;
     kvr_gdn_pool_params p = gdn_params(RING);
+    p.kv_only_threshold = threshold;
     kvr_gdn_pool *rp = NULL, *cp = NULL; /* replay pool, recurrent pool (a second client) */
     CHECK_STATUS(kvr_gdn_pool_new(ctx, &p, &rp), KVR_STATUS_OK);
     kvr_gdn_pool_params pc = gdn_params(0);
@@ -1010,13 +1029,13 @@ static void test_gdn_pool(kvr_context *ctx) {
     CHECK(a == 0 && b == 1 && c == 2);
     kvr_gdn_cursor cur;
     CHECK_STATUS(kvr_gdn_pool_get_cursor(rp, 0, a, &cur), KVR_STATUS_OK);
-    CHECK(cur.mode == KVR_GDN_MODE_KV_ONLY && cur.buffered == 0 && cur.pending == 0);
+    CHECK(cur.mode == first && cur.buffered == 0 && cur.pending == 0);
     CHECK_STATUS(kvr_gdn_pool_get_cursor(cp, 1, a, &cur), KVR_STATUS_OK);
     CHECK(cur.mode == KVR_GDN_MODE_RECURRENT);
 
     /* Rounds of decodes and verifies (random accepted prefixes, conv windows back), over
-     * KV-only, ring flushes and a commit of every layer at once; c sits out some rounds
-     * and an unused row rides along. */
+     * KV-only (with a threshold), ring flushes and a commit of every layer at once; c sits
+     * out some rounds and an unused row rides along. */
     double worst = 0;
     int32_t ids3[3] = {a, b, c}, ids_gap[3] = {b, KVR_SEQ_NONE, a};
     for (int round = 0; round < 14; round++) {
@@ -1245,7 +1264,7 @@ static void test_gdn_pool(kvr_context *ctx) {
     CHECK_STATUS(kvr_gdn_pool_seq_reset(rp, b, NULL), KVR_STATUS_OK);
     gdn_reference_reset(b);
     CHECK_STATUS(kvr_gdn_pool_get_cursor(rp, 0, b, &cur), KVR_STATUS_OK);
-    CHECK(cur.mode == KVR_GDN_MODE_KV_ONLY && cur.buffered == 0);
+    CHECK(cur.mode == first && cur.buffered == 0);
     for (int l = 0; l < GL; l++)
         for (int s = 0; s < 3; s++) worst = fmax(worst, gdn_check_state(rp, l, s));
     if (!(worst < 1e-4)) fprintf(stderr, "gdn after the error paths: %.3e\n", worst);
@@ -1317,7 +1336,8 @@ int main(void) {
     test_kv_pool(ctx);
     test_kv_rounding(ctx);
     test_gdn_params(ctx);
-    test_gdn_pool(ctx);
+    test_gdn_pool(ctx, KVR_GDN_THRESHOLD_DEFAULT);
+    test_gdn_pool(ctx, GKV);
     test_gdn_rounding(ctx);
     kvr_context_free(ctx);
     return finish("test_pools");

@@ -154,6 +154,9 @@ static void kv_work(kv_client *c, int iters) {
 
 /* ---- GDN client: one sequence of a replay pool and its f64 reference ---- */
 enum { GHK = 2, GHV = 4, GD = 8, MAXT = 4, RING = 8 };
+/* The KV-only threshold of the pools in KV-only mode (the default is off): min(dk, the
+ * entries one head's state holds) = min(8, 256 / 68). */
+enum { GKV = 3 };
 
 typedef struct {
     kvr_gdn_pool *pool;
@@ -162,10 +165,11 @@ typedef struct {
     rng_t r;
 } gdn_client;
 
-static kvr_gdn_pool *gdn_pool_new(kvr_context *ctx, int max_seqs) {
+static kvr_gdn_pool *gdn_pool_new(kvr_context *ctx, int max_seqs, kvr_gdn_threshold threshold) {
     kvr_gdn_pool_params p;
     kvr_gdn_pool *pool = NULL;
     if (kvr_gdn_pool_params_default(&p) != KVR_STATUS_OK) return NULL;
+    p.kv_only_threshold = threshold;
     p.n_layers = 1;
     p.n_k_heads = GHK;
     p.n_v_heads = GHV;
@@ -265,7 +269,8 @@ static void *own_pools(void *p) {
     TCHECK(ctx != NULL);
     if (!ctx) return NULL;
     a->kv.pool = kv_pool_new(ctx, 2, 16);
-    a->gdn.pool = gdn_pool_new(ctx, 1);
+    /* Sequences in KV-only mode first on odd threads, in replay mode (the default) on even. */
+    a->gdn.pool = gdn_pool_new(ctx, 1, a->index % 2 ? GKV : KVR_GDN_THRESHOLD_DEFAULT);
     TCHECK(a->kv.pool && a->gdn.pool);
     kvr_context_free(ctx); /* the pools keep it alive */
     if (a->kv.pool && a->gdn.pool) {
@@ -346,7 +351,7 @@ int main(void) {
     CHECK(ctx != NULL);
     if (!ctx) return finish("test_threads");
     kvr_kv_pool *kv = kv_pool_new(ctx, KV_SEQS, KV_SEQS * (MAXLEN / PAGE));
-    kvr_gdn_pool *gdn = gdn_pool_new(ctx, NT);
+    kvr_gdn_pool *gdn = gdn_pool_new(ctx, NT, GKV); /* KV-only transitions under the lock */
     CHECK(kv && gdn);
     shared_arg *sh = calloc(NT, sizeof *sh);
     CHECK(sh != NULL);
@@ -382,7 +387,7 @@ int main(void) {
 
     /* 4. Threads call two pools while the main thread frees them (and the context). */
     kv = kv_pool_new(ctx, 2, 16);
-    gdn = gdn_pool_new(ctx, 1);
+    gdn = gdn_pool_new(ctx, 1, KVR_GDN_THRESHOLD_DEFAULT);
     CHECK(kv && gdn);
     int32_t seq = -1;
     CHECK_STATUS(kvr_gdn_pool_seq_add(gdn, NULL, &seq), KVR_STATUS_OK);

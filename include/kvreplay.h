@@ -279,10 +279,11 @@ typedef struct kvr_gdn_pool_params {
      * until its state is materialized (for good) before a decode that would take it past
      * this many tokens, before a verify of T drafts when its length + 2T exceeds this
      * (whatever is accepted later: a verify can end KV-only mode at fewer tokens), or by
-     * an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) =
-     * min(dk, the entries one head's state memory holds) for a replay pool and 0 (off)
-     * for a recurrent pool (`ring_len` 0 has no KV-only mode: a value > 0 there is
-     * `KVR_STATUS_INVALID_ARG`); `KVR_GDN_THRESHOLD_OFF` = off.
+     * an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) and
+     * `KVR_GDN_THRESHOLD_OFF` = 0, off (`KVR_GDN_THRESHOLD_DEFAULT` says why). A count > 0
+     * turns it on (at most the entries one head's state memory holds; min(dk, that) was
+     * the default before) and keeps the pool off the fastest CUDA replay kernels;
+     * `ring_len` 0 has no KV-only mode: a value > 0 there is `KVR_STATUS_INVALID_ARG`.
      */
     kvr_gdn_threshold kv_only_threshold;
     /**
@@ -733,8 +734,9 @@ typedef struct kvr_mamba2_pool_params {
     int32_t ring_len;
     /**
      * KV-only mode for short sequences, as `kvr_gdn_pool_params.kv_only_threshold`
-     * (default `KVR_GDN_THRESHOLD_DEFAULT`: min(d_state, what one head's state memory
-     * holds) for a replay pool, off for a recurrent pool).
+     * (default `KVR_GDN_THRESHOLD_DEFAULT`: off, as for GDN pools; a count > 0, at most
+     * what one head's state memory holds, turns it on and keeps the pool off the fastest
+     * CUDA replay kernels).
      */
     kvr_gdn_threshold kv_only_threshold;
     /**
@@ -1308,8 +1310,16 @@ typedef int32_t kvr_model_layout;
 #define KVR_STATE_V_MAJOR ((kvr_state_layout)1)
 
 /**
- * Picks the default threshold: min(dk, what one head's state memory holds) for a replay
- * pool, off for a recurrent pool (`ring_len` 0).
+ * Picks the default threshold: 0 (off, as `KVR_GDN_THRESHOLD_OFF`) for every pool, replay
+ * or recurrent, GDN or Mamba-2; pools planned from GGUF files use 0 too. KV-only mode is
+ * an opt-in (an explicit count > 0) because a pool with it does not get the fastest CUDA
+ * replay kernels (warp-streaming and one-launch decode, streaming verify). Measured on an
+ * H200 (bf16 entries, ring 16, decode after 140 tokens, us per step, the threshold
+ * min(dk, what one head's state memory holds) that the default used to pick against off),
+ * such a pool decodes 1.8-2.9x slower for the rest of every sequence (B = 1: 19.6 vs 6.7,
+ * B = 8: 33.2 vs 18.4, B = 64: 154.5 vs 62.3), and KV-only decode itself is slower than
+ * replay at B = 1 at every length and at B = 8 beyond about 20 tokens; it is faster for
+ * large batches of short sequences (B = 64 up to about 50 tokens).
  */
 #define KVR_GDN_THRESHOLD_DEFAULT ((kvr_gdn_threshold)-1)
 
@@ -1653,9 +1663,9 @@ KVR_NODISCARD kvr_status kvr_context_synchronize(const struct kvr_context *ctx, 
 KVR_NODISCARD kvr_status kvr_cuda_get_device_count(int32_t *out);
 
 /**
- * Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
- * and ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
- * `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
+ * Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`: no KV-only
+ * mode, f32 state and ring, K-major, 256 sequences, no conv window, owned memory); the
+ * caller still sets `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
  * Ownership: `*params` is the caller's; nothing is kept.
@@ -2461,9 +2471,9 @@ kvr_status kvr_kv_pool_decode(struct kvr_kv_pool *pool,
                               void *stream);
 
 /**
- * Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
- * and ring, V-major, 256 sequences, no conv window, owned memory); the caller still sets
- * `n_layers`, `n_heads`, `head_dim`, `n_groups` and `d_state`.
+ * Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`: no KV-only
+ * mode, f32 state and ring, V-major, 256 sequences, no conv window, owned memory); the
+ * caller still sets `n_layers`, `n_heads`, `head_dim`, `n_groups` and `d_state`.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
  * Ownership: `*params` is the caller's; nothing is kept.

@@ -146,17 +146,32 @@ fn params_sizing_and_a_round_trip() {
     let replay = memory(&p);
     assert_eq!(replay.state_bytes, 2 * 2 * 32 * 32 * 4);
     assert_eq!(replay.snapshot_bytes, 0);
+    assert_eq!(replay.kv_only_threshold, 0, "the default threshold is off");
+    // KV-only mode on request: up to what a head's state memory holds (15 entries of dk +
+    // dv f32 and a log decay in 32 x 32 f32), in the same memory.
+    let kv_only = kv_only_threshold(p.dk, p.dv, p.state_dtype, p.entry_dtype);
+    assert_eq!(kv_only, 15, "min(dk, what a head's state memory holds)");
+    p.kv_only_threshold = kv_only;
+    let with_kv_only = memory(&p);
+    assert_eq!(with_kv_only.kv_only_threshold, 15);
+    assert_eq!(with_kv_only.total_bytes, replay.total_bytes);
+    p.kv_only_threshold = kv_only + 1;
+    let mut m: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+    m.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
     assert_eq!(
-        replay.kv_only_threshold, 15,
-        "min(dk, what a head's state memory holds)"
+        kvr_gdn_pool_params_memory(&p, &mut m),
+        KVR_STATUS_OUT_OF_RANGE
     );
+    p.kv_only_threshold = KVR_GDN_THRESHOLD_DEFAULT;
     p.ring_len = 0;
     let snap = memory(&p);
     assert_eq!(snap.snapshot_bytes, 4 * snap.state_bytes);
+    assert_eq!(snap.kv_only_threshold, 0);
     assert!(snap.total_bytes > 2 * replay.total_bytes);
-    // A round trip: verify 3 drafts, accept 2, then a decode step.
+    // A round trip through KV-only mode: verify 3 drafts, accept 2, then a decode step.
     let ctx = cpu_ctx();
-    let p = params();
+    let mut p = params();
+    p.kv_only_threshold = kv_only;
     let mut pool = null_mut();
     ok(kvr_gdn_pool_new(ctx, &p, &mut pool));
     let mut seq = -1;
@@ -300,7 +315,19 @@ fn bad_input_is_a_status_and_changes_nothing() {
         assert!(last_error().contains(word), "{word}: {}", last_error());
         assert!(out.is_null());
     }
-    let p = params();
+    // Calls on a pool without KV-only mode (the default) and on one whose sequence stays
+    // KV-only throughout (at most 3 tokens + 2 drafts, threshold 15).
+    for thr in [KVR_GDN_THRESHOLD_DEFAULT, 15] {
+        let mut p = params();
+        p.kv_only_threshold = thr;
+        bad_calls_change_nothing(ctx, p);
+    }
+    kvr_context_free(ctx);
+}
+
+/// Failed calls on a pool made with `p` leave its cursors and states as they were.
+fn bad_calls_change_nothing(ctx: *mut kvr_context, p: kvr_gdn_pool_params) {
+    let mut out = null_mut();
     assert_eq!(kvr_gdn_pool_new(ctx, null(), &mut out), KVR_STATUS_NULL_ARG);
     assert_eq!(kvr_gdn_pool_new(ctx, &p, null_mut()), KVR_STATUS_NULL_ARG);
     assert_eq!(kvr_gdn_pool_new(null(), &p, &mut out), KVR_STATUS_NULL_ARG);
@@ -322,6 +349,12 @@ fn bad_input_is_a_status_and_changes_nothing() {
         null(),
         null_mut(),
     ));
+    let mode = if p.kv_only_threshold > 0 {
+        KVR_GDN_MODE_KV_ONLY
+    } else {
+        KVR_GDN_MODE_REPLAY
+    };
+    assert_eq!(cursor(pool, 0, seq).mode, mode);
     let before = (cursor(pool, 0, seq), cursor(pool, 1, seq));
     let mut st = vec![0f32; 2 * 32 * 32];
     let stv = host(&mut st, &[2, 32, 32]);
@@ -476,10 +509,75 @@ fn bad_input_is_a_status_and_changes_nothing() {
         kvr_gdn_pool_seq_add(pool, null_mut(), &mut x),
         KVR_STATUS_POOL_EXHAUSTED
     );
+    assert_eq!(cursor(pool, 0, seq).mode, mode);
     kvr_gdn_pool_free(pool);
     assert_eq!(
         kvr_gdn_pool_seq_add(pool, null_mut(), &mut x),
         KVR_STATUS_INVALID_ARG
     );
+}
+
+/// The default threshold is off: a default pool's sequences keep a state from their first
+/// token (replay mode), and both memory reports say 0. An explicit threshold still starts
+/// them KV-only, until a decode would take them past it.
+#[test]
+fn default_pools_replay_from_the_first_token() {
+    let ctx = cpu_ctx();
+    let mut rng = Rng::new(3);
+    for thr in [KVR_GDN_THRESHOLD_DEFAULT, KVR_GDN_THRESHOLD_OFF, 4] {
+        let mut p = params();
+        p.kv_only_threshold = thr;
+        let on = thr > 0;
+        let mode = if on {
+            KVR_GDN_MODE_KV_ONLY
+        } else {
+            KVR_GDN_MODE_REPLAY
+        };
+        assert_eq!(memory(&p).kv_only_threshold, thr.max(0) as i64);
+        let mut pool = null_mut();
+        ok(kvr_gdn_pool_new(ctx, &p, &mut pool));
+        let mut m: kvr_gdn_pool_memory = unsafe { std::mem::zeroed() };
+        m.struct_size = size_of::<kvr_gdn_pool_memory>() as u32;
+        ok(kvr_gdn_pool_get_memory(pool, &mut m));
+        assert_eq!(m.kv_only_threshold, thr.max(0) as i64, "threshold {thr}");
+        let mut seq = -1;
+        ok(kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq));
+        assert_eq!(cursor(pool, 0, seq).mode, mode, "threshold {thr}");
+        let mut idv = [seq];
+        let id = ids(&mut idv);
+        let mut sp = std::mem::MaybeUninit::uninit();
+        ok(kvr_gdn_step_params_default(sp.as_mut_ptr()));
+        let mut sp: kvr_gdn_step_params = unsafe { sp.assume_init() };
+        sp.l2norm_qk = 1;
+        for token in 1..=5 {
+            let mut s = Step::new(&mut rng, 1, 1);
+            let [q, k, v, g, beta, conv, out] = s.tensors();
+            ok(kvr_gdn_pool_decode(
+                pool,
+                0,
+                &id,
+                &q,
+                &k,
+                &v,
+                &g,
+                &beta,
+                &conv,
+                &out,
+                &sp,
+                null_mut(),
+            ));
+            assert!(s.out.iter().all(|x| x.is_finite()));
+            let c = cursor(pool, 0, seq);
+            // KV-only up to the threshold's 4 tokens; the fifth decode materializes.
+            let want = if on && token <= 4 {
+                KVR_GDN_MODE_KV_ONLY
+            } else {
+                KVR_GDN_MODE_REPLAY
+            };
+            assert_eq!(c.mode, want, "threshold {thr}, after token {token}");
+            assert_eq!(cursor(pool, 1, seq).mode, mode, "layer 1 has no tokens");
+        }
+        kvr_gdn_pool_free(pool);
+    }
     kvr_context_free(ctx);
 }

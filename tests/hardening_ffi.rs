@@ -222,6 +222,23 @@ fn gdn_params() -> kvr_gdn_pool_params {
     p
 }
 
+/// The KV-only threshold the tests of KV-only mode set (the default is off): min(dk, what a
+/// head's state memory holds) for `gdn_params()`, min(16, 1024 / 132) = 7.
+fn kv_only() -> kvr_gdn_threshold {
+    let t = kv_only_threshold(D as i32, D as i32, KVR_DTYPE_F32, KVR_DTYPE_F32);
+    assert_eq!(t, 7);
+    t
+}
+
+/// The mode a new sequence of a `gdn_params()` pool with threshold `thr` starts in.
+fn mode_of(thr: kvr_gdn_threshold) -> kvr_gdn_mode {
+    if thr > 0 {
+        KVR_GDN_MODE_KV_ONLY
+    } else {
+        KVR_GDN_MODE_REPLAY
+    }
+}
+
 fn gdn_pool(ctx: *mut kvr_context, p: &kvr_gdn_pool_params) -> *mut kvr_gdn_pool {
     let mut pool = null_mut();
     ok(kvr_gdn_pool_new(ctx, p, &mut pool));
@@ -686,8 +703,18 @@ fn a_larger_struct_size_with_unknown_fields_set_is_refused() {
 
 #[test]
 fn export_refuses_overlapping_outputs() {
+    // A sequence in replay mode (the default) and one still KV-only after 3 tokens, whose
+    // export computes the state from its entries.
+    for thr in [KVR_GDN_THRESHOLD_DEFAULT, kv_only()] {
+        export_refuses_overlapping_outputs_with(thr);
+    }
+}
+
+fn export_refuses_overlapping_outputs_with(thr: kvr_gdn_threshold) {
     let ctx = cpu_ctx();
-    let pool = gdn_pool(ctx, &gdn_params());
+    let mut p = gdn_params();
+    p.kv_only_threshold = thr;
+    let pool = gdn_pool(ctx, &p);
     let mut seq = -1;
     ok(kvr_gdn_pool_seq_add(pool, null_mut(), &mut seq));
     let mut rng = Rng::new(7);
@@ -696,6 +723,7 @@ fn export_refuses_overlapping_outputs() {
     for _ in 0..3 {
         ok(Inputs::new(&mut rng, 1, 0).run(pool, 0, &id, null()));
     }
+    assert_eq!(cursor(pool, 0, seq).mode, mode_of(thr));
     let mut st = vec![-7f32; (HV * D * D) as usize];
     let mut conv = vec![-7f32; (2 * CONV) as usize];
     let shape = [HV, D, D];
@@ -942,8 +970,17 @@ fn recurrent_pools_have_no_kv_only_threshold() {
 
 #[test]
 fn pending_drafts_are_refused_and_null_params_are_the_defaults() {
+    // Drafts pending on a sequence in replay mode (the default) and on one still KV-only
+    // (0 + 2 * 3 tokens <= the threshold).
+    for thr in [KVR_GDN_THRESHOLD_DEFAULT, kv_only()] {
+        pending_drafts_are_refused_with(thr);
+    }
+}
+
+fn pending_drafts_are_refused_with(thr: kvr_gdn_threshold) {
     let ctx = cpu_ctx();
-    let p = gdn_params();
+    let mut p = gdn_params();
+    p.kv_only_threshold = thr;
     let (p1, p2) = (gdn_pool(ctx, &p), gdn_pool(ctx, &p));
     let mut rng = Rng::new(13);
     let mut seq = -1;
@@ -969,6 +1006,7 @@ fn pending_drafts_are_refused_and_null_params_are_the_defaults() {
     ok(x.run(p1, 0, &id, null()));
     ok(y.run(p2, 0, &id, &defaults));
     assert_eq!(x.out, y.out, "NULL params and the defaults differ");
+    assert_eq!(cursor(p1, 0, seq).mode, mode_of(thr));
     let before = format!("{:?}", cursor(p1, 0, seq));
     let mut st = vec![-3f32; (HV * D * D) as usize];
     let stt = host_f32(&mut st, &[HV, D, D]);

@@ -398,7 +398,7 @@ fn mamba2_pool_params_from_a_model_decode() {
                 4,
                 KVR_STATE_V_MAJOR,
                 s.max_seqs[KVR_MODEL_LAYOUT_PAGED_RING as usize],
-                KVR_GDN_THRESHOLD_DEFAULT
+                KVR_GDN_THRESHOLD_DEFAULT // off
             ),
             "{arch}"
         );
@@ -412,50 +412,195 @@ fn mamba2_pool_params_from_a_model_decode() {
             "{arch}"
         );
         assert_eq!(mem.snapshot_bytes, 0);
-        // Two decode steps on two sequences of the first Mamba-2 layer, with the model's
-        // A, D and dt_bias, against a direct f64 recurrence.
-        let layer = 0;
-        let (h, pd, g, n, cd, b) = (8usize, 16usize, 2usize, 16usize, 192usize, 2usize);
-        let (a_t, a) = weights(m, &format!("blk.{layer}.ssm_a"), h as i64);
-        let (d_t, d) = weights(m, &format!("blk.{layer}.ssm_d"), h as i64);
-        let (bias_t, bias) = weights(m, &format!("blk.{layer}.ssm_dt.bias"), h as i64);
-        let mut seqs = [0i32; 2];
-        for s in &mut seqs {
-            ok(kvr_mamba2_pool_seq_add(pool, null_mut(), s));
-        }
-        let mut rng = Rng::new(7);
-        let mut state = vec![0f64; b * h * pd * n];
-        let host = |v: &mut Vec<f32>, shape: &[i64]| {
-            tensor(
-                v.as_mut_ptr() as *mut _,
-                KVR_DTYPE_F32,
-                KVR_DEVICE_HOST,
-                shape,
-                &contiguous_strides(shape),
-            )
-        };
-        let mut ids = seqs.to_vec();
-        let ids_t = tensor(
-            ids.as_mut_ptr() as *mut _,
-            KVR_DTYPE_I32,
-            KVR_DEVICE_HOST,
-            &[b as i64],
-            &[1],
+        assert_eq!(
+            mem.kv_only_threshold, 0,
+            "{arch}: pools planned from a model use 0"
         );
-        for _step in 0..2 {
-            let mut x = rng.vec(b * h * pd, -1.0, 1.0);
-            let mut dt = rng.vec(b * h, -1.0, 1.0);
-            let mut bm = rng.vec(b * g * n, -1.0, 1.0);
-            let mut cm = rng.vec(b * g * n, -1.0, 1.0);
-            let mut conv = rng.vec(b * cd, -1.0, 1.0);
-            let mut out = vec![0f32; b * h * pd];
-            let (x_t, dt_t, b_t, c_t, conv_t, out_t) = (
-                host(&mut x, &[b as i64, h as i64, pd as i64]),
-                host(&mut dt, &[b as i64, h as i64]),
-                host(&mut bm, &[b as i64, g as i64, n as i64]),
-                host(&mut cm, &[b as i64, g as i64, n as i64]),
-                host(&mut conv, &[b as i64, cd as i64]),
-                host(&mut out, &[b as i64, h as i64, pd as i64]),
+        two_decodes(m, arch, pool, KVR_GDN_MODE_REPLAY);
+        kvr_mamba2_pool_free(pool);
+        // The same decodes through KV-only mode, on request: min(d_state, what a head's
+        // state memory holds) = min(16, 1024 / 132) = 7 tokens.
+        let mut kp = mp;
+        kp.kv_only_threshold =
+            kv_only_threshold(mp.d_state, mp.head_dim, mp.state_dtype, mp.entry_dtype);
+        assert_eq!(kp.kv_only_threshold, 7);
+        let (pool, mem) = mamba2_pool(ctx, &kp);
+        assert_eq!(mem.kv_only_threshold, 7);
+        assert_eq!(mem.total_bytes, s.mamba2_bytes_per_seq, "{arch}");
+        two_decodes(m, arch, pool, KVR_GDN_MODE_KV_ONLY);
+        kvr_mamba2_pool_free(pool);
+        kvr_context_free(ctx);
+        kvr_model_free(m);
+    }
+}
+
+/// Two decode steps on two new sequences of `pool` (the first Mamba-2 layer of `m`), with
+/// the model's A, D and dt_bias, against a direct f64 recurrence; the sequences stay in
+/// `mode`.
+fn two_decodes(m: *mut kvr_model, arch: &str, pool: *mut kvr_mamba2_pool, mode: kvr_gdn_mode) {
+    let layer = 0;
+    let (h, pd, g, n, cd, b) = (8usize, 16usize, 2usize, 16usize, 192usize, 2usize);
+    let (a_t, a) = weights(m, &format!("blk.{layer}.ssm_a"), h as i64);
+    let (d_t, d) = weights(m, &format!("blk.{layer}.ssm_d"), h as i64);
+    let (bias_t, bias) = weights(m, &format!("blk.{layer}.ssm_dt.bias"), h as i64);
+    let mut seqs = [0i32; 2];
+    for s in &mut seqs {
+        ok(kvr_mamba2_pool_seq_add(pool, null_mut(), s));
+        assert_eq!(mamba2_mode(pool, layer, *s), mode, "{arch}");
+    }
+    let mut rng = Rng::new(7);
+    let mut state = vec![0f64; b * h * pd * n];
+    let host = |v: &mut Vec<f32>, shape: &[i64]| {
+        tensor(
+            v.as_mut_ptr() as *mut _,
+            KVR_DTYPE_F32,
+            KVR_DEVICE_HOST,
+            shape,
+            &contiguous_strides(shape),
+        )
+    };
+    let mut ids = seqs.to_vec();
+    let ids_t = tensor(
+        ids.as_mut_ptr() as *mut _,
+        KVR_DTYPE_I32,
+        KVR_DEVICE_HOST,
+        &[b as i64],
+        &[1],
+    );
+    for _step in 0..2 {
+        let mut x = rng.vec(b * h * pd, -1.0, 1.0);
+        let mut dt = rng.vec(b * h, -1.0, 1.0);
+        let mut bm = rng.vec(b * g * n, -1.0, 1.0);
+        let mut cm = rng.vec(b * g * n, -1.0, 1.0);
+        let mut conv = rng.vec(b * cd, -1.0, 1.0);
+        let mut out = vec![0f32; b * h * pd];
+        let (x_t, dt_t, b_t, c_t, conv_t, out_t) = (
+            host(&mut x, &[b as i64, h as i64, pd as i64]),
+            host(&mut dt, &[b as i64, h as i64]),
+            host(&mut bm, &[b as i64, g as i64, n as i64]),
+            host(&mut cm, &[b as i64, g as i64, n as i64]),
+            host(&mut conv, &[b as i64, cd as i64]),
+            host(&mut out, &[b as i64, h as i64, pd as i64]),
+        );
+        let io = kvr_mamba2_tensors {
+            seq_ids: &ids_t,
+            x: &x_t,
+            dt: &dt_t,
+            a: &a_t,
+            b: &b_t,
+            c: &c_t,
+            d: &d_t,
+            z: null(),
+            dt_bias: &bias_t,
+            conv_in: &conv_t,
+            out: &out_t,
+        };
+        ok(kvr_mamba2_pool_decode(pool, layer, &io, null(), null_mut()));
+        let mut worst = 0f64;
+        for r in 0..b {
+            for hh in 0..h {
+                let gg = hh / (h / g);
+                let v = dt[r * h + hh] as f64 + bias[hh] as f64;
+                let dtp = if v > 20.0 { v } else { v.exp().ln_1p() };
+                let decay = (a[hh] as f64 * dtp).exp();
+                for p_ in 0..pd {
+                    let xv = x[(r * h + hh) * pd + p_] as f64;
+                    let mut y = d[hh] as f64 * xv;
+                    for k in 0..n {
+                        let st = &mut state[((r * h + hh) * pd + p_) * n + k];
+                        *st = decay * *st + dtp * xv * bm[(r * g + gg) * n + k] as f64;
+                        y += *st * cm[(r * g + gg) * n + k] as f64;
+                    }
+                    let got = out[(r * h + hh) * pd + p_] as f64;
+                    worst = worst.max((got - y).abs() / (1.0 + y.abs()));
+                }
+            }
+        }
+        assert!(worst < 1e-4, "{arch}: decode off by {worst}");
+        for s in seqs {
+            assert_eq!(mamba2_mode(pool, layer, s), mode, "{arch}");
+        }
+    }
+}
+
+/// The mode of sequence `seq` of a Mamba-2 pool in `layer`.
+fn mamba2_mode(pool: *const kvr_mamba2_pool, layer: i32, seq: i32) -> kvr_gdn_mode {
+    let mut c = kvr_gdn_cursor {
+        mode: -1,
+        ring_start: -1,
+        buffered: -1,
+        pending: -1,
+    };
+    ok(kvr_mamba2_pool_get_cursor(pool, layer, seq, &mut c));
+    c.mode
+}
+
+/// The default KV-only threshold is off for Mamba-2 pools too: a default pool's sequences
+/// replay from their first token and the pool reports 0; an explicit threshold still
+/// starts them KV-only, until a decode would take them past it.
+#[test]
+fn mamba2_default_pools_replay_from_the_first_token() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let host = |v: &mut Vec<f32>, shape: &[i64]| {
+        tensor(
+            v.as_mut_ptr() as *mut _,
+            KVR_DTYPE_F32,
+            KVR_DEVICE_HOST,
+            shape,
+            &contiguous_strides(shape),
+        )
+    };
+    let mut rng = Rng::new(5);
+    for thr in [KVR_GDN_THRESHOLD_DEFAULT, KVR_GDN_THRESHOLD_OFF, 3] {
+        let mut p = std::mem::MaybeUninit::uninit();
+        ok(kvr_mamba2_pool_params_default(p.as_mut_ptr()));
+        let mut p: kvr_mamba2_pool_params = unsafe { p.assume_init() };
+        assert_eq!(p.kv_only_threshold, KVR_GDN_THRESHOLD_DEFAULT);
+        (p.n_layers, p.n_heads, p.head_dim, p.n_groups, p.d_state) = (1, 2, 8, 1, 8);
+        p.max_seqs = 2;
+        p.kv_only_threshold = thr;
+        let on = thr > 0;
+        if on {
+            // min(d_state, what a head's state memory holds): min(8, 256 / 68).
+            assert_eq!(
+                thr,
+                kv_only_threshold(p.d_state, p.head_dim, p.state_dtype, p.entry_dtype)
+            );
+        }
+        let (pool, mem) = mamba2_pool(ctx, &p);
+        assert_eq!(mem.kv_only_threshold, thr.max(0) as i64, "threshold {thr}");
+        let mut seq = -1;
+        ok(kvr_mamba2_pool_seq_add(pool, null_mut(), &mut seq));
+        let mode = |token: i32| {
+            if on && token <= thr {
+                KVR_GDN_MODE_KV_ONLY
+            } else {
+                KVR_GDN_MODE_REPLAY
+            }
+        };
+        assert_eq!(mamba2_mode(pool, 0, seq), mode(0), "threshold {thr}");
+        let mut a = vec![-0.5f32, -1.0];
+        let a_t = host(&mut a, &[2]);
+        for token in 1..=4 {
+            let mut ids = vec![seq];
+            let ids_t = tensor(
+                ids.as_mut_ptr() as *mut _,
+                KVR_DTYPE_I32,
+                KVR_DEVICE_HOST,
+                &[1],
+                &[1],
+            );
+            let mut x = rng.vec(16, -1.0, 1.0);
+            let mut dt = rng.vec(2, -1.0, 1.0);
+            let mut bm = rng.vec(8, -1.0, 1.0);
+            let mut cm = rng.vec(8, -1.0, 1.0);
+            let mut out = vec![f32::NAN; 16];
+            let (x_t, dt_t, b_t, c_t, out_t) = (
+                host(&mut x, &[1, 2, 8]),
+                host(&mut dt, &[1, 2]),
+                host(&mut bm, &[1, 1, 8]),
+                host(&mut cm, &[1, 1, 8]),
+                host(&mut out, &[1, 2, 8]),
             );
             let io = kvr_mamba2_tensors {
                 seq_ids: &ids_t,
@@ -464,39 +609,23 @@ fn mamba2_pool_params_from_a_model_decode() {
                 a: &a_t,
                 b: &b_t,
                 c: &c_t,
-                d: &d_t,
+                d: null(),
                 z: null(),
-                dt_bias: &bias_t,
-                conv_in: &conv_t,
+                dt_bias: null(),
+                conv_in: null(),
                 out: &out_t,
             };
-            ok(kvr_mamba2_pool_decode(pool, layer, &io, null(), null_mut()));
-            let mut worst = 0f64;
-            for r in 0..b {
-                for hh in 0..h {
-                    let gg = hh / (h / g);
-                    let v = dt[r * h + hh] as f64 + bias[hh] as f64;
-                    let dtp = if v > 20.0 { v } else { v.exp().ln_1p() };
-                    let decay = (a[hh] as f64 * dtp).exp();
-                    for p_ in 0..pd {
-                        let xv = x[(r * h + hh) * pd + p_] as f64;
-                        let mut y = d[hh] as f64 * xv;
-                        for k in 0..n {
-                            let st = &mut state[((r * h + hh) * pd + p_) * n + k];
-                            *st = decay * *st + dtp * xv * bm[(r * g + gg) * n + k] as f64;
-                            y += *st * cm[(r * g + gg) * n + k] as f64;
-                        }
-                        let got = out[(r * h + hh) * pd + p_] as f64;
-                        worst = worst.max((got - y).abs() / (1.0 + y.abs()));
-                    }
-                }
-            }
-            assert!(worst < 1e-4, "{arch}: decode off by {worst}");
+            ok(kvr_mamba2_pool_decode(pool, 0, &io, null(), null_mut()));
+            assert!(out.iter().all(|v| v.is_finite()));
+            assert_eq!(
+                mamba2_mode(pool, 0, seq),
+                mode(token),
+                "threshold {thr}, after token {token}"
+            );
         }
         kvr_mamba2_pool_free(pool);
-        kvr_context_free(ctx);
-        kvr_model_free(m);
     }
+    kvr_context_free(ctx);
 }
 
 /// Nemotron-H-8B's Mamba-2 shape (head dim 64, state dim 128): the getter puts each in its

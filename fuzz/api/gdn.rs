@@ -55,11 +55,10 @@ impl Cfg {
         let head = self.dk * self.dv * dsize(self.state_dtype);
         head / ((self.dk + self.dv) * dsize(self.entry_dtype) + 4)
     }
-    /// The threshold the pool uses.
+    /// The threshold the pool uses (the default is off for every pool).
     fn tau(&self) -> usize {
         match self.tau_param {
-            KVR_GDN_THRESHOLD_DEFAULT if self.ring == 0 => 0,
-            KVR_GDN_THRESHOLD_DEFAULT => self.dk.min(self.capacity()),
+            KVR_GDN_THRESHOLD_DEFAULT => 0,
             n => n as usize,
         }
     }
@@ -520,7 +519,7 @@ fn bad_create(c: &Cfg, ext: &mut [Mem], bad: BadNew) {
         BadNew::StateF16 => {
             p.state_dtype = KVR_DTYPE_F16;
             want.add(KVR_STATUS_DTYPE_MISMATCH);
-            // The default threshold follows the state dtype; an explicit one may no longer fit.
+            // An explicit threshold may no longer fit the smaller state.
             want.add_if(c.tau_param > 0, KVR_STATUS_OUT_OF_RANGE);
         }
         BadNew::StateI32 => {
@@ -798,9 +797,12 @@ impl Harness for GdnHarness {
             conv_dtype,
             external,
         };
+        // Off, the default (off too), a count up to the capacity, or min(dk, capacity): the
+        // largest useful count, which the default picked before it became off.
         c.tau_param = match inp.below(4) {
             0 => KVR_GDN_THRESHOLD_OFF,
             1 if ring > 0 && c.capacity() > 0 => 1 + inp.below(c.capacity()) as i32,
+            3 if ring > 0 => dk.min(c.capacity()) as i32,
             _ => KVR_GDN_THRESHOLD_DEFAULT,
         };
         let mut ext = Vec::new();

@@ -36,8 +36,16 @@ pub const KVR_STATE_V_MAJOR: kvr_state_layout = 1 as kvr_state_layout;
 /// A KV-only threshold in tokens (`kvr_gdn_pool_params.kv_only_threshold`): a count >= 0
 /// or `KVR_GDN_THRESHOLD_DEFAULT`.
 pub type kvr_gdn_threshold = i32;
-/// Picks the default threshold: min(dk, what one head's state memory holds) for a replay
-/// pool, off for a recurrent pool (`ring_len` 0).
+/// Picks the default threshold: 0 (off, as `KVR_GDN_THRESHOLD_OFF`) for every pool, replay
+/// or recurrent, GDN or Mamba-2; pools planned from GGUF files use 0 too. KV-only mode is
+/// an opt-in (an explicit count > 0) because a pool with it does not get the fastest CUDA
+/// replay kernels (warp-streaming and one-launch decode, streaming verify). Measured on an
+/// H200 (bf16 entries, ring 16, decode after 140 tokens, us per step, the threshold
+/// min(dk, what one head's state memory holds) that the default used to pick against off),
+/// such a pool decodes 1.8-2.9x slower for the rest of every sequence (B = 1: 19.6 vs 6.7,
+/// B = 8: 33.2 vs 18.4, B = 64: 154.5 vs 62.3), and KV-only decode itself is slower than
+/// replay at B = 1 at every length and at B = 8 beyond about 20 tokens; it is faster for
+/// large batches of short sequences (B = 64 up to about 50 tokens).
 pub const KVR_GDN_THRESHOLD_DEFAULT: kvr_gdn_threshold = -1 as kvr_gdn_threshold;
 /// No KV-only mode: every sequence keeps a state from its first token.
 pub const KVR_GDN_THRESHOLD_OFF: kvr_gdn_threshold = 0 as kvr_gdn_threshold;
@@ -89,10 +97,11 @@ pub struct kvr_gdn_pool_params {
     /// until its state is materialized (for good) before a decode that would take it past
     /// this many tokens, before a verify of T drafts when its length + 2T exceeds this
     /// (whatever is accepted later: a verify can end KV-only mode at fewer tokens), or by
-    /// an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) =
-    /// min(dk, the entries one head's state memory holds) for a replay pool and 0 (off)
-    /// for a recurrent pool (`ring_len` 0 has no KV-only mode: a value > 0 there is
-    /// `KVR_STATUS_INVALID_ARG`); `KVR_GDN_THRESHOLD_OFF` = off.
+    /// an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) and
+    /// `KVR_GDN_THRESHOLD_OFF` = 0, off (`KVR_GDN_THRESHOLD_DEFAULT` says why). A count > 0
+    /// turns it on (at most the entries one head's state memory holds; min(dk, that) was
+    /// the default before) and keeps the pool off the fastest CUDA replay kernels;
+    /// `ring_len` 0 has no KV-only mode: a value > 0 there is `KVR_STATUS_INVALID_ARG`.
     pub kv_only_threshold: kvr_gdn_threshold,
     /// Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
     pub max_drafts: i32,
@@ -179,9 +188,10 @@ pub(crate) fn config_from(
         conv_kernel: non_negative("conv_kernel", p.conv_kernel)?,
         conv_dtype: dtype_from_c(p.conv_dtype)?,
     };
+    // The default is off for every pool (KVR_GDN_THRESHOLD_DEFAULT's doc says why); only an
+    // explicit count turns KV-only mode on.
     cfg.kv_only_threshold = match p.kv_only_threshold {
-        KVR_GDN_THRESHOLD_DEFAULT if ring_len == 0 => 0,
-        KVR_GDN_THRESHOLD_DEFAULT => cfg.dk.min(cfg.kv_only_capacity()),
+        KVR_GDN_THRESHOLD_DEFAULT => 0,
         n => non_negative("kv_only_threshold", n)?,
     };
     let states = if p.states.is_null() {
@@ -210,9 +220,9 @@ fn pool_from(p: *const kvr_gdn_pool) -> Result<Arc<GdnPool>> {
     GDN_POOLS.get(p as usize)
 }
 
-/// Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
-/// and ring, K-major, 256 sequences, no conv window, owned memory); the caller still sets
-/// `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
+/// Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`: no KV-only
+/// mode, f32 state and ring, K-major, 256 sequences, no conv window, owned memory); the
+/// caller still sets `n_layers`, `n_k_heads`, `n_v_heads`, `dk` and `dv`.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
 /// Ownership: `*params` is the caller's; nothing is kept.

@@ -54,8 +54,9 @@ pub struct kvr_mamba2_pool_params {
     /// Ring length L (default 16); 0 = recurrent mode (one state snapshot per draft).
     pub ring_len: i32,
     /// KV-only mode for short sequences, as `kvr_gdn_pool_params.kv_only_threshold`
-    /// (default `KVR_GDN_THRESHOLD_DEFAULT`: min(d_state, what one head's state memory
-    /// holds) for a replay pool, off for a recurrent pool).
+    /// (default `KVR_GDN_THRESHOLD_DEFAULT`: off, as for GDN pools; a count > 0, at most
+    /// what one head's state memory holds, turns it on and keeps the pool off the fastest
+    /// CUDA replay kernels).
     pub kv_only_threshold: kvr_gdn_threshold,
     /// Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
     pub max_drafts: i32,
@@ -127,9 +128,9 @@ fn as_replay_params(p: &kvr_mamba2_pool_params) -> kvr_gdn_pool_params {
     }
 }
 
-/// Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`, f32 state
-/// and ring, V-major, 256 sequences, no conv window, owned memory); the caller still sets
-/// `n_layers`, `n_heads`, `head_dim`, `n_groups` and `d_state`.
+/// Fills `*params` with the defaults (ring of 16, `KVR_GDN_THRESHOLD_DEFAULT`: no KV-only
+/// mode, f32 state and ring, V-major, 256 sequences, no conv window, owned memory); the
+/// caller still sets `n_layers`, `n_heads`, `head_dim`, `n_groups` and `d_state`.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` (`params` is NULL).
 /// Ownership: `*params` is the caller's; nothing is kept.

@@ -48,6 +48,16 @@ pub fn dtype_size(dtype: kvr_dtype) -> usize {
     DTYPES.iter().find(|d| d.0 == dtype).unwrap().2
 }
 
+/// min(dk, the KV-only entries one value head's state memory holds): the largest useful
+/// KV-only threshold of a replay pool, which `KVR_GDN_THRESHOLD_DEFAULT` picked before the
+/// default became off. Tests of KV-only mode through the C API set it explicitly.
+pub fn kv_only_threshold(dk: i32, dv: i32, state_dtype: kvr_dtype, entry_dtype: kvr_dtype) -> i32 {
+    let (dk, dv) = (dk as usize, dv as usize);
+    let head = dk * dv * dtype_size(state_dtype);
+    let capacity = head / ((dk + dv) * dtype_size(entry_dtype) + 4);
+    dk.min(capacity) as i32
+}
+
 /// A host buffer of `n` elements of `dtype`, 16-byte aligned, filled with `bits`.
 pub struct HostBuf {
     words: Vec<u128>,
