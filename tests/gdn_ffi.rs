@@ -127,6 +127,29 @@ fn verify(pool: *mut kvr_gdn_pool, layer: i32, id: &kvr_tensor, s: &mut Step) ->
     )
 }
 
+/// One decode of `s` with l2-normalized q and k (the step's other options at their defaults).
+fn decode_l2(pool: *mut kvr_gdn_pool, layer: i32, id: &kvr_tensor, s: &mut Step) -> kvr_status {
+    let [q, k, v, g, beta, conv, out] = s.tensors();
+    let mut sp = std::mem::MaybeUninit::uninit();
+    ok(kvr_gdn_step_params_default(sp.as_mut_ptr()));
+    let mut sp: kvr_gdn_step_params = unsafe { sp.assume_init() };
+    sp.l2norm_qk = 1;
+    kvr_gdn_pool_decode(
+        pool,
+        layer,
+        id,
+        &q,
+        &k,
+        &v,
+        &g,
+        &beta,
+        &conv,
+        &out,
+        &sp,
+        null_mut(),
+    )
+}
+
 #[test]
 fn params_sizing_and_a_round_trip() {
     let mut d = std::mem::MaybeUninit::uninit();
@@ -198,25 +221,7 @@ fn params_sizing_and_a_round_trip() {
     );
     assert!(window[..8].iter().all(|&x| x == 0.0));
     let mut s1 = Step::new(&mut rng, 1, 1);
-    let [q, k, v, g, beta, conv, out] = s1.tensors();
-    let mut sp = std::mem::MaybeUninit::uninit();
-    ok(kvr_gdn_step_params_default(sp.as_mut_ptr()));
-    let mut sp: kvr_gdn_step_params = unsafe { sp.assume_init() };
-    sp.l2norm_qk = 1;
-    ok(kvr_gdn_pool_decode(
-        pool,
-        1,
-        &id,
-        &q,
-        &k,
-        &v,
-        &g,
-        &beta,
-        &conv,
-        &out,
-        &sp,
-        null_mut(),
-    ));
+    ok(decode_l2(pool, 1, &id, &mut s1));
     assert_eq!(cursor(pool, 1, seq).buffered, 3);
     // Export, flush, import, reset.
     let mut st = vec![0f32; 2 * 32 * 32];
@@ -545,27 +550,9 @@ fn default_pools_replay_from_the_first_token() {
         assert_eq!(cursor(pool, 0, seq).mode, mode, "threshold {thr}");
         let mut idv = [seq];
         let id = ids(&mut idv);
-        let mut sp = std::mem::MaybeUninit::uninit();
-        ok(kvr_gdn_step_params_default(sp.as_mut_ptr()));
-        let mut sp: kvr_gdn_step_params = unsafe { sp.assume_init() };
-        sp.l2norm_qk = 1;
         for token in 1..=5 {
             let mut s = Step::new(&mut rng, 1, 1);
-            let [q, k, v, g, beta, conv, out] = s.tensors();
-            ok(kvr_gdn_pool_decode(
-                pool,
-                0,
-                &id,
-                &q,
-                &k,
-                &v,
-                &g,
-                &beta,
-                &conv,
-                &out,
-                &sp,
-                null_mut(),
-            ));
+            ok(decode_l2(pool, 0, &id, &mut s));
             assert!(s.out.iter().all(|x| x.is_finite()));
             let c = cursor(pool, 0, seq);
             // KV-only up to the threshold's 4 tokens; the fifth decode materializes.
