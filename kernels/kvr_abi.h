@@ -509,6 +509,29 @@ typedef struct {
   float l2norm_eps;          /* eps of the L2 norm */
 } kvr_gdn_recur_args;
 
+/* The one-token form of kvr_gdn_recur_args (kvr_gdn_recur1[n]_d<dk>_r<rows>): every tensor
+ * f32, no snapshots, B whole sequences, each token tensor spanning fewer than 2^31 elements
+ * (32-bit strides). A compact block: the kernel's parameter reads stay within a few
+ * constant-cache lines, which a batch of one sequence waits on (bench/gdn_recur_ab.cu).
+ * Grid (dv / (rows * 4), hv, B), KVR_GDN_RECUR_THREADS threads. */
+typedef struct {
+  KVR_PTR(const float) q;
+  KVR_PTR(const float) k;
+  KVR_PTR(const float) v;
+  KVR_PTR(const float) g;
+  KVR_PTR(const float) beta;
+  KVR_PTR(const float) state_in;
+  KVR_PTR(float) out;
+  KVR_PTR(float) state_out;
+  int64_t si[3];                /* state_in strides (b, h, value row), elements */
+  int64_t so[3];                /* state_out strides */
+  int32_t qs[2], ks[2];         /* q, k strides (b, key head) */
+  int32_t vs[3], ys[3];         /* v, out strides (b, value head, value row) */
+  int32_t gs[2], bs[2];         /* g, beta strides (b, value head) */
+  int32_t hq, kh_div, tiled, l2norm;
+  float scale, l2norm_eps;
+} kvr_gdn_recur1_args;
+
 /* The decode scratch of the warp-streaming decode (gdn_wdecode.cu, kvr_gdn_step_args.scratch),
  * floats, for `b` batch rows, written by kvr_gdn_dprep_* and read by kvr_gdn_wdecode_*: per row
  * a header of 4 int32 (start, buffered entries, flush, base) at hdr; per (row, value head) a

@@ -460,6 +460,32 @@ abi_structs! {
         scale: f32,
         l2norm_eps: f32,
     }
+
+    /// `kvr_gdn_recur1[n]_d<dk>_r<rows>`: the one-token f32 form of the recurrent step.
+    struct GdnRecur1Args = "kvr_gdn_recur1_args" {
+        q: u64,
+        k: u64,
+        v: u64,
+        g: u64,
+        beta: u64,
+        state_in: u64,
+        out: u64,
+        state_out: u64,
+        si: [i64; 3],
+        so: [i64; 3],
+        qs: [i32; 2],
+        ks: [i32; 2],
+        vs: [i32; 3],
+        ys: [i32; 3],
+        gs: [i32; 2],
+        bs: [i32; 2],
+        hq: i32,
+        kh_div: i32,
+        tiled: i32,
+        l2norm: i32,
+        scale: f32,
+        l2norm_eps: f32,
+    }
 }
 
 /// The kernels' code for a dtype (`KVR_DT_*`); i32 travels as f32 (4-byte bit copies).

@@ -1162,6 +1162,38 @@ fn recur_cases() -> Vec<Case> {
     c.in_place = true;
     c.splits = vec![(3, 9)];
     cases.push(c);
+    // One token: the one-token kernel (kvr_gdn_recur1*) at 1, 2 and 4 rows per warp (batch
+    // 1, 4 and 16 of the Qwen3-Next layer), in place over permuted q/k and padded states,
+    // grouped heads with the fla norm; and the calls it must leave to the general kernel:
+    // a partial group (dv 42), split items, f16 tensors, snapshots, no state_out.
+    for b in [4, 16] {
+        let mut c = Case::new(b, 1, 16, 32, 128);
+        c.tiled = true;
+        c.pdl = true;
+        cases.push(c);
+    }
+    let mut c = Case::new(3, 1, 2, 4, 64);
+    c.in_place = true;
+    c.permuted = true;
+    c.padded_state = true;
+    cases.push(c.clone());
+    c.l2norm = true;
+    c.scale = 0.7;
+    cases.push(c);
+    let mut c = Case::new(5, 1, 4, 16, 32);
+    c.dv = 42;
+    cases.push(c);
+    let mut c = Case::new(3, 1, 2, 4, 128);
+    c.splits = vec![(0, 5), (5, 12)];
+    cases.push(c);
+    let mut c = Case::new(2, 1, 2, 4, 256);
+    c.dtype = KVR_DTYPE_F16;
+    cases.push(c);
+    let mut c = Case::new(2, 1, 2, 4, 64);
+    c.snaps = 1;
+    cases.push(c.clone());
+    c.state_out = false;
+    cases.push(c);
     cases
 }
 

@@ -88,19 +88,20 @@ if has perf; then
   perf builtin KVR_LLAMA=0
   perf kvreplay KVR_LLAMA=1
   perf fused KVR_LLAMA_FUSE_NORMS=1
+  perf general KVR_GDN_RECUR1=0
   for r in 1 2 4; do perf "kvreplay-r$r" KVR_GDN_RECUR_ROWS=$r; done
   us() { # FILE N_SEQS -> us/run
     grep -E "n_seqs=$2,v_repeat=2" "$1" | grep -Eo '[0-9.]+ us/run' | head -n 1 | cut -d' ' -f1
   }
   {
-    printf '%-6s %10s %10s %9s %8s %8s %8s %9s %9s\n' "seqs" "built-in" "kvreplay" "fused" "r1" "r2" "r4" \
-      "ratio" "fused"
+    printf '%-6s %10s %10s %9s %8s %8s %8s %8s %9s %9s\n' "seqs" "built-in" "kvreplay" "fused" "general" "r1" \
+      "r2" "r4" "ratio" "fused"
     for b in 1 8 32 128 256; do
       bi="$(us "$out/perf-builtin.txt" $b)"
       kv="$(us "$out/perf-kvreplay.txt" $b)"
       nf="$(us "$out/perf-fused.txt" $b)"
-      printf '%-6s %10s %10s %9s %8s %8s %8s %9s %9s\n' "$b" "${bi:-?}" "${kv:-?}" "${nf:-?}" \
-        "$(us "$out/perf-kvreplay-r1.txt" $b)" "$(us "$out/perf-kvreplay-r2.txt" $b)" \
+      printf '%-6s %10s %10s %9s %8s %8s %8s %8s %9s %9s\n' "$b" "${bi:-?}" "${kv:-?}" "${nf:-?}" \
+        "$(us "$out/perf-general.txt" $b)" "$(us "$out/perf-kvreplay-r1.txt" $b)" "$(us "$out/perf-kvreplay-r2.txt" $b)" \
         "$(us "$out/perf-kvreplay-r4.txt" $b)" \
         "$(awk -v a="${bi:-0}" -v b="${kv:-0}" 'BEGIN { if (b > 0) printf "%.3f", a / b; else print "?" }')" \
         "$(awk -v a="${bi:-0}" -v b="${nf:-0}" 'BEGIN { if (b > 0) printf "%.3f", a / b; else print "?" }')"
@@ -109,7 +110,7 @@ if has perf; then
   echo "(us per run of the op: test-backend-ops evaluates the q/k L2 norms once and repeats the"
   echo " GATED_DELTA_NET node; ratio = built-in / kvreplay; fused: KVR_LLAMA_FUSE_NORMS=1, kvreplay"
   echo " normalizes q/k in its kernel and the norm nodes are skipped; r1/r2/r4: kvreplay with"
-  echo " 1/2/4 value rows per warp forced)"
+  echo " 1/2/4 value rows per warp forced; general: KVR_GDN_RECUR1=0, one-token calls on the general kernel)"
   {
     printf '{\n'
     sep=""

@@ -93,6 +93,10 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_recur_d<dk>_r<rows>` (kernels/gdn_recur.cu): the stateless recurrent step
     /// over the caller's tensors; dk in [`GDN_RECUR_DKS`], rows per warp in [`GDN_RECUR_ROWS`].
     GdnRecur { dk: usize, rows: usize },
+    /// `kvr_gdn_recur1[n]_d<dk>_r<rows>` (kernels/gdn_recur.cu): its one-token f32 form
+    /// (`n`: q and k L2-normalized in the kernel); dk in [`GDN_RECUR_DKS`], rows per warp
+    /// in [`GDN_RECUR_ROWS`].
+    GdnRecur1 { dk: usize, rows: usize, norm: bool },
     /// `kvr_gdn_dprep_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the per-sequence part of the
     /// warp-streaming decode (metadata, key products, weights, new key and decay); dk in
     /// [`GDN_DECODE_DKS`], rings of up to 16 or 32 entries.
@@ -149,7 +153,8 @@ const WGKV_SCATTER: usize = 115;
 const GDN_FDECODE_BASE: usize = 116;
 const GDN_VERIFY_ADD_BASE: usize = 128;
 const GDN_KVONLY_BASE: usize = 140;
-const KERNEL_COUNT: usize = 146;
+const GDN_RECUR1_BASE: usize = 146;
+const KERNEL_COUNT: usize = 170;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -248,6 +253,13 @@ impl Kernel {
                 v.push(Kernel::GdnKvOnly { state, dk });
             }
         }
+        for dk in GDN_RECUR_DKS {
+            for rows in GDN_RECUR_ROWS {
+                for norm in [false, true] {
+                    v.push(Kernel::GdnRecur1 { dk, rows, norm });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -304,6 +316,14 @@ impl Kernel {
                 GDN_RECUR_BASE
                     + d.expect("a compiled recurrent dk") * GDN_RECUR_ROWS.len()
                     + r.expect("compiled rows per warp")
+            }
+            Kernel::GdnRecur1 { dk, rows, norm } => {
+                let d = GDN_RECUR_DKS.iter().position(|&x| x == dk);
+                let r = GDN_RECUR_ROWS.iter().position(|&x| x == rows);
+                GDN_RECUR1_BASE
+                    + 2 * (d.expect("a compiled recurrent dk") * GDN_RECUR_ROWS.len()
+                        + r.expect("compiled rows per warp"))
+                    + norm as usize
             }
             Kernel::GdnDPrep { dk, ring32 } => GDN_DPREP_BASE + 2 * dk_slot(dk) + ring32 as usize,
             Kernel::GdnWDecode { state, dk, ring } => {
@@ -369,6 +389,10 @@ impl Kernel {
             ),
             Kernel::GdnVprep { dk } => format!("kvr_gdn_vprep_d{dk}"),
             Kernel::GdnRecur { dk, rows } => format!("kvr_gdn_recur_d{dk}_r{rows}"),
+            Kernel::GdnRecur1 { dk, rows, norm } => format!(
+                "kvr_gdn_recur1{}_d{dk}_r{rows}",
+                if norm { "n" } else { "" }
+            ),
             Kernel::GdnDPrep { dk, ring32 } => {
                 format!("kvr_gdn_dprep_d{dk}_r{}", if ring32 { 32 } else { 16 })
             }

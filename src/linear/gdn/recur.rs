@@ -9,12 +9,14 @@
 //! CPU: per (b, h) on the context's threads (or, for a share of the items, on the calling
 //! thread alone when the context has one thread), the recurrence of `math::recurrent_step`
 //! fused into two passes over the state (`step_vmajor`, the CUDA kernel's order). CUDA:
-//! kernels/gdn_recur.cu, one warp per 1, 2 or 4 value rows.
+//! kernels/gdn_recur.cu, one warp per 1, 2 or 4 value rows; a decode step (one token, f32,
+//! no snapshots) runs on its lean one-token kernel (`cuda_run1`).
 
 use std::ops::Range;
 
 use crate::abi::{
-    dtype_code, GdnRecurArgs, GdnTensor as DevTensor, KVR_GDN_RECUR_THREADS as RECUR_THREADS,
+    dtype_code, GdnRecur1Args, GdnRecurArgs, GdnTensor as DevTensor,
+    KVR_GDN_RECUR_THREADS as RECUR_THREADS,
 };
 use crate::backend::cpu::ThreadPool;
 use crate::backend::cuda::module::{Kernel, GDN_RECUR_DKS, GDN_RECUR_ROWS};
@@ -516,18 +518,22 @@ fn dev(t: &TensorView) -> DevTensor {
     }
 }
 
-/// Value rows per warp: the most (fewer warps, fewer redundant q/k loads and reductions)
-/// that still gives the device `8 x SMs` warps (H200, Qwen3-Next shape: 2 rows at batch 1,
-/// 4 from batch 2); `KVR_GDN_RECUR_ROWS` (1, 2 or 4, read once) forces it.
-fn rows_per_warp(cuda: &CudaBackend, rows_total: usize) -> usize {
+/// `KVR_GDN_RECUR_ROWS` (1, 2 or 4, read once).
+fn forced_rows() -> Option<usize> {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
+    *FORCED.get_or_init(|| {
         std::env::var("KVR_GDN_RECUR_ROWS")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|r| GDN_RECUR_ROWS.contains(r))
-    });
-    if let Some(r) = *forced {
+    })
+}
+
+/// Value rows per warp of the general kernel: the most (fewer warps, fewer redundant q/k loads and reductions)
+/// that still gives the device `8 x SMs` warps (H200, Qwen3-Next shape: 2 rows at batch 1,
+/// 4 from batch 2); `KVR_GDN_RECUR_ROWS` (1, 2 or 4, read once) forces it.
+fn rows_per_warp(cuda: &CudaBackend, rows_total: usize) -> usize {
+    if let Some(r) = forced_rows() {
         return r;
     }
     let target = 8 * cuda.sm_count().max(1) as usize;
@@ -539,6 +545,123 @@ fn rows_per_warp(cuda: &CudaBackend, rows_total: usize) -> usize {
         .unwrap_or(1)
 }
 
+/// Value rows per warp of the one-token kernel, measured on an H200 at the Qwen3-Next shape
+/// (bench/gdn_recur_ab.cu): 1 while one row per warp leaves at most 32 warps per SM (batch
+/// 1), 2 up to 128 (batch 2 to 4), else 4; with the in-kernel L2 norm always 4. The
+/// `KVR_GDN_RECUR_ROWS` override applies here as well.
+fn rows_per_warp1(cuda: &CudaBackend, rows_total: usize, norm: bool) -> usize {
+    if let Some(r) = forced_rows() {
+        return r;
+    }
+    let sms = cuda.sm_count().max(1) as usize;
+    if norm {
+        4
+    } else if rows_total <= 32 * sms {
+        1
+    } else if rows_total <= 128 * sms {
+        2
+    } else {
+        4
+    }
+}
+
+/// Elements a view spans from its first to its last (strides of size-1 dimensions aside).
+fn extent(t: &TensorView) -> usize {
+    t.shape()
+        .iter()
+        .zip(t.strides())
+        .map(|(&e, &s)| e.saturating_sub(1) * s.unsigned_abs())
+        .sum::<usize>()
+        + 1
+}
+
+/// The one-token kernel (`kvr_gdn_recur1*`) over the call, if it fits it: one token, every
+/// tensor f32, no snapshots, a state to write, whole sequences from the first (an exact
+/// grid: no bounds checks in the kernel) and token tensors addressable in 32 bits.
+/// `KVR_GDN_RECUR1=0` (read once) keeps every call on the general kernel.
+fn cuda_run1(
+    cuda: &CudaBackend,
+    io: &RecurrentIo<'_>,
+    opts: &RecurrentOptions,
+    p: &Plan,
+    stream: Stream,
+) -> Option<Result<()>> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("KVR_GDN_RECUR1").is_ok_and(|v| v == "0")) {
+        return None;
+    }
+    let tokens = [io.q, io.k, io.v, io.g, io.beta, io.out];
+    let state_out = io.state_out?;
+    let rows = rows_per_warp1(cuda, p.b * p.hv * p.dv, opts.l2norm.is_some());
+    let fits = p.t == 1
+        && io.snapshots.is_none()
+        && p.items == (0..p.b * p.hv)
+        && p.dv % (rows * (RECUR_THREADS as usize / 32)) == 0
+        && tokens
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && extent(t) <= i32::MAX as usize);
+    if !fits {
+        return None;
+    }
+    // Strides as [B, T, H, row] (q, k: [B, T, Hq, dk], v, out: [B, T, Hv, dv], g, beta:
+    // [B, T, Hv]); each below 2^31 as its tensor's extent is.
+    let st = |t: &TensorView, i: usize| t.strides()[i] as i32;
+    let st3 = |t: &TensorView| [st(t, 0), st(t, 2), st(t, 3)];
+    let st2 = |t: &TensorView| [st(t, 0), st(t, 2)];
+    let s3 = |t: &TensorView| {
+        let s = t.strides();
+        [s[0] as i64, s[1] as i64, s[2] as i64]
+    };
+    let (l2norm, l2norm_eps) = match opts.l2norm {
+        None => (0, 0.0),
+        Some(L2Norm::SumEps(e)) => (1, e),
+        Some(L2Norm::MaxEps(e)) => (2, e),
+    };
+    let mut args = GdnRecur1Args {
+        q: io.q.addr() as u64,
+        k: io.k.addr() as u64,
+        v: io.v.addr() as u64,
+        g: io.g.addr() as u64,
+        beta: io.beta.addr() as u64,
+        state_in: io.state_in.addr() as u64,
+        out: io.out.addr() as u64,
+        state_out: state_out.addr() as u64,
+        si: s3(io.state_in),
+        so: s3(state_out),
+        qs: st2(io.q),
+        ks: st2(io.k),
+        vs: st3(io.v),
+        ys: st3(io.out),
+        gs: st2(io.g),
+        bs: st2(io.beta),
+        hq: p.hq as i32,
+        kh_div: (p.hv / p.hq) as i32,
+        tiled: (opts.head_map == HeadMap::Tiled) as i32,
+        l2norm,
+        scale: p.scale,
+        l2norm_eps,
+    };
+    let grid = (
+        (p.dv / (rows * (RECUR_THREADS as usize / 32))) as u32,
+        p.hv as u32,
+        p.b as u32,
+    );
+    let mut params = [&mut args as *mut GdnRecur1Args as *mut std::ffi::c_void];
+    Some(cuda.launch_ex(
+        Kernel::GdnRecur1 {
+            dk: p.dk,
+            rows,
+            norm: l2norm != 0,
+        },
+        grid,
+        (RECUR_THREADS, 1, 1),
+        0,
+        stream,
+        &mut params,
+        opts.pdl,
+    ))
+}
+
 fn cuda_run(
     cuda: &CudaBackend,
     io: &RecurrentIo<'_>,
@@ -546,6 +669,9 @@ fn cuda_run(
     p: &Plan,
     stream: Stream,
 ) -> Result<()> {
+    if let Some(r) = cuda_run1(cuda, io, opts, p, stream) {
+        return r;
+    }
     let rows = rows_per_warp(cuda, p.items.len() * p.dv);
     let groups = p.dv.div_ceil(rows);
     let per_block = RECUR_THREADS as usize / 32;
