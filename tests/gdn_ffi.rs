@@ -110,43 +110,31 @@ impl Step {
 }
 
 fn verify(pool: *mut kvr_gdn_pool, layer: i32, id: &kvr_tensor, s: &mut Step) -> kvr_status {
-    let [q, k, v, g, beta, conv, out] = s.tensors();
-    kvr_gdn_pool_verify(
+    let t = s.tensors();
+    gdn_pool_call(
         pool,
         layer,
         id,
-        &q,
-        &k,
-        &v,
-        &g,
-        &beta,
-        &conv,
-        &out,
+        true,
+        t.each_ref().map(|x| x as *const _),
         null(),
-        null_mut(),
     )
 }
 
 /// One decode of `s` with l2-normalized q and k (the step's other options at their defaults).
 fn decode_l2(pool: *mut kvr_gdn_pool, layer: i32, id: &kvr_tensor, s: &mut Step) -> kvr_status {
-    let [q, k, v, g, beta, conv, out] = s.tensors();
+    let t = s.tensors();
     let mut sp = std::mem::MaybeUninit::uninit();
     ok(kvr_gdn_step_params_default(sp.as_mut_ptr()));
     let mut sp: kvr_gdn_step_params = unsafe { sp.assume_init() };
     sp.l2norm_qk = 1;
-    kvr_gdn_pool_decode(
+    gdn_pool_call(
         pool,
         layer,
         id,
-        &q,
-        &k,
-        &v,
-        &g,
-        &beta,
-        &conv,
-        &out,
+        false,
+        t.each_ref().map(|x| x as *const _),
         &sp,
-        null_mut(),
     )
 }
 
@@ -408,37 +396,25 @@ fn bad_calls_change_nothing(ctx: *mut kvr_context, p: kvr_gdn_pool_params) {
     let mut s2 = Step::new(&mut rng, 1, 2);
     let [q, k, v, g, beta, _conv, o] = s2.tensors();
     assert_eq!(
-        kvr_gdn_pool_verify(
+        gdn_pool_call(
             pool,
             0,
             &id,
-            &q,
-            &k,
-            &v,
-            &g,
-            &beta,
-            null(),
-            &o,
-            null(),
-            null_mut()
+            true,
+            [&q, &k, &v, &g, &beta, null(), &o],
+            null()
         ),
         KVR_STATUS_NULL_ARG
     );
     assert!(last_error().contains("conv_in"), "{}", last_error());
     assert_eq!(
-        kvr_gdn_pool_decode(
+        gdn_pool_call(
             pool,
             0,
             &id,
-            null(),
-            &k,
-            &v,
-            &g,
-            &beta,
-            null(),
-            &o,
-            null(),
-            null_mut()
+            false,
+            [null(), &k, &v, &g, &beta, null(), &o],
+            null()
         ),
         KVR_STATUS_NULL_ARG
     );

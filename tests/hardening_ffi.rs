@@ -332,24 +332,13 @@ impl Inputs {
         let beta = host_f32(&mut self.beta, &sg);
         let conv = host_f32(&mut self.conv, &sc);
         let out = host_f32(&mut self.out, &sv);
-        let f = if self.t > 0 {
-            kvr_gdn_pool_verify
-        } else {
-            kvr_gdn_pool_decode
-        };
-        f(
+        gdn_pool_call(
             pool,
             layer,
             ids,
-            &q,
-            &k,
-            &v,
-            &g,
-            &beta,
-            &conv,
-            &out,
+            self.t > 0,
+            [&q, &k, &v, &g, &beta, &conv, &out],
             params,
-            null_mut(),
         )
     }
 }

@@ -99,24 +99,14 @@ impl Step {
     ) -> kvr_status {
         let ids = ids_tensor(&[seq], Style::Contiguous);
         let d: Vec<kvr_tensor> = self.t.iter().map(|t| t.desc()).collect();
-        let f = if verify {
-            kvr_gdn_pool_verify
-        } else {
-            kvr_gdn_pool_decode
-        };
-        f(
+        let c: *const kvr_tensor = if conv { &d[5] } else { null() };
+        gdn_pool_call(
             pool,
             layer,
             &ids.desc(),
-            &d[0],
-            &d[1],
-            &d[2],
-            &d[3],
-            &d[4],
-            if conv { &d[5] } else { null() },
-            &d[6],
+            verify,
+            [&d[0], &d[1], &d[2], &d[3], &d[4], c, &d[6]],
             null(),
-            null_mut(),
         )
     }
 }

@@ -47,6 +47,11 @@ impl<'a> Input<'a> {
 mod rng;
 pub use rng::Rng;
 
+#[path = "../../tests/common/gdn_call.rs"]
+mod gdn_call;
+#[allow(unused_imports)]
+pub use gdn_call::gdn_pool_call;
+
 pub fn dsize(dtype: kvr_dtype) -> usize {
     match dtype {
         KVR_DTYPE_F16 | KVR_DTYPE_BF16 => 2,

@@ -715,6 +715,38 @@ struct StepArgs {
     four: [bool; 3],
 }
 
+impl StepArgs {
+    /// Descriptors in argument order (q, k, v, g, beta, conv, out); out's stands in for an
+    /// absent conv.
+    fn descs(&self) -> [kvr_tensor; 7] {
+        [
+            self.q.desc(),
+            self.k.desc(),
+            self.v.desc(),
+            self.g.desc(),
+            self.beta.desc(),
+            self.conv.as_ref().map_or(self.out.desc(), |x| x.desc()),
+            self.out.desc(),
+        ]
+    }
+
+    /// A decode or verify with every tensor passed (conv NULL when absent), default params.
+    fn call(
+        &self,
+        pool: *mut kvr_gdn_pool,
+        layer: i32,
+        ids: &kvr_tensor,
+        verify: bool,
+    ) -> kvr_status {
+        let d = self.descs();
+        let mut p = d.each_ref().map(|x| x as *const kvr_tensor);
+        if self.conv.is_none() {
+            p[5] = null();
+        }
+        gdn_pool_call(pool, layer, ids, verify, p, null())
+    }
+}
+
 /// The tensors of an import, export or materialize: a state and an optional conv window
 /// (outputs poisoned), each maybe broken.
 struct StateArgs {
@@ -1197,15 +1229,7 @@ impl GdnHarness {
         }
         let (pv, null_params, scale, l2) = self.step_params(inp, &mut want);
         a.out.poison();
-        let d = [
-            a.q.desc(),
-            a.k.desc(),
-            a.v.desc(),
-            a.g.desc(),
-            a.beta.desc(),
-            a.conv.as_ref().map_or(a.out.desc(), |x| x.desc()),
-            a.out.desc(),
-        ];
+        let d = a.descs();
         let arg = |i: usize| -> *const kvr_tensor {
             if a.null[i] {
                 null()
@@ -1214,24 +1238,13 @@ impl GdnHarness {
             }
         };
         let idd = idt.desc();
-        let f = if verify {
-            kvr_gdn_pool_verify
-        } else {
-            kvr_gdn_pool_decode
-        };
-        let s = f(
+        let s = gdn_pool_call(
             self.pool,
             layer,
             if null_ids { null() } else { &idd },
-            arg(0),
-            arg(1),
-            arg(2),
-            arg(3),
-            arg(4),
-            arg(5),
-            arg(6),
+            verify,
+            std::array::from_fn(arg),
             if null_params { null() } else { pv.ptr() },
-            null_mut(),
         );
         let what = if verify { "gdn verify" } else { "gdn decode" };
         if !want.check(s, what) {
@@ -1347,27 +1360,8 @@ impl GdnHarness {
             .collect();
         let a = self.clean_args(rows.len(), t);
         let ids = ids_tensor(&rows, Style::Contiguous);
-        let conv = a.conv.as_ref().map(|x| x.desc());
-        let f = if verify {
-            kvr_gdn_pool_verify
-        } else {
-            kvr_gdn_pool_decode
-        };
         let what = if verify { "gdn verify" } else { "gdn decode" };
-        let s = f(
-            self.pool,
-            l as i32,
-            &ids.desc(),
-            &a.q.desc(),
-            &a.k.desc(),
-            &a.v.desc(),
-            &a.g.desc(),
-            &a.beta.desc(),
-            conv.as_ref().map_or(null(), |d| d as *const kvr_tensor),
-            &a.out.desc(),
-            null(),
-            null_mut(),
-        );
+        let s = a.call(self.pool, l as i32, &ids.desc(), verify);
         Expect::ok().check(s, what);
         let scale = 1.0 / (self.cfg.dk as f64).sqrt();
         self.step_done(l, &rows, &a, t, verify, scale, false, what);
@@ -1972,8 +1966,6 @@ impl GdnHarness {
         let c = self.cfg;
         let mut a = self.clean_args(1, 1);
         a.out.poison();
-        let conv = a.conv.as_ref().map(|x| x.desc());
-        let conv = conv.as_ref().map_or(null(), |d| d as *const kvr_tensor);
         let st = Tensor::new(KVR_DTYPE_F32, &c.state_shape(), Style::Contiguous);
         let mut all = vec![c.layers];
         all.extend(c.state_shape());
@@ -1998,24 +1990,10 @@ impl GdnHarness {
                 let mut o = OutStruct::new(size_of::<kvr_gdn_pool_memory>(), 128);
                 kvr_gdn_pool_get_memory(h, o.ptr())
             }
-            7 | 8 => (if inp.chance(1, 2) {
-                kvr_gdn_pool_decode
-            } else {
-                kvr_gdn_pool_verify
-            })(
-                h,
-                0,
-                &idd,
-                &a.q.desc(),
-                &a.k.desc(),
-                &a.v.desc(),
-                &a.g.desc(),
-                &a.beta.desc(),
-                conv,
-                &a.out.desc(),
-                null(),
-                null_mut(),
-            ),
+            7 | 8 => {
+                let verify = !inp.chance(1, 2);
+                a.call(h, 0, &idd, verify)
+            }
             9 => kvr_gdn_pool_import_state(h, 0, 0, &st.desc(), null(), null_mut()),
             10 => {
                 let mut o = Tensor::new(KVR_DTYPE_F32, &c.state_shape(), Style::Contiguous);

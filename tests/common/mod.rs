@@ -8,6 +8,9 @@ use half::{bf16, f16};
 use kvreplay::ffi::*;
 
 pub mod gdn;
+mod gdn_call;
+#[allow(unused_imports)]
+pub use gdn_call::gdn_pool_call;
 pub mod gguf;
 pub mod gpu;
 pub mod kv;

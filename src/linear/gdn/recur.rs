@@ -565,16 +565,6 @@ fn rows_per_warp1(cuda: &CudaBackend, rows_total: usize, norm: bool) -> usize {
     }
 }
 
-/// Elements a view spans from its first to its last (strides of size-1 dimensions aside).
-fn extent(t: &TensorView) -> usize {
-    t.shape()
-        .iter()
-        .zip(t.strides())
-        .map(|(&e, &s)| e.saturating_sub(1) * s.unsigned_abs())
-        .sum::<usize>()
-        + 1
-}
-
 /// The one-token kernel (`kvr_gdn_recur1*`) over the call, if it fits it: one token, every
 /// tensor f32, no snapshots, a state to write, whole sequences from the first (an exact
 /// grid: no bounds checks in the kernel) and token tensors addressable in 32 bits.
@@ -597,9 +587,11 @@ fn cuda_run1(
         && io.snapshots.is_none()
         && p.items == (0..p.b * p.hv)
         && p.dv % (rows * (RECUR_THREADS as usize / 32)) == 0
-        && tokens
-            .iter()
-            .all(|t| t.dtype() == DType::F32 && extent(t) <= i32::MAX as usize);
+        && tokens.iter().all(|t| {
+            t.dtype() == DType::F32
+                && t.max_element_offset()
+                    .is_some_and(|o| o < i32::MAX as usize)
+        });
     if !fits {
         return None;
     }
