@@ -4,7 +4,8 @@
 // state V-major, f32 ring): outputs, states, ring and metadata compared after 40 steps; then µs
 // per step under graph replay (16-step cycles, so one flush per sequence), the prep and state
 // kernels alone, and the state kernel in recurrent mode; and the one-launch form
-// (kvr_gdn_fdecode, small batches) on a third copy of the pool, checked the same way. The
+// (kvr_gdn_fdecode, small batches, and its specialized form) on a third and fourth copy of
+// the pool, checked the same way. The
 // device has nvcc, so a kernel edit
 // is measured in one call (about a minute) without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
@@ -18,6 +19,7 @@
 #define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + D + 2)) * 4 + 16)
 #define FUSED (L > 16 ? kvr_gdn_fdecode_f32_v_d128_r32 : kvr_gdn_fdecode_f32_v_d128_r16)
 #define MAIN_GRID(B) (B * HV * 4)
+#define SPEC (L > 16 ? ab_fdecode_spec_r32 : ab_fdecode_spec_r16)
 #include <algorithm>
 #include <vector>
 #include <cmath>
@@ -28,6 +30,19 @@
 
 constexpr int HK = 16, HV = 32, D = 128;
 using kvr::gdn::StepParams;
+
+// The one-launch kernel specialized as the library's kvr_gdn_fdecode_*_xbf16, with this
+// program's f32 output.
+using AbFix = kvr::gdn::FdFix<KVR_DT_BF16, KVR_DT_F32, KVR_DT_F32>;
+#define AB_SPEC(LU)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(128, KVR_FDECODE_MINB)                               \
+      ab_fdecode_spec_r##LU(const __grid_constant__ StepParams p) {                                  \
+    StepParams c = p;                                                                                \
+    AbFix::apply(c, LU);                                                                             \
+    kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWFused>(c, p.ids_inline);                 \
+  }
+AB_SPEC(16)
+AB_SPEC(32)
 
 struct Pool {
   float *state, *ru, *rk, *rg, *scr;
@@ -51,7 +66,7 @@ static kvr_gdn_tensor tens(void* p, int dt, int64_t s0, int64_t s1, int64_t s2, 
 
 int main(int argc, char** argv) {
   const int L = argc > 1 ? atoi(argv[1]) : 16;
-  const int Bs[] = {1, 8, 32, 64, 128, 256};
+  const int Bs[] = {1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256};
   const int sdk = KVR_DT_F32;
   (void)sdk;
   int nsm;
@@ -70,7 +85,7 @@ int main(int argc, char** argv) {
   for (int B : Bs) {
     if (only && B != only) continue;
     const int NSETS = 8;
-    Pool P[3];
+    Pool P[4];
     for (auto& pl : P) {
       pl.n_state = (size_t)B * HV * D * D;
       pl.n_ru = (size_t)B * L * HV * D;
@@ -181,10 +196,16 @@ int main(int argc, char** argv) {
       StepParams p = params(2, set, o);
       p.tv = 32;
       p.tiles = D / 32;
-      FUSED<<<MAIN_GRID(B), 128, L * D * 4, st>>>(p);
+      FUSED<<<dim3(4, HV, B), 128, L * D * 4, st>>>(p);
+    };
+    auto launch_s = [&](int set, float* o) {
+      StepParams p = params(3, set, o);
+      p.tv = 32;
+      p.tiles = D / 32;
+      SPEC<<<dim3(4, HV, B), 128, L * D * 4, st>>>(p);
     };
     // correctness: 40 steps
-    double e_out = 0, e_fout = 0;
+    double e_out = 0, e_fout = 0, e_sout = 0;
     std::vector<float> o0((size_t)B * HV * D), o1(o0.size());
     for (int step = 0; step < 40; ++step) {
       launch_stream(step % NSETS, out[0]);
@@ -203,6 +224,13 @@ int main(int argc, char** argv) {
       md = 0;
       for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
       e_fout = fmax(e_fout, md / (mx + 1e-30));
+      launch_s(step % NSETS, out[1]);
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(o1.data(), out[1], o1.size() * 4, cudaMemcpyDeviceToHost));
+      md = 0;
+      for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
+      e_sout = fmax(e_sout, md / (mx + 1e-30));
     }
     auto cmp = [&](float* a, float* b, size_t n) {
       std::vector<float> x(n), y(n);
@@ -218,18 +246,24 @@ int main(int argc, char** argv) {
     const double e_fstate = cmp(P[0].state, P[2].state, P[0].n_state);
     const double e_fring = fmax(fmax(cmp(P[0].ru, P[2].ru, P[0].n_ru), cmp(P[0].rk, P[2].rk, P[0].n_rk)),
                                 cmp(P[0].rg, P[2].rg, P[0].n_rg));
-    std::vector<int> m0((size_t)B * 8), m1(m0.size()), m2(m0.size());
+    const double e_sstate = cmp(P[0].state, P[3].state, P[0].n_state);
+    const double e_sring = fmax(fmax(cmp(P[0].ru, P[3].ru, P[0].n_ru), cmp(P[0].rk, P[3].rk, P[0].n_rk)),
+                                cmp(P[0].rg, P[3].rg, P[0].n_rg));
+    std::vector<int> m0((size_t)B * 8), m1(m0.size()), m2(m0.size()), m3(m0.size());
     CK(cudaMemcpy(m0.data(), P[0].meta, m0.size() * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(m1.data(), P[1].meta, m1.size() * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(m2.data(), P[2].meta, m2.size() * 4, cudaMemcpyDeviceToHost));
-    bool meta_ok = true, fmeta_ok = true;
+    CK(cudaMemcpy(m3.data(), P[3].meta, m3.size() * 4, cudaMemcpyDeviceToHost));
+    bool meta_ok = true, fmeta_ok = true, smeta_ok = true;
     for (int b = 0; b < B; ++b)
       for (int i = 0; i < 5; ++i) {
         meta_ok &= m0[b * 8 + i] == m1[b * 8 + i];
         fmeta_ok &= m0[b * 8 + i] == m2[b * 8 + i];
+        smeta_ok &= m0[b * 8 + i] == m3[b * 8 + i];
       }
     // (the arrival counter, word 5, is back at 0 after every step)
     for (int b = 0; b < B; ++b) fmeta_ok &= m2[b * 8 + KVR_GDN_META_ARRIVE] == 0;
+    for (int b = 0; b < B; ++b) smeta_ok &= m3[b * 8 + KVR_GDN_META_ARRIVE] == 0;
     // timing: graphs of 16 steps
     auto time = [&](auto launch) {
       cudaGraph_t gr;
@@ -274,6 +308,9 @@ int main(int argc, char** argv) {
     const double tf = time(launch_f);
     printf("      one launch (fdecode) %.2f us (%.2fx stream, %.2fx wdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
            tf, ts / tf, tw / tf, e_fout, e_fstate, e_fring, fmeta_ok ? "meta ok" : "META MISMATCH");
+    const double tsp = time(launch_s);
+    printf("      one launch specialized (FdFix) %.2f us (%.2fx fdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
+           tsp, tf / tsp, e_sout, e_sstate, e_sring, smeta_ok ? "meta ok" : "META MISMATCH");
     // floor: state read once, (L-1)/2 ring u + k rows read on average, one entry written, the state written every L steps
     const double per_head = D * D * 4.0 + (L - 1) / 2.0 * (D * 4.0 + D * 4.0 * HK / HV) + D * 4.0 + D * D * 4.0 / L;
     const double floor_us = B * HV * per_head / 4.25e12 * 1e6;

@@ -47,7 +47,13 @@
 // above. The new entry's key and decay go into their slot at once outside a flush (nobody
 // reads that slot this step); the last CTA of the sequence to arrive (the metadata's arrival
 // counter, as in gdn_stream.cu) writes the metadata and, in a flush step, the key and decay
-// into the oldest entry's slot, which every CTA folds.
+// into the oldest entry's slot, which every CTA folds. Its grid is (tiles, value heads, batch
+// rows), and it runs as a programmatic dependent of the stream's previous kernel (waiting for
+// it before any read). Specialized builds (kvr_gdn_fdecode_<state>_v_d128_r<L>_<spec>) take
+// a copy of the parameters with the dtypes, rule, dt mode, conv and ring length of the
+// engines' calls made constants (FdFix, FdFixM2 below): a step that is a chain of latencies
+// loses the run-time dispatch in front of its first arithmetic (H200: 1.2-1.5x at B <= 8,
+// BENCHMARKS.md).
 #include "gdn_common.cuh"
 
 
@@ -329,21 +335,33 @@ __device__ void dprep_body(const StepParams& p) {
 enum WKind : int { kWPrep = 0, kWRec = 1, kWFused = 2 };
 
 // NU: ring slots per lane, 16 each (ring length <= 16 NU).
+// `ids_inline`: the launch's inline sequence ids (p.ids_inline, or the kernel parameter's where
+// p is a specialized copy of it). The one-launch kind runs on a 3-D grid (tile, value head,
+// batch row): no divisions in front of its chain.
 template <typename SD, int DK, int NU, int KIND>
-__device__ void wdecode_body(const StepParams& p) {
+__device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr bool REC = KIND == kWRec, FUSED = KIND == kWFused;
   constexpr int RL = kWRows, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int tile = blockIdx.x % p.tiles;
-  const int hb = blockIdx.x / p.tiles;
-  const int h = hb % p.hv, b = hb / p.hv;
+  if constexpr (FUSED) {
+    // Launched as a programmatic dependent of whatever ran before it on the stream (the host
+    // sets the attribute; without it both are no-ops): everything it reads may be that
+    // kernel's output, so it waits first, and lets the next step's launch begin at once (a
+    // dependent waits for this grid's end in turn).
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  const int tile = FUSED ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x % p.tiles);
+  const int hb = FUSED ? 0 : static_cast<int>(blockIdx.x / p.tiles);
+  const int h = FUSED ? static_cast<int>(blockIdx.y) : hb % p.hv;
+  const int b = FUSED ? static_cast<int>(blockIdx.z) : hb / p.hv;
   const int dv = p.dv, L = p.l;
   const int kh = h / (p.hv / p.hk);
   const int row0 = tile * p.tv + warp * RL;
   const int rr = lane & (RL - 1);
   const bool writer = lane < RL;
-  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const int seq = p.ids ? p.ids[b] : ids_inline[b];
   const Tensor& out = p.out;
   const int64_t out_at = b * out.s[0] + h * out.s[2] + (row0 + rr) * out.s[3];
   if (seq < 0) {
@@ -679,6 +697,66 @@ __device__ void wdecode_body(const StepParams& p) {
   }
 }
 
+// The fields a specialized one-launch kernel fixes (the Gated DeltaNet decode as engines
+// call it): q, k, v and beta of dtype X (q, k, v row-contiguous), g of dtype G, the output of
+// dtype O; f32 ring entries; the ring exactly `ring` slots long; the delta rule with no dt
+// gate, no conv window, no skip and no gate. The host's check is `fdecode_spec` in
+// src/linear/replay/cuda.rs.
+template <int X, int G, int O>
+struct FdFix {
+  static __device__ __forceinline__ void apply(StepParams& c, int ring) {
+    c.q.dtype = X;
+    c.k.dtype = X;
+    c.v.dtype = X;
+    c.beta.dtype = X;
+    c.g.dtype = G;
+    c.out.dtype = O;
+    c.q.s[3] = 1;
+    c.k.s[3] = 1;
+    c.v.s[3] = 1;
+    c.entry_dtype = KVR_DT_F32;
+    c.l = ring;
+    c.rule = KVR_GDN_RULE_DELTA;
+    c.dt_mode = KVR_GDN_DT_NONE;
+    c.conv_dim = 0;
+    c.skip.p = nullptr;
+    c.gate.p = nullptr;
+  }
+};
+
+// The same for Mamba-2 as engines call it (the additive rule, dt through softplus and the
+// clamp): x, B, C (v, k, q; row-contiguous), z (the gate) and the output of dtype X; dt
+// (beta), A, dt_bias and D (the skip) f32; f32 entries, the ring exactly `ring` slots long,
+// no conv window. Whether D, z and dt_bias are given stays run-time.
+template <int X>
+struct FdFixM2 {
+  static __device__ __forceinline__ void apply(StepParams& c, int ring) {
+    c.q.dtype = X;
+    c.k.dtype = X;
+    c.v.dtype = X;
+    c.gate.dtype = X;
+    c.out.dtype = X;
+    c.beta.dtype = KVR_DT_F32;
+    c.a.dtype = KVR_DT_F32;
+    c.dt_bias.dtype = KVR_DT_F32;
+    c.skip.dtype = KVR_DT_F32;
+    c.q.s[3] = 1;
+    c.k.s[3] = 1;
+    c.v.s[3] = 1;
+    c.entry_dtype = KVR_DT_F32;
+    c.l = ring;
+    c.rule = KVR_GDN_RULE_ADDITIVE;
+    c.dt_mode = KVR_GDN_DT_SOFTPLUS;
+    c.conv_dim = 0;
+  }
+};
+
+// The specializations built: Gated DeltaNet with bf16 inputs, f32 decays and a bf16 output
+// (torch engines) or f32 throughout (ggml); Mamba-2 with bf16 x, B, C, z and output.
+using FdBf16 = FdFix<KVR_DT_BF16, KVR_DT_F32, KVR_DT_BF16>;
+using FdF32 = FdFix<KVR_DT_F32, KVR_DT_F32, KVR_DT_F32>;
+using FdM2Bf16 = FdFixM2<KVR_DT_BF16>;
+
 }  // namespace gdn
 }  // namespace kvr
 
@@ -692,16 +770,28 @@ __device__ void wdecode_body(const StepParams& p) {
 #define KVR_GDN_WDECODE(SD, SN, DK, LU, MB)                                                   \
   extern "C" __global__ void __launch_bounds__(128, MB)                                       \
       kvr_gdn_wdecode_##SN##_v_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::wdecode_body<SD, DK, LU == 0 ? 1 : LU / 16, LU == 0 ? kvr::gdn::kWRec : kvr::gdn::kWPrep>(p); \
+    kvr::gdn::wdecode_body<SD, DK, LU == 0 ? 1 : LU / 16, LU == 0 ? kvr::gdn::kWRec : kvr::gdn::kWPrep>(p, p.ids_inline); \
   }
-// Small batches, one launch (rings of up to LU slots, 16 or 32).
+// Small batches, one launch (rings of up to LU slots, 16 or 32), grid (tiles, hv, rows).
 #ifndef KVR_FDECODE_MINB
 #define KVR_FDECODE_MINB 4
 #endif
 #define KVR_GDN_FDECODE(SD, SN, DK, LU)                                                       \
   extern "C" __global__ void __launch_bounds__(128, (DK) > 128 ? 2 : KVR_FDECODE_MINB)       \
       kvr_gdn_fdecode_##SN##_v_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::wdecode_body<SD, DK, LU / 16, kvr::gdn::kWFused>(p);                            \
+    kvr::gdn::wdecode_body<SD, DK, LU / 16, kvr::gdn::kWFused>(p, p.ids_inline);              \
+  }
+// The one-launch kernel specialized (kvr_gdn_fdecode_<state>_v_d<dk>_r<LU>_<FN>): a copy of the
+// parameters with the fields FIX fixes replaced by constants, so that the chain in front of
+// the first arithmetic loses its run-time dtype dispatch, flags and ring-length arithmetic
+// (the host launches it only where those fields hold these values:
+// src/linear/replay/cuda.rs, FdSpec). The compiler keeps the copy in registers.
+#define KVR_GDN_FDECODE_FIX(SD, SN, DK, LU, FIX, FN)                                          \
+  extern "C" __global__ void __launch_bounds__(128, (DK) > 128 ? 2 : KVR_FDECODE_MINB)       \
+      kvr_gdn_fdecode_##SN##_v_d##DK##_r##LU##_##FN(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::StepParams c = p;                                                               \
+    FIX::apply(c, LU);                                                                        \
+    kvr::gdn::wdecode_body<SD, DK, LU / 16, kvr::gdn::kWFused>(c, p.ids_inline);              \
   }
 #define KVR_GDN_WDECODE_DK(DK, MB)                      \
   KVR_GDN_DPREP(DK, 16)                                 \
@@ -716,9 +806,19 @@ __device__ void wdecode_body(const StepParams& p) {
   KVR_GDN_FDECODE(float, f32, DK, 32)                   \
   KVR_GDN_FDECODE(__nv_bfloat16, bf16, DK, 16)          \
   KVR_GDN_FDECODE(__nv_bfloat16, bf16, DK, 32)
+#define KVR_GDN_FDECODE_SPECS(SD, SN, LU)                                            \
+  KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdBf16, xbf16)                                \
+  KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdF32, xf32)                                  \
+  KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdM2Bf16, m2bf16)
 KVR_GDN_WDECODE_DK(64, 8)
 KVR_GDN_WDECODE_DK(128, 6)
 KVR_GDN_WDECODE_DK(256, 2)
+KVR_GDN_FDECODE_SPECS(float, f32, 16)
+KVR_GDN_FDECODE_SPECS(float, f32, 32)
+KVR_GDN_FDECODE_SPECS(__nv_bfloat16, bf16, 16)
+KVR_GDN_FDECODE_SPECS(__nv_bfloat16, bf16, 32)
+#undef KVR_GDN_FDECODE_SPECS
+#undef KVR_GDN_FDECODE_FIX
 #undef KVR_GDN_WDECODE_DK
 #undef KVR_GDN_DPREP
 #undef KVR_GDN_WDECODE

@@ -105,6 +105,8 @@ if [ -x bin/gpu_gdn ]; then
   job gpu_gdn-stream-persistent test "KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1" \
     bin/gpu_gdn --test-threads=1 --nocapture
   job gpu_gdn-verify-general test "KVR_GDN_VERIFY=general" bin/gpu_gdn --test-threads=1 --nocapture
+  # The one-launch kernel at every batch without its specialized builds (kvr_gdn_fdecode_*_x*).
+  job gpu_gdn-fused-generic test "KVR_GDN_DECODE=fused KVR_GDN_FDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   # The stateless recurrent step with one-token calls on the general kernel too.
   job gpu_gdn-recur-general test "KVR_GDN_RECUR1=0" bin/gpu_gdn recurrent --test-threads=1 --nocapture
 fi

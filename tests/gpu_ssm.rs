@@ -172,3 +172,70 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
         cases + 1
     );
 }
+
+/// Mamba-2 decode with the dtypes engines pass (bf16 x, B, C, z and output; f32 dt, A, D,
+/// dt_bias) on shapes that take the specialized one-launch kernel
+/// (kvr_gdn_fdecode_*_m2bf16: dk 128, ring 16 or 32, f32 entries) and one that does not
+/// (bf16 entries), f32 and bf16 states.
+#[test]
+fn gpu_mamba2_engine_dtypes_match_cpu() {
+    let Some(g) = gpu_or_skip("gpu_mamba2_engine_dtypes_match_cpu").map(Arc::new) else {
+        return;
+    };
+    use kvreplay::DType::{BF16, F32};
+    let mut report = Vec::new();
+    for (i, (ring, state, entry)) in [
+        (16, F32, F32),
+        (32, BF16, F32),
+        (16, F32, BF16),
+        (32, F32, F32),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = config(ring, 0, StateLayout::VMajor, 0);
+        (c.k_heads, c.v_heads, c.dk, c.dv, c.layers) = (2, 8, 128, 64, 1);
+        (c.state_dtype, c.entry_dtype) = (state, entry);
+        let cpu = Pool::new(cpu_context(2), c, MAMBA2);
+        let gpu = Pool::new(g.clone(), c, MAMBA2);
+        let mut rng = Rng::new(70 + i as u64);
+        let prm = random_params(&mut rng, &c);
+        let ids: Vec<i32> = (0..3)
+            .map(|_| {
+                let (x, y) = (cpu.seq_add(), gpu.seq_add());
+                assert_eq!(x, y);
+                x
+            })
+            .collect();
+        let mut worst = 0f64;
+        for round in 0..sanitizer_scaled(2 * ring + 5, ring + 2) {
+            let x = random_tokens(&mut rng, &c, MAMBA2, ids.len(), 1);
+            let a = cpu.run_as(0, MAMBA2, &prm, &ids, &x, false, BF16).unwrap();
+            let b = gpu.run_as(0, MAMBA2, &prm, &ids, &x, false, BF16).unwrap();
+            assert!(
+                b.iter().all(|v| v.is_finite()),
+                "round {round}: non-finite output"
+            );
+            let e = err(&a, &b, c.dv);
+            // bf16 outputs: each side rounds its own result (one bf16 step apart at most);
+            // bf16 states and entries round along the way.
+            let tol = if state == BF16 || entry == BF16 {
+                5e-2
+            } else {
+                1e-2
+            };
+            assert!(e < tol, "ring {ring} {state}/{entry} round {round}: {e:e}");
+            worst = worst.max(e);
+            for &id in &ids {
+                assert_eq!(cpu.meta(0, id)[..5], gpu.meta(0, id)[..5], "round {round}");
+            }
+        }
+        report.push(format!(
+            "ring {ring} state {state} entries {entry}: {worst:.1e}"
+        ));
+    }
+    println!(
+        "Mamba-2, bf16 x/B/C/z/out, vs CPU (max relative error):\n  {}",
+        report.join("\n  ")
+    );
+}

@@ -150,35 +150,60 @@ pub enum Pool {
     Lin(LinAttnPool),
 }
 
-/// f32 data where a pool's context keeps it: host memory, or a device copy (CUDA pools).
+/// f32 data, stored as F32 or BF16, where a pool's context keeps it: host memory, or a
+/// device copy (CUDA pools).
 pub struct Placed {
     pub view: TensorView,
-    host: Vec<f32>,
+    host: Vec<u8>,
+    dtype: DType,
     dev: Option<DeviceBuffer>,
 }
 
 impl Placed {
     pub fn new(ctx: &Context, data: &[f32], shape: &[usize]) -> Placed {
-        let mut host = data.to_vec();
-        if host.is_empty() {
-            host.push(0.0);
-        }
+        Placed::new_as(ctx, data, shape, DType::F32)
+    }
+    pub fn new_as(ctx: &Context, data: &[f32], shape: &[usize], dtype: DType) -> Placed {
+        let mut host: Vec<u8> = match dtype {
+            DType::F32 => data.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            DType::BF16 => data
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_ne_bytes())
+                .collect(),
+            _ => unreachable!("F32 or BF16"),
+        };
+        host.resize(host.len().max(4), 0);
         let (addr, mem, dev) = if ctx.memory() == MemoryKind::Cuda {
-            let b = super::gpu::alloc(ctx, host.len() * 4);
+            let b = super::gpu::alloc(ctx, host.len());
             b.upload(&host).unwrap();
             (b.addr(), MemoryKind::Cuda, Some(b))
         } else {
             (host.as_ptr() as usize, MemoryKind::Host, None)
         };
-        let view = TensorView::contiguous(addr, DType::F32, mem, shape).unwrap();
-        Placed { view, host, dev }
+        let view = TensorView::contiguous(addr, dtype, mem, shape).unwrap();
+        Placed {
+            view,
+            host,
+            dtype,
+            dev,
+        }
     }
     /// The current contents.
     pub fn read(&mut self) -> Vec<f32> {
         if let Some(d) = &self.dev {
             d.download(&mut self.host).unwrap();
         }
-        self.host.clone()
+        let n = self.view.numel();
+        match self.dtype {
+            DType::BF16 => self.host[..2 * n]
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+            _ => self.host[..4 * n]
+                .chunks_exact(4)
+                .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        }
     }
 }
 
@@ -250,18 +275,35 @@ impl Pool {
         x: &Tokens,
         verify: bool,
     ) -> kvreplay::Result<Vec<f32>> {
+        self.run_as(layer, kind, prm, ids, x, verify, DType::F32)
+    }
+
+    /// `run` with q, k, v, z and the output stored as `dtype` (the per-token decay or dt
+    /// and the per-head parameters stay F32, as engines pass them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_as(
+        &self,
+        layer: usize,
+        kind: Kind,
+        prm: &Params,
+        ids: &[i32],
+        x: &Tokens,
+        verify: bool,
+        dtype: DType,
+    ) -> kvreplay::Result<Vec<f32>> {
         let c = self.config();
         let ctx = self.ctx();
         let (b, t) = (x.b, x.t);
         let nan = vec![f32::NAN; b * t * c.v_heads * c.dv];
-        let mut out = Placed::new(&ctx, &nan, &[b, t, c.v_heads, c.dv]);
+        let mut out = Placed::new_as(&ctx, &nan, &[b, t, c.v_heads, c.dv], dtype);
         let pl = |d: &[f32], sh: &[usize]| Placed::new(&ctx, d, sh);
+        let px = |d: &[f32], sh: &[usize]| Placed::new_as(&ctx, d, sh, dtype);
         let idv = ids_view(ids);
         let hold = [
-            pl(&x.q, &[b, t, c.k_heads, c.dk]),
-            pl(&x.k, &[b, t, c.k_heads, c.dk]),
-            pl(&x.v, &[b, t, c.v_heads, c.dv]),
-            pl(&x.z, &[b, t, c.v_heads, c.dv]),
+            px(&x.q, &[b, t, c.k_heads, c.dk]),
+            px(&x.k, &[b, t, c.k_heads, c.dk]),
+            px(&x.v, &[b, t, c.v_heads, c.dv]),
+            px(&x.z, &[b, t, c.v_heads, c.dv]),
             pl(&x.g, &[b, t, c.v_heads]),
             pl(&prm.a, &[c.v_heads]),
             pl(&prm.d, &[c.v_heads]),

@@ -122,6 +122,39 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_kvonly_<state>_d<dk>` (kernels/gdn_kvonly.cu): single-token decode of the
     /// KV-only sequences of a batch (beside [`Kernel::GdnDecode`]); dk in [`GDN_DECODE_DKS`].
     GdnKvOnly { state: DType, dk: usize },
+    /// `kvr_gdn_fdecode_<state>_v_d128_r<16|32>_<spec>` (kernels/gdn_wdecode.cu): the
+    /// one-launch kernel specialized for dk 128, a ring of exactly 16 or 32, f32 entries, no
+    /// conv window and the dtypes and rule of `spec`.
+    GdnFDecodeX {
+        state: DType,
+        ring32: bool,
+        spec: FdSpec,
+    },
+}
+
+/// What a specialized one-launch decode kernel ([`Kernel::GdnFDecodeX`]) fixes besides its
+/// shape (kernels/gdn_wdecode.cu, `FdFix` / `FdFixM2`); q, k, v row-contiguous in each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FdSpec {
+    /// The delta rule without dt gate, skip or gate; q, k, v, beta, g and the output F32.
+    DeltaF32,
+    /// The same with q, k, v, beta and the output BF16 (g F32).
+    DeltaBf16,
+    /// Mamba-2: the additive rule, dt through softplus; x, B, C, z and the output BF16, dt,
+    /// A, dt_bias and D F32.
+    Mamba2Bf16,
+}
+
+impl FdSpec {
+    pub(crate) const ALL: [FdSpec; 3] = [FdSpec::DeltaF32, FdSpec::DeltaBf16, FdSpec::Mamba2Bf16];
+
+    fn name(self) -> &'static str {
+        match self {
+            FdSpec::DeltaF32 => "xf32",
+            FdSpec::DeltaBf16 => "xbf16",
+            FdSpec::Mamba2Bf16 => "m2bf16",
+        }
+    }
 }
 
 /// Ring lengths the warp-streaming decode kernels are compiled for (0: recurrent pools).
@@ -154,7 +187,8 @@ const GDN_FDECODE_BASE: usize = 116;
 const GDN_VERIFY_ADD_BASE: usize = 128;
 const GDN_KVONLY_BASE: usize = 140;
 const GDN_RECUR1_BASE: usize = 146;
-const KERNEL_COUNT: usize = 170;
+const GDN_FDECODE_X_BASE: usize = 170;
+const KERNEL_COUNT: usize = 182;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -260,6 +294,17 @@ impl Kernel {
                 }
             }
         }
+        for state in [DType::F32, DType::BF16] {
+            for ring32 in [false, true] {
+                for spec in FdSpec::ALL {
+                    v.push(Kernel::GdnFDecodeX {
+                        state,
+                        ring32,
+                        spec,
+                    });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -343,6 +388,17 @@ impl Kernel {
             Kernel::GdnKvOnly { state, dk } => {
                 GDN_KVONLY_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
             }
+            Kernel::GdnFDecodeX {
+                state,
+                ring32,
+                spec,
+            } => {
+                let n = FdSpec::ALL.len();
+                GDN_FDECODE_X_BASE
+                    + if state == DType::BF16 { 2 * n } else { 0 }
+                    + n * ring32 as usize
+                    + FdSpec::ALL.iter().position(|&s| s == spec).unwrap_or(0)
+            }
         }
     }
 
@@ -406,6 +462,16 @@ impl Kernel {
                 if ring32 { 32 } else { 16 }
             ),
             Kernel::GdnKvOnly { state, dk } => format!("kvr_gdn_kvonly_{}_d{dk}", state.name()),
+            Kernel::GdnFDecodeX {
+                state,
+                ring32,
+                spec,
+            } => format!(
+                "kvr_gdn_fdecode_{}_v_d128_r{}_{}",
+                state.name(),
+                if ring32 { 32 } else { 16 },
+                spec.name()
+            ),
         }
     }
 }

@@ -25,7 +25,7 @@ use crate::abi::{
     KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
-use crate::backend::cuda::module::{Kernel, GDN_DECODE_DKS};
+use crate::backend::cuda::module::{FdSpec, Kernel, GDN_DECODE_DKS};
 use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
@@ -224,6 +224,11 @@ struct WDecode {
     /// (`kvr_gdn_fdecode`, no prep kernel), with `fused_smem` bytes of shared memory.
     fused_rows: usize,
     fused_smem: u32,
+    /// Batches of fewer rows than this take the specialized one-launch kernel where a call
+    /// fits it (`fdecode_spec`); 0 where the pool's shape has none (or KVR_GDN_FDECODE_SPEC=0).
+    fused_rows_x: usize,
+    /// The one-launch kernels as programmatic dependents (KVR_GDN_FDECODE_PDL=0: not).
+    fused_pdl: bool,
     /// Shared memory of a prep CTA of one key head (batches below `PREP_SPLIT_ROWS`).
     prep_smem_split: u32,
 }
@@ -243,6 +248,47 @@ const PREP_SPLIT_ROWS: usize = 128;
 /// faster in one launch for both). KVR_GDN_FUSED_ROWS overrides it (benchmarking).
 fn fused_rows_one_wave(ctas_per_row: usize, wave: usize) -> usize {
     (wave / ctas_per_row.max(1)).max(1) + 1
+}
+
+/// Batch rows below which the specialized one-launch kernel runs (`fdecode_spec`): it
+/// measured faster than the two launches up to two waves of its CTAs (H200, GDN, ring 16:
+/// kernel-level A/B B = 8 11.5 us against 12.4, B = 12 15.9 against 14.2; bench_gdn.py ring
+/// 32 B = 8 15.8 against 17.2; BENCHMARKS.md).
+fn fused_rows_x_default(ctas_per_row: usize, wave: usize) -> usize {
+    fused_rows_one_wave(ctas_per_row, 2 * wave)
+}
+
+/// The specialized one-launch kernel that a decode step's parameters fit (`FdFix` /
+/// `FdFixM2` in kernels/gdn_wdecode.cu fix these fields; the pool's shape was checked when
+/// the kernels were prepared): q, k, v row-contiguous, no conv window, and the dtypes and
+/// rule of one [`FdSpec`]. Dtypes of absent optional tensors do not matter.
+fn fdecode_spec(p: &StepParams) -> Option<FdSpec> {
+    let (f32, bf16) = (code(DType::F32), code(DType::BF16));
+    let x = p.q.dtype;
+    let is = |t: &DevTensor, d: i32| t.dtype == d;
+    let absent_or = |t: &DevTensor, d: i32| t.p == 0 || t.dtype == d;
+    let unit = [p.q.s[3], p.k.s[3], p.v.s[3]].iter().all(|&s| s == 1);
+    if !unit || p.conv_dim != 0 || !is(&p.k, x) || !is(&p.v, x) || !is(&p.out, x) {
+        return None;
+    }
+    if p.rule == KVR_GDN_RULE_DELTA && p.dt_mode == KVR_GDN_DT_NONE {
+        let plain = p.skip.p == 0 && p.gate.p == 0 && is(&p.beta, x) && is(&p.g, f32);
+        return match x {
+            _ if !plain => None,
+            _ if x == f32 => Some(FdSpec::DeltaF32),
+            _ if x == bf16 => Some(FdSpec::DeltaBf16),
+            _ => None,
+        };
+    }
+    let mamba2 = p.rule == KVR_GDN_RULE_ADDITIVE
+        && p.dt_mode == KVR_GDN_DT_SOFTPLUS
+        && x == bf16
+        && is(&p.beta, f32)
+        && is(&p.a, f32)
+        && absent_or(&p.dt_bias, f32)
+        && absent_or(&p.skip, f32)
+        && absent_or(&p.gate, bf16);
+    mamba2.then_some(FdSpec::Mamba2Bf16)
 }
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
@@ -530,6 +576,29 @@ impl ReplayCuda {
                 0
             };
             let fused = fused_occ > 0;
+            // The specialized one-launch kernels (dk 128, a ring of exactly 16 or 32, f32
+            // entries), one per FdSpec.
+            let spec_shape = fused
+                && cfg.dk == 128
+                && matches!(cfg.ring_len, 16 | 32)
+                && cfg.entry_dtype == DType::F32
+                && std::env::var("KVR_GDN_FDECODE_SPEC").as_deref() != Ok("0");
+            let mut x_occ = 0;
+            if spec_shape {
+                x_occ = u32::MAX;
+                for spec in FdSpec::ALL {
+                    let k = Kernel::GdnFDecodeX {
+                        state: cfg.state_dtype,
+                        ring32,
+                        spec,
+                    };
+                    x_occ = x_occ.min(cuda.prepare_kernel(
+                        k,
+                        fused_smem,
+                        (32 * WDECODE_WARPS) as u32,
+                    )?);
+                }
+            }
             // KVR_GDN_DECODE=wdecode: the two launches at every batch; =fused: one launch
             // at every batch (tests, benchmarking).
             let fused_rows = match which.as_str() {
@@ -544,6 +613,19 @@ impl ReplayCuda {
                         let row_ctas =
                             cfg.v_heads * cfg.dv / (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS);
                         fused_rows_one_wave(row_ctas, wave)
+                    }),
+            };
+            let row_ctas = cfg.v_heads * cfg.dv / (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS);
+            let fused_rows_x = match which.as_str() {
+                _ if x_occ == 0 => 0,
+                "wdecode" => 0,
+                "fused" => usize::MAX,
+                _ => std::env::var("KVR_GDN_FUSED_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or_else(|| {
+                        let wave = x_occ as usize * cuda.sm_count().max(1) as usize;
+                        fused_rows_x_default(row_ctas, wave)
                     }),
             };
             (prep > 0 && main > 0).then_some(WDecode {
@@ -562,6 +644,8 @@ impl ReplayCuda {
                 },
                 fused_rows,
                 fused_smem,
+                fused_rows_x,
+                fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
             })
         } else {
             None
@@ -894,20 +978,31 @@ impl ReplayCuda {
             .scratch
             .as_ref()
             .map_or(0, |s| (s.addr() + layer * w.scratch_bytes) as u64);
-        if cfg.ring_len > 0 && rows < w.fused_rows {
-            let kernel = Kernel::GdnFDecode {
-                state: cfg.state_dtype,
-                dk: cfg.dk,
-                ring32: w.ring32,
+        let spec = fdecode_spec(p).filter(|_| rows < w.fused_rows_x);
+        if cfg.ring_len > 0 && (rows < w.fused_rows || spec.is_some()) {
+            let kernel = match spec {
+                Some(spec) => Kernel::GdnFDecodeX {
+                    state: cfg.state_dtype,
+                    ring32: w.ring32,
+                    spec,
+                },
+                None => Kernel::GdnFDecode {
+                    state: cfg.state_dtype,
+                    dk: cfg.dk,
+                    ring32: w.ring32,
+                },
             };
-            let grid = rows * cfg.v_heads * p.tiles as usize;
-            return self.run(
+            // Grid (tiles, value heads, rows), a programmatic dependent of the stream's
+            // previous kernel (the kernel waits for it before its first read).
+            let mut args = [p as *mut StepParams as *mut c_void];
+            return self.cuda.launch_ex(
                 kernel,
-                grid,
-                (32 * WDECODE_WARPS) as u32,
+                (p.tiles as u32, cfg.v_heads as u32, rows as u32),
+                ((32 * WDECODE_WARPS) as u32, 1, 1),
                 w.fused_smem,
-                p,
                 stream,
+                &mut args,
+                w.fused_pdl,
             );
         }
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
