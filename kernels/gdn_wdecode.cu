@@ -344,9 +344,10 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr int RL = kWRows, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if constexpr (FUSED) {
-    // Launched as a programmatic dependent of whatever ran before it on the stream (the host
-    // sets the attribute; without it both are no-ops): everything it reads may be that
+  if (FUSED || (REC && p.conv_dim == 0)) {
+    // The one-launch kernel, and recurrent pools' kernel where no prep kernel runs first:
+    // launched as a programmatic dependent of whatever ran before it on the stream (the host
+    // sets the attribute; without it both are no-ops). Everything it reads may be that
     // kernel's output, so it waits first, and lets the next step's launch begin at once (a
     // dependent waits for this grid's end in turn).
     pdl_wait();

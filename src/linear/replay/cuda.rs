@@ -227,7 +227,8 @@ struct WDecode {
     /// Batches of fewer rows than this take the specialized one-launch kernel where a call
     /// fits it (`fdecode_spec`); 0 where the pool's shape has none (or KVR_GDN_FDECODE_SPEC=0).
     fused_rows_x: usize,
-    /// The one-launch kernels as programmatic dependents (KVR_GDN_FDECODE_PDL=0: not).
+    /// The one-launch kernels, and recurrent pools' state kernel where no prep kernel runs,
+    /// as programmatic dependents of the stream's previous kernel (KVR_GDN_FDECODE_PDL=0: not).
     fused_pdl: bool,
     /// Shared memory of a prep CTA of one key head (batches below `PREP_SPLIT_ROWS`).
     prep_smem_split: u32,
@@ -250,13 +251,11 @@ fn fused_rows_one_wave(ctas_per_row: usize, wave: usize) -> usize {
     (wave / ctas_per_row.max(1)).max(1) + 1
 }
 
-/// Batch rows below which the specialized one-launch kernel runs (`fdecode_spec`): it
-/// measured faster than the two launches up to two waves of its CTAs (H200, GDN, ring 16:
-/// kernel-level A/B B = 8 11.5 us against 12.4, B = 12 15.9 against 14.2; bench_gdn.py ring
-/// 32 B = 8 15.8 against 17.2; BENCHMARKS.md).
-fn fused_rows_x_default(ctas_per_row: usize, wave: usize) -> usize {
-    fused_rows_one_wave(ctas_per_row, 2 * wave)
-}
+/// Waves of CTAs up to which the specialized one-launch kernels run (`fdecode_spec`): they
+/// measured faster than the two launches up to two (H200, GDN, ring 16: kernel-level A/B
+/// B = 8 11.5 us against 12.4, B = 12 15.9 against 14.2; bench_gdn.py ring 32 B = 8 15.8
+/// against 17.2; BENCHMARKS.md).
+const FDECODE_SPEC_WAVES: usize = 2;
 
 /// The specialized one-launch kernel that a decode step's parameters fit (`FdFix` /
 /// `FdFixM2` in kernels/gdn_wdecode.cu fix these fields; the pool's shape was checked when
@@ -599,35 +598,24 @@ impl ReplayCuda {
                     )?);
                 }
             }
-            // KVR_GDN_DECODE=wdecode: the two launches at every batch; =fused: one launch
-            // at every batch (tests, benchmarking).
-            let fused_rows = match which.as_str() {
-                _ if !fused => 0,
-                "wdecode" => 0,
-                "fused" => usize::MAX,
-                _ => std::env::var("KVR_GDN_FUSED_ROWS")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .unwrap_or_else(|| {
-                        let wave = fused_occ as usize * cuda.sm_count().max(1) as usize;
-                        let row_ctas =
-                            cfg.v_heads * cfg.dv / (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS);
-                        fused_rows_one_wave(row_ctas, wave)
-                    }),
-            };
+            // Rows below which a one-launch kernel of `occ` CTAs per SM runs, up to `waves`
+            // waves of them. KVR_GDN_DECODE=wdecode: the two launches at every batch;
+            // =fused: one launch at every batch (tests, benchmarking).
             let row_ctas = cfg.v_heads * cfg.dv / (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS);
-            let fused_rows_x = match which.as_str() {
-                _ if x_occ == 0 => 0,
+            let rows_below = |occ: u32, waves: usize| match which.as_str() {
+                _ if occ == 0 => 0,
                 "wdecode" => 0,
                 "fused" => usize::MAX,
                 _ => std::env::var("KVR_GDN_FUSED_ROWS")
                     .ok()
                     .and_then(|v| v.parse::<usize>().ok())
                     .unwrap_or_else(|| {
-                        let wave = x_occ as usize * cuda.sm_count().max(1) as usize;
-                        fused_rows_x_default(row_ctas, wave)
+                        let wave = occ as usize * cuda.sm_count().max(1) as usize;
+                        fused_rows_one_wave(row_ctas, waves * wave)
                     }),
             };
+            let fused_rows = rows_below(fused_occ, 1);
+            let fused_rows_x = rows_below(x_occ, FDECODE_SPEC_WAVES);
             (prep > 0 && main > 0).then_some(WDecode {
                 ring32,
                 scratch,
@@ -1033,7 +1021,9 @@ impl ReplayCuda {
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let shape = (grid, (32 * WDECODE_WARPS) as u32, 0);
-        self.run_ex(kernel, shape, p, stream, prep)
+        // A dependent of the prep kernel, or (recurrent pools without one: the kernel waits
+        // at entry) of the stream's previous kernel.
+        self.run_ex(kernel, shape, p, stream, prep || w.fused_pdl)
     }
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
