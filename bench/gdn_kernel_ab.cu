@@ -33,7 +33,12 @@ using kvr::gdn::StepParams;
 
 // The one-launch kernel specialized as the library's kvr_gdn_fdecode_*_xbf16, with this
 // program's f32 output.
-using AbFix = kvr::gdn::FdFix<KVR_DT_BF16, KVR_DT_F32, KVR_DT_F32>;
+struct AbFix {
+  static __device__ __forceinline__ void apply(StepParams& c, int ring) {
+    kvr::gdn::FdFix<KVR_DT_BF16, KVR_DT_F32>::apply(c, ring);
+    c.out.dtype = KVR_DT_F32;
+  }
+};
 #define AB_SPEC(LU)                                                                                   \
   extern "C" __global__ void __launch_bounds__(128, KVR_FDECODE_MINB)                               \
       ab_fdecode_spec_r##LU(const __grid_constant__ StepParams p) {                                  \

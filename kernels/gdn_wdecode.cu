@@ -698,64 +698,59 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
   }
 }
 
-// The fields a specialized one-launch kernel fixes (the Gated DeltaNet decode as engines
-// call it): q, k, v and beta of dtype X (q, k, v row-contiguous), g of dtype G, the output of
-// dtype O; f32 ring entries; the ring exactly `ring` slots long; the delta rule with no dt
-// gate, no conv window, no skip and no gate. The host's check is `fdecode_spec` in
-// src/linear/replay/cuda.rs.
-template <int X, int G, int O>
+// What every specialized one-launch kernel fixes: q, k, v and the output of dtype X, q, k, v
+// row-contiguous, f32 ring entries, the ring exactly `ring` slots long, no conv window.
+template <int X>
+__device__ __forceinline__ void fd_fix_shared(StepParams& c, int ring) {
+  c.q.dtype = X;
+  c.k.dtype = X;
+  c.v.dtype = X;
+  c.out.dtype = X;
+  c.q.s[3] = 1;
+  c.k.s[3] = 1;
+  c.v.s[3] = 1;
+  c.entry_dtype = KVR_DT_F32;
+  c.l = ring;
+  c.conv_dim = 0;
+}
+
+// The Gated DeltaNet decode as engines call it: the fields above, beta of dtype X, g of
+// dtype G, the delta rule with no dt gate, no skip and no gate. The host's check is
+// `fdecode_spec` in src/linear/replay/cuda.rs.
+template <int X, int G>
 struct FdFix {
   static __device__ __forceinline__ void apply(StepParams& c, int ring) {
-    c.q.dtype = X;
-    c.k.dtype = X;
-    c.v.dtype = X;
+    fd_fix_shared<X>(c, ring);
     c.beta.dtype = X;
     c.g.dtype = G;
-    c.out.dtype = O;
-    c.q.s[3] = 1;
-    c.k.s[3] = 1;
-    c.v.s[3] = 1;
-    c.entry_dtype = KVR_DT_F32;
-    c.l = ring;
     c.rule = KVR_GDN_RULE_DELTA;
     c.dt_mode = KVR_GDN_DT_NONE;
-    c.conv_dim = 0;
     c.skip.p = nullptr;
     c.gate.p = nullptr;
   }
 };
 
-// The same for Mamba-2 as engines call it (the additive rule, dt through softplus and the
-// clamp): x, B, C (v, k, q; row-contiguous), z (the gate) and the output of dtype X; dt
-// (beta), A, dt_bias and D (the skip) f32; f32 entries, the ring exactly `ring` slots long,
-// no conv window. Whether D, z and dt_bias are given stays run-time.
+// Mamba-2 as engines call it (the additive rule, dt through softplus and the clamp): the
+// fields above for x, B, C (v, k, q), z (the gate) of dtype X; dt (beta), A, dt_bias and D
+// (the skip) f32. Whether D, z and dt_bias are given stays run-time.
 template <int X>
 struct FdFixM2 {
   static __device__ __forceinline__ void apply(StepParams& c, int ring) {
-    c.q.dtype = X;
-    c.k.dtype = X;
-    c.v.dtype = X;
+    fd_fix_shared<X>(c, ring);
     c.gate.dtype = X;
-    c.out.dtype = X;
     c.beta.dtype = KVR_DT_F32;
     c.a.dtype = KVR_DT_F32;
     c.dt_bias.dtype = KVR_DT_F32;
     c.skip.dtype = KVR_DT_F32;
-    c.q.s[3] = 1;
-    c.k.s[3] = 1;
-    c.v.s[3] = 1;
-    c.entry_dtype = KVR_DT_F32;
-    c.l = ring;
     c.rule = KVR_GDN_RULE_ADDITIVE;
     c.dt_mode = KVR_GDN_DT_SOFTPLUS;
-    c.conv_dim = 0;
   }
 };
 
 // The specializations built: Gated DeltaNet with bf16 inputs, f32 decays and a bf16 output
 // (torch engines) or f32 throughout (ggml); Mamba-2 with bf16 x, B, C, z and output.
-using FdBf16 = FdFix<KVR_DT_BF16, KVR_DT_F32, KVR_DT_BF16>;
-using FdF32 = FdFix<KVR_DT_F32, KVR_DT_F32, KVR_DT_F32>;
+using FdBf16 = FdFix<KVR_DT_BF16, KVR_DT_F32>;
+using FdF32 = FdFix<KVR_DT_F32, KVR_DT_F32>;
 using FdM2Bf16 = FdFixM2<KVR_DT_BF16>;
 
 }  // namespace gdn

@@ -966,7 +966,11 @@ impl ReplayCuda {
             .scratch
             .as_ref()
             .map_or(0, |s| (s.addr() + layer * w.scratch_bytes) as u64);
-        let spec = fdecode_spec(p).filter(|_| rows < w.fused_rows_x);
+        let spec = if rows < w.fused_rows_x {
+            fdecode_spec(p)
+        } else {
+            None
+        };
         if cfg.ring_len > 0 && (rows < w.fused_rows || spec.is_some()) {
             let kernel = match spec {
                 Some(spec) => Kernel::GdnFDecodeX {
