@@ -39,4 +39,17 @@ template <typename T> struct alignas(16) Pack8 {
   T v[8];
 };
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask for
+// it): let the next kernel on the stream start, and wait for the previous one to complete.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace kvr

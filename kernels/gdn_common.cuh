@@ -227,19 +227,6 @@ __device__ __forceinline__ float reduce_scatter(float (&P)[N], int lane) {
   return x;
 }
 
-// Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask for
-// it): let the next kernel on the stream start, and wait for the previous one to complete.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // A warp's 8 state rows x KL keys (s[r][c], key map shared with q and k): (S q) and (S k) of
 // row (lane & 7) in every lane, by one reduce_scatter of the 16 partial sums (lane 2 r holds
 // row r's S q, lane 16 + 2 r its S k). The decode kernels' hot dot products (gdn_decode.cu,

@@ -188,6 +188,66 @@ __device__ __forceinline__ void store_out(const DecodeParams& p, int y, const Ro
   if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
 }
 
+// Thread block clusters (sm_90+): a barrier over all threads of the cluster (release /
+// acquire: shared-memory writes before it are visible to the cluster's CTAs after it), and
+// the address of the same shared-memory variable in the cluster's CTA `rank` (DSMEM).
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+template <typename T> __device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<const T*>(out);
+#else
+  return p;
+#endif
+}
+
+// Thread 0 of a CTA counts the CTA in on a device counter after a CTA barrier; true for the
+// last of `need`, which resets the counter for the next launch. acq_rel: the CTA's earlier
+// global writes (its partial, ordered before this by the barrier) are released to the last
+// CTA, which acquires everyone's (its threads read them after the next barrier). Cheaper than
+// a sequentially consistent __threadfence (MEMBAR.SC plus an L1 invalidation) on each side.
+__device__ __forceinline__ bool count_in_last(int32_t* counter, int need) {
+  int prev;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
+  const bool last = prev == need - 1;
+  if (last) *counter = 0;  // the next launch starts after this grid completes
+  return last;
+}
+
+// Folds n <= N partials of one output vector (each: base-2 log-sum-exp l and normalized
+// output x, from load(j, l, x)) into a running log-sum-exp merge (max M, denominator den,
+// unnormalized sum o): all loads issued first, one rescale when the max grows.
+template <int N, typename Load>
+__device__ __forceinline__ void fold_parts(int n, float& M, float& den, float4& o, Load load) {
+  float l[N];
+  float4 x[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    l[j] = -INFINITY;
+    x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (j < n) load(j, l[j], x[j]);
+  }
+  float m = M;
+#pragma unroll
+  for (int j = 0; j < N; ++j) m = fmaxf(m, l[j]);
+  if (m == -INFINITY) return;
+  const float sc = exp2f(M - m);  // 0 while M is -inf
+  den *= sc;
+  o.x *= sc; o.y *= sc; o.z *= sc; o.w *= sc;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float w = exp2f(l[j] - m);
+    den += w;
+    o.x += w * x[j].x; o.y += w * x[j].y; o.z += w * x[j].z; o.w += w * x[j].w;
+  }
+  M = m;
+}
+
 // Merges `count` partials of a split row (those of CTAs first, first + stride, ...) by
 // log-sum-exp into the output, or (out_part >= 0) into that partial slot. One pass, 8
 // partials at a time, their log-sum-exps and outputs loaded together, the running sum
@@ -209,32 +269,11 @@ __device__ __forceinline__ void merge_partials(const DecodeParams& p, const RowC
     float M = -INFINITY, den = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int k0 = 0; k0 < count; k0 += kBatch) {
-      float l[kBatch];
-      float4 x[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        l[j] = -INFINITY;
-        x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (k0 + j < count) {
-          const long long pi = part_index(first + static_cast<long long>(k0 + j) * stride);
-          l[j] = __ldcg(p.part_lse + pi * 16 + r);
-          x[j] = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
-        }
-      }
-      float m = M;
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) m = fmaxf(m, l[j]);
-      if (m == -INFINITY) continue;
-      const float sc = exp2f(M - m);  // 0 while M is -inf
-      den *= sc;
-      o.x *= sc; o.y *= sc; o.z *= sc; o.w *= sc;
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const float w = exp2f(l[j] - m);
-        den += w;
-        o.x += w * x[j].x; o.y += w * x[j].y; o.z += w * x[j].z; o.w += w * x[j].w;
-      }
-      M = m;
+      fold_parts<kBatch>(min(kBatch, count - k0), M, den, o, [&](int j, float& l, float4& x) {
+        const long long pi = part_index(first + static_cast<long long>(k0 + j) * stride);
+        l = __ldcg(p.part_lse + pi * 16 + r);
+        x = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
+      });
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
@@ -252,10 +291,184 @@ __device__ __forceinline__ void merge_partials(const DecodeParams& p, const RowC
   }
 }
 
-template <typename KV, int D> __device__ __forceinline__ void decode_body(const DecodeParams& p) {
+// The 16 query rows of query tile y of (batch row b, KV head h), as KV rows of the Q staging
+// buffer (zeros past the last row, or for a row with no sequence). Vector paths (q_vec): load()
+// into registers, store() into the buffer, so the loads can be issued before the barrier that
+// frees it; else load_scalar() (element loads, any dtype and strides).
+template <typename KV, int D> struct QTile {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kIt = (16 * kChunks + kConsumerThreads - 1) / kConsumerThreads;
+  static constexpr int kQStride = DecodeSmem<KV, D>::kQStride;
+  uint4 v[kIt];
+
+  __device__ __forceinline__ void load(const DecodeParams& p, int y, int b, int h, bool live,
+                                       int tid) {
+    const int rows_total = p.g * p.t;
+#pragma unroll
+    for (int k = 0; k < kIt; ++k) {
+      const int i = tid + k * kConsumerThreads;
+      const int r = i / kChunks, ch = i % kChunks;
+      const int R = y * 16 + r;
+      v[k] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < 16 * kChunks && R < rows_total && live) {
+        const int t = R / p.g, g = R % p.g;
+        const int64_t off = b * p.q_sb + t * p.q_st + (h * p.g + g) * p.q_sh + ch * 8;
+        if (p.q_vec == KVR_KV_Q_VEC_KV) {
+          v[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const KV*>(p.q) + off));
+        } else {
+          const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.q) + off);
+          const float4 a = __ldg(src), c = __ldg(src + 1);
+          union {
+            KV h[8];
+            uint4 u;
+          } cv;
+          cv.h[0] = from_float<KV>(a.x); cv.h[1] = from_float<KV>(a.y);
+          cv.h[2] = from_float<KV>(a.z); cv.h[3] = from_float<KV>(a.w);
+          cv.h[4] = from_float<KV>(c.x); cv.h[5] = from_float<KV>(c.y);
+          cv.h[6] = from_float<KV>(c.z); cv.h[7] = from_float<KV>(c.w);
+          v[k] = cv.u;
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ void store(KV* sq, int tid) const {
+#pragma unroll
+    for (int k = 0; k < kIt; ++k) {
+      const int i = tid + k * kConsumerThreads;
+      if (i < 16 * kChunks)
+        *reinterpret_cast<uint4*>(sq + (i / kChunks) * kQStride + (i % kChunks) * 8) = v[k];
+    }
+  }
+  static __device__ __forceinline__ void load_scalar(const DecodeParams& p, int y, int b, int h,
+                                                     bool live, int tid, KV* sq) {
+    const int rows_total = p.g * p.t;
+    for (int i = tid; i < 16 * D; i += kConsumerThreads) {
+      const int r = i / D, d = i % D;
+      const int R = y * 16 + r;
+      float x = 0.f;
+      if (R < rows_total && live) {
+        const int t = R / p.g, g = R % p.g;
+        x = load_any(p.q, b * p.q_sb + t * p.q_st + (h * p.g + g) * p.q_sh + d, p.q_dtype);
+      }
+      sq[r * kQStride + d] = from_float<KV>(x);
+    }
+  }
+};
+
+// One consumer warp's share of a K/V tile in shared memory (its 16 tokens): S = Q K^T for the
+// 16 query rows of the tile in `sq`, scale or softcap, mask (causal within the draft window,
+// the sequence end, the sliding window), online softmax in base 2, acc += P V. `tile_tok` is
+// the tile's first token; `t_of` the query token of the lane's two rows.
+template <typename KV, int D>
+__device__ __forceinline__ void attend_tile(const DecodeParams& p, const KV* sq, const KV* sk,
+                                            const KV* sv, int warp, int lane, int tile_tok, int slot,
+                                            int len, const int (&t_of)[2], float (&acc)[D / 8][4],
+                                            float (&m_run)[2], float (&l_run)[2]) {
   using Sm = DecodeSmem<KV, D>;
   constexpr int kStride = Sm::kStride;
   constexpr int kQStride = Sm::kQStride;
+  const int tok0 = tile_tok + warp * 16;
+  if (slot < 0 || tok0 >= len) return;  // nothing visible in this warp's slice
+  // S = Q K^T, Q fragments read from shared memory (saves 32+ registers), in two
+  // independent accumulator chains (even / odd k-steps) for more MMAs in flight.
+  float sc[2][4], sd[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    sd[j][0] = sd[j][1] = sd[j][2] = sd[j][3] = 0.f;
+  }
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t qa[4], kb[4];
+    const int qr = (lane & 7) + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4(qa, sq + qr * kQStride + kk * 16 + (lane >> 4) * 8);
+    const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
+    const int c = kk * 2 + ((lane >> 3) & 1);
+    ldmatrix_x4(kb, sk + r * kStride + Sm::chunk(r, c) * 8);
+    if (kk & 1) {
+      Mma<KV>::run(sd[0], qa, kb[0], kb[1]);
+      Mma<KV>::run(sd[1], qa, kb[2], kb[3]);
+    } else {
+      Mma<KV>::run(sc[0], qa, kb[0], kb[1]);
+      Mma<KV>::run(sc[1], qa, kb[2], kb[3]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[j][e] += sd[j][e];
+  }
+  // Scale (or softcap), then mask what a query may not see: keys past its own position
+  // (causal within the draft window and the end of the sequence) or before its window.
+  const int last_pos = len - p.t;  // position of query t is last_pos + t
+  const bool full_vis = (tok0 + 15 <= last_pos) && (p.window <= 0 || tok0 >= len - p.window);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = sc[j][e];
+      if (p.softcap > 0.f) {
+        x = p.softcap * tanhf(x * p.qk_scale / p.softcap) * kLog2e;
+      } else {
+        x *= p.scale_log2;
+      }
+      if (!full_vis) {
+        const int kp = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
+        const int qpos = last_pos + t_of[e >> 1];
+        const bool vis = kp <= qpos && (p.window <= 0 || kp > qpos - p.window);
+        if (!vis) x = -INFINITY;
+      }
+      sc[j][e] = x;
+    }
+  }
+  float corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[r], mx);
+    const float m_use = (m_new == -INFINITY) ? 0.f : m_new;
+    corr[r] = fast_exp2(m_run[r] - m_use);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      sc[j][2 * r] = fast_exp2(sc[j][2 * r] - m_use);
+      sc[j][2 * r + 1] = fast_exp2(sc[j][2 * r + 1] - m_use);
+      sum += sc[j][2 * r] + sc[j][2 * r + 1];
+    }
+    l_run[r] = l_run[r] * corr[r] + sum;
+    m_run[r] = m_new;
+  }
+  // Rescale only when some row's max moved (rare once a row's max has settled).
+  if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      acc[n][0] *= corr[0];
+      acc[n][1] *= corr[0];
+      acc[n][2] *= corr[1];
+      acc[n][3] *= corr[1];
+    }
+  }
+  uint32_t pa[4];
+  pa[0] = Mma<KV>::pack(sc[0][0], sc[0][1]);
+  pa[1] = Mma<KV>::pack(sc[0][2], sc[0][3]);
+  pa[2] = Mma<KV>::pack(sc[1][0], sc[1][1]);
+  pa[3] = Mma<KV>::pack(sc[1][2], sc[1][3]);
+#pragma unroll
+  for (int jj = 0; jj < D / 16; ++jj) {
+    uint32_t vb[4];
+    const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int c = jj * 2 + (lane >> 4);
+    ldmatrix_x4_trans(vb, sv + r * kStride + Sm::chunk(r, c) * 8);
+    Mma<KV>::run(acc[2 * jj], pa, vb[0], vb[1]);
+    Mma<KV>::run(acc[2 * jj + 1], pa, vb[2], vb[3]);
+  }
+}
+
+template <typename KV, int D> __device__ __forceinline__ void decode_body(const DecodeParams& p) {
+  using Sm = DecodeSmem<KV, D>;
+  constexpr int kStride = Sm::kStride;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr kvr_kv_decode_smem kLay = Sm::kLayout;
@@ -453,55 +666,13 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   auto begin_row = [&](const RowCursor& rc) {
     // Q rows of this tile: 16-byte loads into registers first (issued before the barrier
     // that frees the Q buffer, so their latency overlaps the previous row's tail).
-    constexpr int kQIt = (16 * kChunks + kConsumerThreads - 1) / kConsumerThreads;
-    uint4 qv[kQIt];
-    if (p.q_vec) {
-#pragma unroll
-      for (int k = 0; k < kQIt; ++k) {
-        const int i = tid + k * kConsumerThreads;
-        const int r = i / kChunks, ch = i % kChunks;
-        const int R = y * 16 + r;
-        qv[k] = make_uint4(0u, 0u, 0u, 0u);
-        if (i < 16 * kChunks && R < rows_total && rc.slot >= 0) {
-          const int t = R / p.g, g = R % p.g;
-          const int64_t off = rc.b * p.q_sb + t * p.q_st + (rc.h * p.g + g) * p.q_sh + ch * 8;
-          if (p.q_vec == KVR_KV_Q_VEC_KV) {
-            qv[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const KV*>(p.q) + off));
-          } else {
-            const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.q) + off);
-            const float4 a = __ldg(src), b = __ldg(src + 1);
-            union {
-              KV h[8];
-              uint4 u;
-            } cv;
-            cv.h[0] = from_float<KV>(a.x); cv.h[1] = from_float<KV>(a.y);
-            cv.h[2] = from_float<KV>(a.z); cv.h[3] = from_float<KV>(a.w);
-            cv.h[4] = from_float<KV>(b.x); cv.h[5] = from_float<KV>(b.y);
-            cv.h[6] = from_float<KV>(b.z); cv.h[7] = from_float<KV>(b.w);
-            qv[k] = cv.u;
-          }
-        }
-      }
-    }
+    QTile<KV, D> qt;
+    if (p.q_vec) qt.load(p, y, rc.b, rc.h, rc.slot >= 0, tid);
     consumer_sync();  // the Q buffer may still be read by the previous row's fragments load
     if (p.q_vec) {
-#pragma unroll
-      for (int k = 0; k < kQIt; ++k) {
-        const int i = tid + k * kConsumerThreads;
-        if (i < 16 * kChunks)
-          *reinterpret_cast<uint4*>(sq + (i / kChunks) * kQStride + (i % kChunks) * 8) = qv[k];
-      }
+      qt.store(sq, tid);
     } else {
-      for (int i = tid; i < 16 * D; i += kConsumerThreads) {
-        const int r = i / D, d = i % D;
-        const int R = y * 16 + r;
-        float x = 0.f;
-        if (R < rows_total && rc.slot >= 0) {
-          const int t = R / p.g, g = R % p.g;
-          x = load_any(p.q, rc.b * p.q_sb + t * p.q_st + (rc.h * p.g + g) * p.q_sh + d, p.q_dtype);
-        }
-        sq[r * kQStride + d] = from_float<KV>(x);
-      }
+      qt.load_scalar(p, y, rc.b, rc.h, rc.slot >= 0, tid, sq);
     }
     consumer_sync();
 #pragma unroll
@@ -613,16 +784,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
       // Thread 0 counts this CTA in; true for the last of `need`.
       auto arrive_last = [&](int32_t* counter, int need) {
         consumer_sync();
-        if (tid == 0) {
-          __threadfence();
-          const int prev = atomicAdd(counter, 1);
-          const bool last = prev == need - 1;
-          if (last) {
-            *counter = 0;  // ready for the next launch
-            __threadfence();
-          }
-          *s_flag = last;
-        }
+        if (tid == 0) *s_flag = count_in_last(counter, need);
         consumer_sync();
         return *s_flag != 0;
       };
@@ -646,105 +808,8 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   };
 
   auto compute_tile = [&](const RowCursor& rc, int s) {
-    const KV* sk = stage_k(s);
-    const KV* sv = stage_v(s);
-    const int tok0 = (rc.first_tile + rc.tile) * kTileN + warp * 16;
-    if (rc.slot < 0 || tok0 >= rc.len) return;  // nothing visible in this warp's slice
-    // S = Q K^T, Q fragments read from shared memory (saves 32+ registers), in two
-    // independent accumulator chains (even / odd k-steps) for more MMAs in flight.
-    float sc[2][4], sd[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-      sd[j][0] = sd[j][1] = sd[j][2] = sd[j][3] = 0.f;
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t qa[4], kb[4];
-      const int qr = (lane & 7) + ((lane >> 3) & 1) * 8;
-      ldmatrix_x4(qa, sq + qr * kQStride + kk * 16 + (lane >> 4) * 8);
-      const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
-      const int c = kk * 2 + ((lane >> 3) & 1);
-      ldmatrix_x4(kb, sk + r * kStride + Sm::chunk(r, c) * 8);
-      if (kk & 1) {
-        Mma<KV>::run(sd[0], qa, kb[0], kb[1]);
-        Mma<KV>::run(sd[1], qa, kb[2], kb[3]);
-      } else {
-        Mma<KV>::run(sc[0], qa, kb[0], kb[1]);
-        Mma<KV>::run(sc[1], qa, kb[2], kb[3]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[j][e] += sd[j][e];
-    }
-    // Scale (or softcap), then mask what a query may not see: keys past its own position
-    // (causal within the draft window and the end of the sequence) or before its window.
-    const int last_pos = rc.len - p.t;  // position of query t is last_pos + t
-    const bool full_vis = (tok0 + 15 <= last_pos) && (p.window <= 0 || tok0 >= rc.len - p.window);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = sc[j][e];
-        if (p.softcap > 0.f) {
-          x = p.softcap * tanhf(x * p.qk_scale / p.softcap) * kLog2e;
-        } else {
-          x *= p.scale_log2;
-        }
-        if (!full_vis) {
-          const int kp = tok0 + j * 8 + (lane & 3) * 2 + (e & 1);
-          const int qpos = last_pos + t_of[e >> 1];
-          const bool vis = kp <= qpos && (p.window <= 0 || kp > qpos - p.window);
-          if (!vis) x = -INFINITY;
-        }
-        sc[j][e] = x;
-      }
-    }
-    float corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = (m_new == -INFINITY) ? 0.f : m_new;
-      corr[r] = fast_exp2(m_run[r] - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        sc[j][2 * r] = fast_exp2(sc[j][2 * r] - m_use);
-        sc[j][2 * r + 1] = fast_exp2(sc[j][2 * r + 1] - m_use);
-        sum += sc[j][2 * r] + sc[j][2 * r + 1];
-      }
-      l_run[r] = l_run[r] * corr[r] + sum;
-      m_run[r] = m_new;
-    }
-    // Rescale only when some row's max moved (rare once a row's max has settled).
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][0] *= corr[0];
-        acc[n][1] *= corr[0];
-        acc[n][2] *= corr[1];
-        acc[n][3] *= corr[1];
-      }
-    }
-    uint32_t pa[4];
-    pa[0] = Mma<KV>::pack(sc[0][0], sc[0][1]);
-    pa[1] = Mma<KV>::pack(sc[0][2], sc[0][3]);
-    pa[2] = Mma<KV>::pack(sc[1][0], sc[1][1]);
-    pa[3] = Mma<KV>::pack(sc[1][2], sc[1][3]);
-#pragma unroll
-    for (int jj = 0; jj < D / 16; ++jj) {
-      uint32_t vb[4];
-      const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      const int c = jj * 2 + (lane >> 4);
-      ldmatrix_x4_trans(vb, sv + r * kStride + Sm::chunk(r, c) * 8);
-      Mma<KV>::run(acc[2 * jj], pa, vb[0], vb[1]);
-      Mma<KV>::run(acc[2 * jj + 1], pa, vb[2], vb[3]);
-    }
+    attend_tile<KV, D>(p, sq, stage_k(s), stage_v(s), warp, lane, (rc.first_tile + rc.tile) * kTileN,
+                       rc.slot, rc.len, t_of, acc, m_run, l_run);
   };
 
   RowCursor cur = start;
@@ -763,6 +828,274 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
     cursor_advance(p, cur);
   }
   end_row(active);
+}
+
+// ---- Split decode for short batches (kvr_kv_sdecode_<kv>_d<D>) ----
+//
+// A batch of few (batch row, KV head) rows pays for the stream-K kernel's fixed costs (the
+// partition scan over the batch, producer / consumer hand-offs, merges of ranges that cut
+// rows anywhere). Here every CTA knows its work from its indices: grid (splits, b * hkv, Y),
+// CTA (s, row, y) takes the tiles s, s + P, s + 2 P, ... of its row, P = min(splits,
+// ceil(tiles / min_tiles_per_cta)) from the device length (a captured graph stays valid while
+// sequences grow; CTAs s >= P leave at once). All 4 warps copy (cp.async ring of NS tiles, the
+// page lookups of a tile one iteration ahead) and compute (attend_tile, as the stream-K
+// kernel). The warps combine through shared memory in one step; a row of one part is written
+// directly, else each CTA writes a partial and the row's last CTA (atomic counter) stages all
+// partials in shared memory with cp.async and merges them by log-sum-exp. Launched as a
+// programmatic dependent: it waits for the previous kernel before its first read.
+template <typename KV, int D, int NS, bool kCluster>
+__device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
+  using Sm = DecodeSmem<KV, D>;
+  constexpr int kStride = Sm::kStride;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int kCopyIt = (kTileN * kChunks + kConsumerThreads - 1) / kConsumerThreads;
+  constexpr kvr_kv_decode_smem kLay = kvr_kv_decode_smem_layout(D, sizeof(KV), NS);
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* cursor_p = smem;
+  KV* stages_base = reinterpret_cast<KV*>(cursor_p);
+  float* area = reinterpret_cast<float*>(cursor_p);  // after the tiles: combine / merge staging
+  cursor_p += kLay.split_area;
+  KV* sq = reinterpret_cast<KV*>(cursor_p);
+  cursor_p += kLay.q_bytes;
+  long long* s_off = reinterpret_cast<long long*>(cursor_p);  // [NS][64][2]
+  cursor_p += NS * kLay.off_bytes;
+  float* s_ml = reinterpret_cast<float*>(cursor_p);  // [2][4][16] warps' max / sum, [16][2] rows
+  float* s_row = s_ml + 128;
+  cursor_p += kLay.ml_bytes;
+  int* s_flag = reinterpret_cast<int*>(cursor_p);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s = blockIdx.x, P_max = gridDim.x, row = blockIdx.y, y = blockIdx.z;
+  const int b = row / p.hkv, h = row % p.hkv;
+  const int rows_total = p.g * p.t;
+  const int rows_here = min(16, rows_total - y * 16);
+
+  pdl_wait();
+  pdl_launch_dependents();
+  RowCursor rc;
+  rc.b = b;
+  rc.h = h;
+  rc.slot = batch_slot(p, b);
+  const int32_t* trow = p.table + static_cast<int64_t>(rc.slot < 0 ? 0 : rc.slot) * p.table_stride;
+  // Without a sliding window this CTA's first tile is tile s whatever the length: its page ids
+  // are loaded beside the length (their tokens are checked against it below).
+  int first_id = -1;
+  const int first_tok = s * kTileN + tid;
+  if (tid < kTileN && rc.slot >= 0 && p.window <= 0 && first_tok < p.table_stride * static_cast<int>(p.page.d))
+    first_id = __ldg(trow + fast_div(p.page, static_cast<uint32_t>(first_tok)));
+  row_shape(p, rc.slot, &rc.len, &rc.first_tile, &rc.ntiles);
+  QTile<KV, D> qt;
+  if (p.q_vec) qt.load(p, y, b, h, rc.slot >= 0, tid);
+  const int min_tiles = max(1, p.min_tiles_per_cta);
+  // A cluster's CTAs all take part in its merge (those with no tile bring an empty partial).
+  const int P = kCluster ? P_max : min(P_max, (rc.ntiles + min_tiles - 1) / min_tiles);
+  if (s >= P) return;
+  const int n_my = max(0, (rc.ntiles - s + P - 1) / P);  // tiles s, s + P, ... of the row
+
+  // Row offsets (K, V) of this CTA's tile i, by the thread of that row (tid < 64): -1 past
+  // the sequence (the copy writes zeros: no stale value reaches the P V product).
+  auto tile_tok = [&](int i) { return (rc.first_tile + s + i * P) * kTileN; };
+  auto page_of = [&](int i) {
+    const int tok = tile_tok(i) + tid;
+    if (i >= n_my || rc.slot < 0 || tok >= rc.len) return -1;
+    return __ldg(trow + fast_div(p.page, static_cast<uint32_t>(tok)));
+  };
+  auto put_offsets = [&](int i, int id) {
+    long long ko = -1, vo = -1;
+    if (id >= 0) {
+      const int tok = tile_tok(i) + tid;
+      const uint32_t pi = fast_div(p.page, static_cast<uint32_t>(tok));
+      const int64_t sl = tok - static_cast<int64_t>(pi) * p.page.d;
+      ko = id * p.k_sp + h * p.k_sh + sl * p.k_st;
+      vo = id * p.v_sp + h * p.v_sh + sl * p.v_st;
+    }
+    s_off[((i % NS) * kTileN + tid) * 2] = ko;
+    s_off[((i % NS) * kTileN + tid) * 2 + 1] = vo;
+  };
+  const KV* kb = static_cast<const KV*>(p.k);
+  const KV* vb = static_cast<const KV*>(p.v);
+  const uint64_t pol = l2_evict_first_policy();
+  auto issue = [&](int i) {
+    const int st = i % NS;
+    KV* sk = stages_base + st * 2 * Sm::kTileElems;
+    KV* sv = sk + Sm::kTileElems;
+    const long long* off = s_off + st * kTileN * 2;
+#pragma unroll
+    for (int k = 0; k < kCopyIt; ++k) {
+      const int j = tid + k * kConsumerThreads;
+      if ((kTileN * kChunks) % kConsumerThreads == 0 || j < kTileN * kChunks) {
+        const int r = j / kChunks, col = j % kChunks;
+        const longlong2 o = *reinterpret_cast<const longlong2*>(off + r * 2);
+        const bool valid = o.x >= 0;
+        const int pc = Sm::chunk(r, col) * 8;
+        cp_async_16_stream(sk + r * kStride + pc, valid ? kb + o.x + col * 8 : kb, valid ? 16 : 0, pol);
+        cp_async_16_stream(sv + r * kStride + pc, valid ? vb + o.y + col * 8 : vb, valid ? 16 : 0, pol);
+      }
+    }
+  };
+
+  if (tid < kTileN) {
+    int ids[NS];
+    ids[0] = p.window <= 0 ? (first_tok < rc.len ? first_id : -1) : page_of(0);
+#pragma unroll
+    for (int i = 1; i < NS; ++i) ids[i] = page_of(i);
+#pragma unroll
+    for (int i = 0; i < NS; ++i) put_offsets(i, ids[i]);
+  }
+  if (p.q_vec) {
+    qt.store(sq, tid);
+  } else {
+    QTile<KV, D>::load_scalar(p, y, b, h, rc.slot >= 0, tid, sq);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NS - 1; ++i) {
+    if (i < n_my) issue(i);
+    cp_async_commit();
+  }
+
+  int t_of[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int R = y * 16 + (lane >> 2) + r * 8;
+    t_of[r] = min(R, rows_total - 1) / p.g;
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  for (int i = 0; i < n_my; ++i) {
+    cp_async_wait<NS - 2>();
+    __syncthreads();  // tile i is in for every thread; tile i - 1's stage is free
+    if (i + NS - 1 < n_my) issue(i + NS - 1);
+    cp_async_commit();
+    int id = -1;
+    if (tid < kTileN) id = page_of(i + NS);
+    const KV* sk = stages_base + (i % NS) * 2 * Sm::kTileElems;
+    attend_tile<KV, D>(p, sq, sk, sk + Sm::kTileElems, warp, lane, tile_tok(i), rc.slot, rc.len,
+                       t_of, acc, m_run, l_run);
+    if (tid < kTileN) put_offsets(i + NS, id);  // tile i's slot: its copy was issued long ago
+  }
+  cp_async_wait<0>();
+
+  // Combine the 4 warps: each writes its accumulators and its rows' max / sum; every output
+  // is then rescaled to the rows' common max in one pass.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  __syncthreads();  // every warp is done with the tiles: the stage area becomes the slots
+  constexpr int kM = Sm::kMStride;
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      s_ml[warp * 16 + (lane >> 2) + r * 8] = m_run[r];
+      s_ml[64 + warp * 16 + (lane >> 2) + r * 8] = l_run[r];
+    }
+  }
+  {
+    float* slot_w = area + warp * 16 * kM;
+    const int r0 = lane >> 2;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + (lane & 3) * 2;
+      if (r0 < rows_here)
+        *reinterpret_cast<float2*>(slot_w + r0 * kM + col) = make_float2(acc[n][0], acc[n][1]);
+      if (r0 + 8 < rows_here)
+        *reinterpret_cast<float2*>(slot_w + (r0 + 8) * kM + col) = make_float2(acc[n][2], acc[n][3]);
+    }
+  }
+  __syncthreads();
+  const bool split = P > 1;
+  // Cluster mode: the CTA's partial (normalized output, base-2 log-sum-exp) stays in its
+  // shared memory, after the 4 combine slots, for the cluster's merge.
+  float* s_part = area + 4 * 16 * kM;
+  float* s_plse = s_row;  // [16] (s_row serves only the global merge)
+  const long long part0 = (static_cast<long long>(y) * gridDim.y + row) * P_max;
+  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+    const int i = i4 * 4;
+    const int r = i / D, d = i % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) M = fmaxf(M, s_ml[w * 16 + r]);
+    float L = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float f = exp2f(s_ml[w * 16 + r] - M);
+        L += s_ml[64 + w * 16 + r] * f;
+        const float4 x = *reinterpret_cast<const float4*>(area + (w * 16 + r) * kM + d);
+        o.x += f * x.x; o.y += f * x.y; o.z += f * x.z; o.w += f * x.w;
+      }
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    const float lse2 = L > 0.f ? M + __log2f(L) : -INFINITY;
+    if (kCluster) {
+      *reinterpret_cast<float4*>(s_part + r * D + d) = o;
+      if (d == 0) s_plse[r] = lse2;
+    } else if (split) {
+      const long long pi = part0 + s;
+      *reinterpret_cast<float4*>(p.part_o + pi * 16 * D + i) = o;
+      if (d == 0) p.part_lse[pi * 16 + r] = lse2;
+    } else {
+      store_out(p, y, rc, r, d, o, lse2);
+    }
+  }
+  if constexpr (kCluster) {
+    // Every CTA of the cluster (the row's P parts) merges a slice of the row's outputs from
+    // the P partials in the cluster's shared memory (DSMEM), then waits until the others
+    // are done reading its own before it exits.
+    cluster_sync_all();  // partials written (release) and visible (acquire)
+    const int n4 = rows_here * D / 4;
+    const int per = (n4 + P - 1) / P;
+    const int i4 = s * per + tid;
+    if (tid < per && i4 < n4) {
+      const int i = i4 * 4;
+      const int r = i / D, d = i % D;
+      float M = -INFINITY, den = 0.f;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      fold_parts<16>(P, M, den, o, [&](int k, float& l, float4& x) {
+        l = *cluster_map(s_plse + r, k);
+        x = *reinterpret_cast<const float4*>(cluster_map(s_part + r * D + d, k));
+      });
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+      store_out(p, y, rc, r, d, o, den > 0.f ? M + __log2f(den) : -INFINITY);
+    }
+    cluster_sync_all();  // no CTA leaves while another may still read its partial
+    return;
+  }
+  if (!split) return;
+
+  // Publish the partial (barrier, one release by thread 0); the last of the row's P CTAs
+  // merges.
+  __syncthreads();
+  if (tid == 0)
+    *s_flag = count_in_last(p.counters + (static_cast<int64_t>(b) * p.hkv + h) * gridDim.z + y, P);
+  __syncthreads();
+  if (*s_flag == 0) return;
+
+  // Merge: each thread folds the P partials of its outputs, 16 at a time (loads together).
+  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+    const int i = i4 * 4;
+    const int r = i / D, d = i % D;
+    float M = -INFINITY, den = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k0 = 0; k0 < P; k0 += 16) {
+      fold_parts<16>(min(16, P - k0), M, den, o, [&](int j, float& l, float4& x) {
+        const long long pi = part0 + k0 + j;
+        l = __ldcg(p.part_lse + pi * 16 + r);
+        x = __ldcg(reinterpret_cast<const float4*>(p.part_o + pi * 16 * D + i));
+      });
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    store_out(p, y, rc, r, d, o, den > 0.f ? M + __log2f(den) : -INFINITY);
+  }
 }
 
 }  // namespace kvr
@@ -785,3 +1118,25 @@ KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 80)
 KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 96)
 KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 128)
 KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 256)
+
+// The split kernel for short batches: 3 stages (2 CTAs per SM up to head dim 128).
+#define KVR_SDECODE_KERNEL(NAME, KV, D)                                                         \
+  extern "C" __global__ void __launch_bounds__(kvr::kConsumerThreads, (D) <= 128 ? 2 : 1)        \
+      kvr_kv_sdecode_##NAME##_d##D(const __grid_constant__ kvr::DecodeParams p) {                \
+    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, false>(p);                                   \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(kvr::kConsumerThreads, (D) <= 128 ? 2 : 1)        \
+      kvr_kv_cdecode_##NAME##_d##D(const __grid_constant__ kvr::DecodeParams p) {                \
+    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, true>(p);                                    \
+  }
+
+KVR_SDECODE_KERNEL(f16, __half, 64)
+KVR_SDECODE_KERNEL(f16, __half, 80)
+KVR_SDECODE_KERNEL(f16, __half, 96)
+KVR_SDECODE_KERNEL(f16, __half, 128)
+KVR_SDECODE_KERNEL(f16, __half, 256)
+KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 64)
+KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 80)
+KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 96)
+KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 128)
+KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 256)

@@ -153,6 +153,8 @@ typedef struct {
 #define KVR_KV_DECODE_THREADS 192 /* 4 consumer warps + 2 producer warps */
 #define KVR_KV_DECODE_TILE 64     /* tokens per K/V tile (16 per consumer warp) */
 #define KVR_KV_MAX_INLINE_BATCH 512
+#define KVR_KV_SDECODE_STAGES 3   /* kvr_kv_sdecode_*, kvr_kv_cdecode_*: K/V stages per CTA */
+#define KVR_KV_SDECODE_THREADS 128
 /* q_vec: how q rows are loaded. */
 #define KVR_KV_Q_SCALAR 0 /* element loads, any dtype and strides */
 #define KVR_KV_Q_VEC_KV 1 /* 16-byte loads: q has the KV dtype, 16-byte aligned rows */
@@ -207,11 +209,17 @@ struct kvr_kv_decode_smem {
   int32_t bar_bytes;    /* per stage */
   int32_t scan_bytes;
   int32_t total;        /* all of it, for `stages` stages */
+  /* The short-batch split kernel (kvr_kv_sdecode_*), in this order: the stage area (`stages`
+   * K/V stages, at least the 4 warps' [16][merge_stride] f32 combine slots and a partial
+   * of that size; it also stages the partials a row's last CTA merges), Q staging, row offsets [stages][64][2] i64,
+   * softmax state (ml_bytes), a flag (16 bytes). */
+  int32_t split_area;
+  int32_t split_total;
 };
 
 KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim, int32_t elem_bytes,
                                                                int32_t stages) {
-  struct kvr_kv_decode_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  struct kvr_kv_decode_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   s.swizzled = head_dim % 64 == 0;
   s.row_stride = s.swizzled ? head_dim : head_dim + 8;
   s.q_stride = head_dim + 8;
@@ -225,6 +233,9 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
   s.scan_bytes = 16 * 8;
   s.total = stages * (s.stage_bytes + s.bar_bytes) + s.q_bytes + s.merge_bytes + s.off_bytes +
             s.ml_bytes + s.scan_bytes;
+  s.split_area = stages * s.stage_bytes;
+  if (s.split_area < 5 * s.merge_bytes) s.split_area = 5 * s.merge_bytes;
+  s.split_total = s.split_area + s.q_bytes + stages * s.off_bytes + s.ml_bytes + 16;
   return s;
 }
 

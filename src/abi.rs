@@ -99,6 +99,10 @@ abi_consts! {
     /// Tokens per K/V tile of the decode kernel.
     KVR_KV_DECODE_TILE: usize = 64;
     KVR_KV_MAX_INLINE_BATCH: usize = 512;
+    /// The short-batch split decode (kvr_kv_sdecode / kvr_kv_cdecode): K/V tiles in flight
+    /// per CTA, threads (4 warps).
+    KVR_KV_SDECODE_STAGES: usize = 3;
+    KVR_KV_SDECODE_THREADS: u32 = 128;
     /// Rows per write-gated scatter launch, and its threads (kernels/wgkv.cu).
     KVR_WGKV_MAX_PAIRS: usize = 160;
     KVR_WGKV_SCATTER_THREADS: u32 = 256;
@@ -527,6 +531,19 @@ pub(crate) fn kv_decode_smem_bytes(head_dim: usize, elem: usize, stages: usize) 
         + scan
 }
 
+/// `kvr_kv_decode_smem_layout(head_dim, elem, stages).split_total`: dynamic shared memory of
+/// the short-batch split decode: the stage area (the K/V stages, at least 4 combine slots and
+/// a partial of 16 rows of head_dim + 8 floats), Q staging, row offsets of each stage, the
+/// softmax state and a flag.
+pub(crate) fn kv_split_decode_smem_bytes(head_dim: usize, elem: usize, stages: usize) -> usize {
+    let merge = 16 * (head_dim + 8) * 4;
+    let area = (stages * kv_decode_stage_bytes(head_dim, elem)).max(5 * merge);
+    let q = 16 * (head_dim + 8) * elem;
+    let offsets = stages * KVR_KV_DECODE_TILE * 2 * 8;
+    let softmax_state = (4 * 16 * 2 + 32) * 4;
+    area + q + offsets + softmax_state + 16
+}
+
 /// `kvr_gdn_step_smem_layout(dk, tv, t, hmax).total`: dynamic shared memory of one GDN step
 /// launch (`t` tokens: 1 for a flush or export).
 pub(crate) fn gdn_step_smem_bytes(dk: usize, tv: usize, t: usize, hmax: usize) -> u32 {
@@ -800,7 +817,7 @@ mod tests {
             Formula {
                 c_fn: "kvr_kv_decode_smem_layout",
                 c_type: "kvr_kv_decode_smem",
-                c_fields: &["stage_bytes", "total"],
+                c_fields: &["stage_bytes", "total", "split_total"],
                 grid: grid(&[
                     &[32, 64, 80, 96, 112, 128, 160, 192, 256],
                     &[2, 4],
@@ -810,6 +827,7 @@ mod tests {
                     vec![
                         kv_decode_stage_bytes(u(a[0]), u(a[1])) as i64,
                         kv_decode_smem_bytes(u(a[0]), u(a[1]), u(a[2])) as i64,
+                        kv_split_decode_smem_bytes(u(a[0]), u(a[1]), u(a[2])) as i64,
                     ]
                 },
             },

@@ -372,6 +372,87 @@ fn gpu_decode_matches_cpu_across_the_matrix() {
     );
 }
 
+/// Small batches take the short-batch kernels (kernels/kv_decode.cu): short contexts the
+/// cluster kernel (a row's 16 parts merged in distributed shared memory), longer ones the
+/// split kernel (up to 64 parts per row, folded 16 at a time by the row's last CTA). Rows of
+/// every length class around the 64-token tile and the part boundaries, empty rows, two
+/// query tiles (GQA 7 x T 3), windows and softcap, checked element by element against the
+/// CPU backend. (run-all repeats the file with each kernel forced by KVR_KV_DECODE.)
+#[test]
+fn gpu_short_batches_match_cpu() {
+    let Some(g) = gpu_ctx("gpu_short_batches_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(23);
+    let mut worst = [0f64; 2];
+    let (mut cases, mut elements) = (0, 0);
+    for (hkv, grp, page, dtype) in [
+        (1usize, 7usize, 16usize, DType::BF16),
+        (4, 7, 16, DType::BF16),
+        (8, 4, 32, DType::F16),
+        (2, 16, 1, DType::BF16),
+    ] {
+        let cfg = KvPoolConfig {
+            layers: 1,
+            kv_heads: hkv,
+            head_dim: 128,
+            page_size: page,
+            dtype,
+            capacity_pages: 90_000 / page + 64,
+            max_seqs: 16,
+            max_seq_len: 1 << 17,
+        };
+        let p = pair(&g, cfg);
+        let long = if page == 1 { 9_000 } else { 70_001 };
+        let lens = [1usize, 63, 64, 65, 1_000, 4_097, long];
+        let ids: Vec<i32> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| p.add_seq(&mut rng, l, i % 2 == 1))
+            .collect();
+        // Batches: each row alone, a ragged pair, a short batch with an empty row.
+        let mut batches: Vec<Vec<i32>> = ids.iter().map(|&i| vec![i]).collect();
+        batches.push(vec![ids[6], ids[1]]);
+        batches.push(vec![ids[2], -1, ids[4], ids[3]]);
+        for (n, batch) in batches.iter().enumerate() {
+            for (t, window, softcap) in [
+                (1usize, 0usize, 0.0f32),
+                (3, 0, 0.0),
+                (1, 700, 0.0),
+                (2, 0, 30.0),
+            ] {
+                if batch
+                    .iter()
+                    .any(|&i| i >= 0 && lens[ids.iter().position(|&x| x == i).unwrap()] < t)
+                {
+                    continue;
+                }
+                let opts = DecodeOptions {
+                    window,
+                    softcap,
+                    ..Default::default()
+                };
+                let od = [DType::F32, dtype][n % 2];
+                let (e, l, m) = p.compare(&mut rng, 0, batch, t, hkv * grp, dtype, od, &opts);
+                assert!(
+                    e < tolerance(dtype),
+                    "hkv {hkv} group {grp} page {page} batch {batch:?} T {t} window {window} \
+                     softcap {softcap}: error {e:e}"
+                );
+                assert!(l < 2e-2, "lse error {l:e}");
+                worst = [worst[0].max(e), worst[1].max(l)];
+                cases += 1;
+                elements += m;
+            }
+        }
+    }
+    println!(
+        "short batches: {cases} cases, {elements} output elements checked, max relative error \
+         {:.2e} (row-relative, vs the CPU backend), max lse error {:.2e}",
+        worst[0], worst[1]
+    );
+}
+
 #[test]
 fn gpu_copy_on_write_fork_truncate_and_t8_verify() {
     let Some(g) = gpu_ctx("gpu_copy_on_write_fork_truncate_and_t8_verify") else {

@@ -10,10 +10,12 @@ use super::exec::{KvExecutor, Placed};
 use super::state::PoolState;
 use crate::abi::{
     dtype_code, kv_decode_smem_bytes as decode_smem, kv_decode_stage_bytes as decode_stage_bytes,
-    FastDiv, KvDecodeArgs as DecodeParams, KvLayerDesc as LayerDesc,
+    kv_split_decode_smem_bytes, FastDiv, KvDecodeArgs as DecodeParams, KvLayerDesc as LayerDesc,
     KvPageCopyArgs as PageCopyParams, KvWriteArgs as WriteParams, KvWriteGroup as WriteGroup,
-    KVR_KV_DECODE_THREADS as DECODE_THREADS, KVR_KV_MAX_INLINE_BATCH as MAX_INLINE_BATCH,
-    KVR_KV_MAX_PAGE_COPIES as MAX_PAGE_COPIES, KVR_KV_Q_SCALAR, KVR_KV_Q_VEC_F32, KVR_KV_Q_VEC_KV,
+    KVR_KV_DECODE_THREADS as DECODE_THREADS, KVR_KV_DECODE_TILE as TILE,
+    KVR_KV_MAX_INLINE_BATCH as MAX_INLINE_BATCH, KVR_KV_MAX_PAGE_COPIES as MAX_PAGE_COPIES,
+    KVR_KV_Q_SCALAR, KVR_KV_Q_VEC_F32, KVR_KV_Q_VEC_KV, KVR_KV_SDECODE_STAGES as SPLIT_STAGES,
+    KVR_KV_SDECODE_THREADS as SPLIT_THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
@@ -30,6 +32,30 @@ const MAX_STAGES: usize = 8;
 const MIN_TILES_PER_CTA: i32 = 2;
 /// Most 16-row query tiles per decode: 16 heads x 8 tokens / 16.
 const MAX_Y_TILES: usize = 8;
+/// Most parts a row is split into by the short-batch split kernel (its last CTA folds them).
+const MAX_SPLIT_PARTS: usize = 64;
+/// The split kernel's smallest share of a row, in tiles (the kernel derives the row's parts
+/// from its length: short rows use fewer parts).
+const SPLIT_MIN_TILES: i32 = 2;
+/// CTAs per cluster of the cluster kernel (a row's parts, merged in distributed shared
+/// memory); it takes batches of at most SMs / CLUSTER rows whose 64-token tiles, all rows
+/// together, number at most CLUSTER_MAX_TILES (short contexts: with one CTA per SM, longer
+/// ones stream faster through the split kernel's two CTAs per SM).
+const CLUSTER: usize = 16;
+const CLUSTER_MAX_TILES: usize = 256;
+
+/// Which decode kernel a call takes (`KVR_KV_DECODE`: auto, stream, split or cluster).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DecodePath {
+    Auto,
+    /// The stream-K kernel (`kvr_kv_decode_*`): any batch, load-balanced.
+    Stream,
+    /// `kvr_kv_sdecode_*`: a fixed number of CTAs per (row, query tile), partials folded by
+    /// the row's last CTA.
+    Split,
+    /// `kvr_kv_cdecode_*`: one cluster of CLUSTER CTAs per (row, query tile).
+    Cluster,
+}
 
 impl FastDiv {
     pub(crate) fn new(d: u32) -> FastDiv {
@@ -87,6 +113,11 @@ pub(super) struct DeviceState {
     /// Byte offset of the group counters in `counters`.
     group_counters_at: usize,
     decode: Option<DecodeLaunch>,
+    /// The short-batch kernels (same dtype and head dim as `decode`): the split kernel, and
+    /// the cluster kernel where clusters of CLUSTER CTAs can run.
+    split: Option<DecodeLaunch>,
+    cluster: Option<DecodeLaunch>,
+    path: DecodePath,
     sm_count: u32,
 }
 
@@ -117,7 +148,21 @@ impl DeviceState {
         layers.upload(&descs)?;
         let batch = DeviceBuffer::new(cuda, cfg.max_seqs * 4)?;
         let decode = Self::decode_launch(cuda, cfg)?;
-        let wave = decode.map_or(1, |d| d.wave as usize);
+        let (split, cluster) = match decode {
+            Some(_) => Self::split_launches(cuda, cfg)?,
+            None => (None, None),
+        };
+        let path = match std::env::var("KVR_KV_DECODE").as_deref() {
+            Ok("stream") => DecodePath::Stream,
+            Ok("split") => DecodePath::Split,
+            Ok("cluster") => DecodePath::Cluster,
+            _ => DecodePath::Auto,
+        };
+        // Partial slots: two per CTA of a stream-K wave; the split kernel uses at most one
+        // per CTA of its wave (no more than the stream-K kernel's: same shared memory class).
+        let wave = decode
+            .map_or(1, |d| d.wave as usize)
+            .max(split.map_or(1, |d| d.wave as usize).div_ceil(2));
         let part_o = DeviceBuffer::new(cuda, wave * 2 * 16 * cfg.head_dim * 4)?;
         let part_lse = DeviceBuffer::new(cuda, wave * 2 * 16 * 4)?;
         // Row counters [max_seqs][kv_heads][Y], then group counters [wave][2] (one per
@@ -137,8 +182,47 @@ impl DeviceState {
             counters,
             group_counters_at: n_row_counters * 4,
             decode,
+            split,
+            cluster,
+            path,
             sm_count: cuda.sm_count(),
         })
+    }
+
+    /// The split kernel's launch (shared memory, CTAs per wave), and the cluster kernel's
+    /// where the device can run a cluster of CLUSTER of its CTAs (wave: CTAs resident in
+    /// clusters at once).
+    fn split_launches(
+        cuda: &CudaBackend,
+        cfg: &KvPoolConfig,
+    ) -> Result<(Option<DecodeLaunch>, Option<DecodeLaunch>)> {
+        let bytes = kv_split_decode_smem_bytes(cfg.head_dim, cfg.dtype.size(), SPLIT_STAGES) as u32;
+        if bytes > cuda.max_shared_per_block() {
+            return Ok((None, None));
+        }
+        let launch = |cluster: bool| -> Result<Option<DecodeLaunch>> {
+            let kernel = Kernel::KvSplitDecode {
+                kv: cfg.dtype,
+                head_dim: cfg.head_dim,
+                cluster,
+            };
+            let per_sm = cuda.prepare_kernel(kernel, bytes, SPLIT_THREADS)?;
+            if per_sm == 0 {
+                return Ok(None);
+            }
+            let wave = if cluster {
+                cuda.prepare_cluster(kernel, CLUSTER as u32, bytes, SPLIT_THREADS)? * CLUSTER as u32
+            } else {
+                per_sm * cuda.sm_count()
+            };
+            Ok((wave > 0).then_some(DecodeLaunch {
+                kernel,
+                stages: SPLIT_STAGES as u32,
+                shared_bytes: bytes,
+                wave,
+            }))
+        };
+        Ok((launch(false)?, launch(true)?))
     }
 
     /// Picks the deepest pipeline that fits the device's shared memory and measures the
@@ -348,10 +432,12 @@ impl DeviceState {
     }
 
     /// Launches the decode kernel.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn decode(
         &self,
         cuda: &CudaBackend,
         cfg: &KvPoolConfig,
+        st: &PoolState,
         lay: &LayerLayout,
         plan: &DecodePlan,
         stream: Stream,
@@ -380,6 +466,7 @@ impl DeviceState {
             BatchIds::Device(addr) => *addr as u64,
         };
         let y_tiles = (plan.g * plan.t).div_ceil(16);
+        let (path, split_x) = self.choose_path(cfg, st, plan, y_tiles);
         let mut wave = launch.wave as usize;
         if plan.max_ctas > 0 {
             wave = wave.min(plan.max_ctas.max(y_tiles));
@@ -434,7 +521,11 @@ impl DeviceState {
             q_dtype: dtype_code(plan.q.dtype()),
             out_dtype: dtype_code(plan.out.dtype()),
             window: plan.window as i32,
-            min_tiles_per_cta: MIN_TILES_PER_CTA,
+            min_tiles_per_cta: if path == DecodePath::Stream {
+                MIN_TILES_PER_CTA
+            } else {
+                SPLIT_MIN_TILES
+            },
             stages: launch.stages as i32,
             q_vec: q_vector_mode(&plan.q, cfg.dtype),
             scale_log2: plan.scale * std::f32::consts::LOG2_E,
@@ -444,14 +535,94 @@ impl DeviceState {
             pad: 0,
         });
         let mut args = [&mut *p as *mut DecodeParams as *mut c_void];
-        cuda.launch(
-            launch.kernel,
-            (grid_x, y_tiles as u32, 1),
-            (DECODE_THREADS, 1, 1),
-            launch.shared_bytes,
-            stream,
-            &mut args,
-        )
+        let rows = (plan.b * cfg.kv_heads) as u32;
+        match path {
+            DecodePath::Split | DecodePath::Cluster => {
+                let (l, cluster) = if path == DecodePath::Cluster {
+                    (
+                        self.cluster.expect("chosen only when present"),
+                        CLUSTER as u32,
+                    )
+                } else {
+                    (self.split.expect("chosen only when present"), 0)
+                };
+                // A programmatic dependent: the kernel waits for the previous one first.
+                cuda.launch_attrs(
+                    l.kernel,
+                    (split_x as u32, rows, y_tiles as u32),
+                    (SPLIT_THREADS, 1, 1),
+                    l.shared_bytes,
+                    stream,
+                    &mut args,
+                    true,
+                    cluster,
+                )
+            }
+            _ => cuda.launch(
+                launch.kernel,
+                (grid_x, y_tiles as u32, 1),
+                (DECODE_THREADS, 1, 1),
+                launch.shared_bytes,
+                stream,
+                &mut args,
+            ),
+        }
+    }
+
+    /// Picks the kernel of a decode call and, for the split and cluster kernels, their CTAs
+    /// per (row, query tile). Batches of at most one wave of (row, query tile) pairs take the
+    /// split kernel (fixed parts per row, up to a wave of CTAs); among them, a few rows whose
+    /// tiles (from the host's lengths) are few take the cluster kernel. The choice affects
+    /// speed only: every kernel serves every length, so a captured graph stays valid while
+    /// sequences grow. `KVR_KV_DECODE` forces one (where the device has it).
+    fn choose_path(
+        &self,
+        cfg: &KvPoolConfig,
+        st: &PoolState,
+        plan: &DecodePlan,
+        y_tiles: usize,
+    ) -> (DecodePath, usize) {
+        let pairs = plan.b * cfg.kv_heads * y_tiles;
+        let cap = if plan.max_ctas > 0 {
+            plan.max_ctas
+        } else {
+            usize::MAX
+        };
+        // Rows above 2^16 - 1 do not fit grid.y.
+        let fits = plan.b * cfg.kv_heads < 65_536;
+        let cluster_ok = fits && self.cluster.is_some() && pairs * CLUSTER <= cap;
+        let split_parts = |wave: usize| (wave / pairs).min(MAX_SPLIT_PARTS).min(cap / pairs).max(1);
+        let split_ok = fits && self.split.is_some() && pairs <= cap;
+        match self.path {
+            DecodePath::Stream => return (DecodePath::Stream, 0),
+            DecodePath::Cluster if cluster_ok => return (DecodePath::Cluster, CLUSTER),
+            DecodePath::Split if split_ok => {
+                let wave = self.split.map_or(1, |l| l.wave as usize);
+                return (DecodePath::Split, split_parts(wave.max(pairs)));
+            }
+            DecodePath::Auto => {}
+            _ => return (DecodePath::Stream, 0),
+        }
+        if cluster_ok && pairs * CLUSTER <= self.sm_count as usize {
+            let tiles: usize = match &plan.ids {
+                BatchIds::Host(ids) => {
+                    ids.iter()
+                        .filter(|&&id| id >= 0)
+                        .map(|&id| (st.lens[id as usize] as usize).div_ceil(TILE).max(1))
+                        .sum::<usize>()
+                        * cfg.kv_heads
+                }
+                BatchIds::Device(_) => usize::MAX,
+            };
+            if tiles <= CLUSTER_MAX_TILES {
+                return (DecodePath::Cluster, CLUSTER);
+            }
+        }
+        let wave = self.split.map_or(0, |l| l.wave as usize);
+        if split_ok && pairs <= wave {
+            return (DecodePath::Split, split_parts(wave));
+        }
+        (DecodePath::Stream, 0)
     }
 }
 
@@ -481,11 +652,11 @@ impl KvExecutor for DeviceState {
     fn decode(
         &self,
         lay: &LayerLayout,
-        _st: &PoolState,
+        st: &PoolState,
         plan: &DecodePlan,
         stream: Stream,
     ) -> Result<()> {
-        DeviceState::decode(self, &self.cuda, &self.cfg, lay, plan, stream)
+        DeviceState::decode(self, &self.cuda, &self.cfg, st, lay, plan, stream)
     }
 }
 

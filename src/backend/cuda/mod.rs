@@ -271,11 +271,85 @@ impl CudaBackend {
         params: &mut [*mut c_void],
         pdl: bool,
     ) -> Result<()> {
-        if !pdl {
+        self.launch_attrs(kernel, grid, block, shared_bytes, stream, params, pdl, 0)
+    }
+
+    /// `launch_ex` with, for `cluster > 0`, thread-block clusters of `cluster` CTAs along x
+    /// (sm_90+; the kernel must have been prepared with [`CudaBackend::prepare_cluster`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_attrs(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        stream: Stream,
+        params: &mut [*mut c_void],
+        pdl: bool,
+        cluster: u32,
+    ) -> Result<()> {
+        if !pdl && cluster == 0 {
             return self.launch(kernel, grid, block, shared_bytes, stream, params);
         }
-        let module = self.module()?;
-        let f = module.function(kernel);
+        let f = self.module()?.function(kernel);
+        if self.ptx_version(kernel)? < 90 {
+            if cluster > 0 {
+                return Err(Error::Unsupported(format!(
+                    "kernel {} was not built for sm_90+: no thread-block clusters",
+                    kernel.name()
+                )));
+            }
+            return self.launch(kernel, grid, block, shared_bytes, stream, params);
+        }
+        let _cur = self.make_current()?;
+        // SAFETY: an all-zero attribute is a valid (empty) value of the C union.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if pdl {
+            attrs[n].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 0 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: shared_bytes,
+            hStream: self.resolve_stream(stream),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
+        };
+        // SAFETY: as in `launch`; `config` and `attrs` outlive the call.
+        let r =
+            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver::cuda_error(
+                "cuLaunchKernelEx",
+                r,
+                format!(
+                    " (kernel {}, grid {grid:?}, block {block:?}, programmatic dependent \
+                     launch {pdl}, cluster {cluster})",
+                    kernel.name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The PTX version `kernel`'s code was built from (90 for compute_90a).
+    fn ptx_version(&self, kernel: Kernel) -> Result<i32> {
+        let f = self.module()?.function(kernel);
         let _cur = self.make_current()?;
         let mut ptx = 0;
         // SAFETY: `f` belongs to this context's module; writes only `ptx`.
@@ -286,40 +360,63 @@ impl CudaBackend {
                 f,
             )
         })?;
-        if ptx < 90 {
-            drop(_cur);
-            return self.launch(kernel, grid, block, shared_bytes, stream, params);
+        Ok(ptx)
+    }
+
+    /// Allows `kernel` clusters of `cluster` CTAs (beyond the portable 8 where the device
+    /// allows it) and returns how many such clusters of `block_threads`-thread CTAs with
+    /// `shared_bytes` of shared memory can be resident at once (0: none, or no clusters on
+    /// this device). Call after [`CudaBackend::prepare_kernel`].
+    pub(crate) fn prepare_cluster(
+        &self,
+        kernel: Kernel,
+        cluster: u32,
+        shared_bytes: u32,
+        block_threads: u32,
+    ) -> Result<u32> {
+        // Code JIT-built from the compute_80 PTX has no cluster instructions.
+        if self.ptx_version(kernel)? < 90 {
+            return Ok(0);
         }
-        // SAFETY: an all-zero attribute is a valid (empty) value of the C union.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block.0,
-            blockDimY: block.1,
-            blockDimZ: block.2,
-            sharedMemBytes: shared_bytes,
-            hStream: self.resolve_stream(stream),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: as in `launch`; `config` and `attr` outlive the call.
-        let r =
-            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(driver::cuda_error(
-                "cuLaunchKernelEx",
-                r,
-                format!(
-                    " (kernel {}, grid {grid:?}, block {block:?}, programmatic dependent launch)",
-                    kernel.name()
-                ),
-            ));
+        let f = self.module()?.function(kernel);
+        let _cur = self.make_current()?;
+        // SAFETY: `f` belongs to this context's module; the calls write only outputs.
+        unsafe {
+            if cluster > 8 {
+                let r = sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                );
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    return Ok(0);
+                }
+            }
+            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = cluster;
+            attr.value.clusterDim.y = 1;
+            attr.value.clusterDim.z = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: cluster,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: block_threads,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared_bytes,
+                hStream: std::ptr::null_mut(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let mut n = 0;
+            let r = sys::cuOccupancyMaxActiveClusters(&mut n, f, &config);
+            Ok(if r == sys::CUresult::CUDA_SUCCESS {
+                n.max(0) as u32
+            } else {
+                0
+            })
         }
-        Ok(())
     }
 
     /// Asks for the largest shared-memory carveout for `kernel` (less L1), for kernels whose

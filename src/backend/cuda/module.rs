@@ -52,6 +52,13 @@ pub(crate) enum Kernel {
     KvWrite { src: DType, dst: DType },
     /// `kvr_kv_decode_<kv>_d<head_dim>` (kernels/kv_decode.cu); kv is f16 or bf16.
     KvDecode { kv: DType, head_dim: usize },
+    /// The short-batch split decode (kernels/kv_decode.cu): `kvr_kv_sdecode_<kv>_d<head_dim>`,
+    /// or with `cluster` `kvr_kv_cdecode_*` (a row's parts merged in a thread-block cluster).
+    KvSplitDecode {
+        kv: DType,
+        head_dim: usize,
+        cluster: bool,
+    },
     /// `kvr_gdn_step_<state>_<k|v>_nv<8|16>` (kernels/gdn.cu); state is f32 or bf16,
     /// V-major or not; `wide` holds 16 float4 of state per thread instead of 8.
     GdnStep {
@@ -188,7 +195,8 @@ const GDN_VERIFY_ADD_BASE: usize = 128;
 const GDN_KVONLY_BASE: usize = 140;
 const GDN_RECUR1_BASE: usize = 146;
 const GDN_FDECODE_X_BASE: usize = 170;
-const KERNEL_COUNT: usize = 182;
+const KV_SPLIT_DECODE_BASE: usize = 182;
+const KERNEL_COUNT: usize = 202;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -305,6 +313,17 @@ impl Kernel {
                 }
             }
         }
+        for cluster in [false, true] {
+            for kv in [DType::F16, DType::BF16] {
+                for head_dim in DECODE_HEAD_DIMS {
+                    v.push(Kernel::KvSplitDecode {
+                        kv,
+                        head_dim,
+                        cluster,
+                    });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -388,6 +407,17 @@ impl Kernel {
             Kernel::GdnKvOnly { state, dk } => {
                 GDN_KVONLY_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
             }
+            Kernel::KvSplitDecode {
+                kv,
+                head_dim,
+                cluster,
+            } => {
+                let n = 2 * DECODE_HEAD_DIMS.len();
+                KV_SPLIT_DECODE_BASE
+                    + n * cluster as usize
+                    + Kernel::KvDecode { kv, head_dim }.index()
+                    - KV_DECODE_BASE
+            }
             Kernel::GdnFDecodeX {
                 state,
                 ring32,
@@ -410,6 +440,15 @@ impl Kernel {
             Kernel::KvCopyPages => "kvr_kv_copy_pages".into(),
             Kernel::KvWrite { src, dst } => format!("kvr_kv_write_{}_{}", src.name(), dst.name()),
             Kernel::KvDecode { kv, head_dim } => format!("kvr_kv_decode_{}_d{head_dim}", kv.name()),
+            Kernel::KvSplitDecode {
+                kv,
+                head_dim,
+                cluster,
+            } => format!(
+                "kvr_kv_{}decode_{}_d{head_dim}",
+                if cluster { "c" } else { "s" },
+                kv.name()
+            ),
             Kernel::GdnStep {
                 state,
                 vmajor,
