@@ -1,7 +1,7 @@
 // Kernel-level A/B of the paged decode kernels without the Rust library: the stream-K kernel
 // (kvr_kv_decode) against the short-batch split kernel (kvr_kv_sdecode, several part caps and
-// smallest shares, with and without programmatic launch) and the cluster kernel
-// (kvr_kv_cdecode, clusters of 8 / 16) on the same pool (bf16 K/V, head dim 128, page 16,
+// smallest shares, and a 6-stage build at one CTA per SM) and the cluster kernel
+// (kvr_kv_cdecode, clusters of 16) on the same pool (bf16 K/V, head dim 128, page 16,
 // pages of the batch's sequences interleaved 256 tokens at a time, as bench_kv_decode.py
 // fills them; inputs rotate over >= 256 MiB). Every variant is checked against the stream-K
 // kernel's output first; then µs per call under graph replay (medians of 7 replays of >= 200
@@ -22,6 +22,10 @@ using KV = __nv_bfloat16;
 constexpr int D = 128, PAGE = 16, OLD_STAGES = 3;
 using Params = kvr::DecodeParams;
 
+// The split kernel with a 6-tile ring, one CTA per SM (more bytes in flight per CTA).
+__global__ void __launch_bounds__(128, 1) ab_split6(const __grid_constant__ Params p) {
+  kvr::sdecode_body<__nv_bfloat16, 128, 6, false>(p);
+}
 // An empty kernel (launch cost under programmatic dependent launch).
 __global__ void ab_empty(const __grid_constant__ Params p) {
   kvr::pdl_wait();
@@ -52,6 +56,7 @@ struct Variant {
   bool pdl;
   int stop;     // 0: the library's kernel; 9: an empty kernel
   int cluster;  // > 0: kvr_kv_cdecode with clusters of this many CTAs (splits = cluster)
+  bool deep;    // ab_split6 (6 stages, one CTA per SM) instead of the library's 3 stages
 };
 
 static float median(std::vector<float> v) {
@@ -69,6 +74,8 @@ int main(int argc, char** argv) {
   const kvr_kv_decode_smem lay = kvr_kv_decode_smem_layout(D, 2, OLD_STAGES);
   const int old_smem = lay.total;
   const int new_smem = kvr_kv_decode_smem_layout(D, 2, KVR_KV_SDECODE_STAGES).split_total;
+  const int deep_smem = kvr_kv_decode_smem_layout(D, 2, 6).split_total;
+  CK(cudaFuncSetAttribute(ab_split6, cudaFuncAttributeMaxDynamicSharedMemorySize, deep_smem));
   CK(cudaFuncSetAttribute(kvr_kv_decode_bf16_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, old_smem));
   CK(cudaFuncSetAttribute(kvr_kv_sdecode_bf16_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, new_smem));
   CK(cudaFuncSetAttribute(kvr_kv_cdecode_bf16_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, new_smem));
@@ -90,9 +97,10 @@ int main(int argc, char** argv) {
   CK(cudaMemset(counters, 0, 1 << 20));
 
   const Variant variants[] = {
-      {"s16m1", 16, 1, true, 0, 0}, {"s32m1", 32, 1, true, 0, 0}, {"s64m1", 64, 1, true, 0, 0},
-      {"s32m2", 32, 2, true, 0, 0}, {"c8", 8, 1, true, 0, 8}, {"c16", 16, 1, true, 0, 16},
-      {"s32-nopdl", 32, 1, false, 0, 0},
+      {"s16m1", 16, 1, true, 0, 0, false}, {"s32m2", 32, 2, true, 0, 0, false},
+      {"s64m2", 64, 2, true, 0, 0, false}, {"c16", 16, 1, true, 0, 16, false},
+      {"d6s16m2", 16, 2, true, 0, 0, true}, {"d6s32m2", 32, 2, true, 0, 0, true},
+      {"d6s64m2", 64, 2, true, 0, 0, true},
   };
   const int NV = sizeof(variants) / sizeof(variants[0]);
   printf("%-22s %8s", "config", "stream");
@@ -173,11 +181,12 @@ int main(int argc, char** argv) {
           Params c = p;
           c.min_tiles_per_cta = v.min_tiles;
           const int R = B * sh.hkv;
-          const int splits = v.cluster ? v.cluster : std::max(1, std::min(v.splits_cap, new_wave / (R * Y)));
+          const int wave = v.deep ? nsm : new_wave;
+          const int splits = v.cluster ? v.cluster : std::max(1, std::min(v.splits_cap, wave / (R * Y)));
           cudaLaunchConfig_t cfg = {};
           cfg.gridDim = dim3(splits, R, Y);
           cfg.blockDim = dim3(KVR_KV_SDECODE_THREADS);
-          cfg.dynamicSmemBytes = new_smem;
+          cfg.dynamicSmemBytes = v.deep ? deep_smem : new_smem;
           cfg.stream = st;
           cudaLaunchAttribute at[2];
           int na = 0;
@@ -199,7 +208,9 @@ int main(int argc, char** argv) {
           }
           switch (v.stop) {
             case 9: CK(cudaLaunchKernelEx(&cfg, ab_empty, c)); break;
-            default: CK(cudaLaunchKernelEx(&cfg, kvr_kv_sdecode_bf16_d128, c));
+            default:
+              if (v.deep) CK(cudaLaunchKernelEx(&cfg, ab_split6, c));
+              else CK(cudaLaunchKernelEx(&cfg, kvr_kv_sdecode_bf16_d128, c));
           }
         };
         // Check: every variant against the stream-K kernel on set 0.
