@@ -291,6 +291,17 @@ __device__ __forceinline__ void merge_partials(const DecodeParams& p, const RowC
   }
 }
 
+// The query token of each of the two MMA rows a lane holds in query tile y (rows past the
+// last repeat the last row's token).
+__device__ __forceinline__ void lane_query_tokens(const DecodeParams& p, int y, int lane, int (&t_of)[2]) {
+  const int rows_total = p.g * p.t;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int R = y * 16 + (lane >> 2) + r * 8;
+    t_of[r] = min(R, rows_total - 1) / p.g;
+  }
+}
+
 // The 16 query rows of query tile y of (batch row b, KV head h), as KV rows of the Q staging
 // buffer (zeros past the last row, or for a row with no sequence). Vector paths (q_vec): load()
 // into registers, store() into the buffer, so the loads can be issued before the barrier that
@@ -655,11 +666,7 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
   // =================== Consumer warps: attention over the ring. ===================
   const int rows_total = p.g * p.t;
   int t_of[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int R = y * 16 + (lane >> 2) + r * 8;
-    t_of[r] = min(R, rows_total - 1) / p.g;
-  }
+  lane_query_tokens(p, y, lane, t_of);
   float acc[D / 8][4];
   float m_run[2], l_run[2];
 
@@ -955,11 +962,7 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   }
 
   int t_of[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int R = y * 16 + (lane >> 2) + r * 8;
-    t_of[r] = min(R, rows_total - 1) / p.g;
-  }
+  lane_query_tokens(p, y, lane, t_of);
   float acc[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;

@@ -547,7 +547,7 @@ impl DeviceState {
                     (self.split.expect("chosen only when present"), 0)
                 };
                 // A programmatic dependent: the kernel waits for the previous one first.
-                cuda.launch_attrs(
+                cuda.launch_ex(
                     l.kernel,
                     (split_x as u32, rows, y_tiles as u32),
                     (SPLIT_THREADS, 1, 1),

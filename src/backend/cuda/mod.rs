@@ -259,25 +259,11 @@ impl CudaBackend {
     /// kernel's code was built for PTX 9.0+, i.e. from compute_90a on sm_90: code JIT-built
     /// from the compute_80 PTX has no `griddepcontrol` and must not start early): the kernel
     /// may start while the previous kernel on the stream finishes, so it must wait
-    /// (`griddepcontrol.wait`) before touching memory.
+    /// (`griddepcontrol.wait`) before touching memory; and, for `cluster > 0`, in thread-block
+    /// clusters of `cluster` CTAs along x (sm_90+; the kernel must have been prepared with
+    /// [`CudaBackend::prepare_cluster`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch_ex(
-        &self,
-        kernel: Kernel,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_bytes: u32,
-        stream: Stream,
-        params: &mut [*mut c_void],
-        pdl: bool,
-    ) -> Result<()> {
-        self.launch_attrs(kernel, grid, block, shared_bytes, stream, params, pdl, 0)
-    }
-
-    /// `launch_ex` with, for `cluster > 0`, thread-block clusters of `cluster` CTAs along x
-    /// (sm_90+; the kernel must have been prepared with [`CudaBackend::prepare_cluster`]).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn launch_attrs(
         &self,
         kernel: Kernel,
         grid: (u32, u32, u32),

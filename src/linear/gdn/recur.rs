@@ -651,6 +651,7 @@ fn cuda_run1(
         stream,
         &mut params,
         opts.pdl,
+        0,
     ))
 }
 
@@ -734,5 +735,6 @@ fn cuda_run(
         stream,
         &mut params,
         opts.pdl,
+        0,
     )
 }

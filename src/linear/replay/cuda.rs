@@ -768,6 +768,7 @@ impl ReplayCuda {
             stream,
             &mut args,
             pdl,
+            0,
         )
     }
 
@@ -995,6 +996,7 @@ impl ReplayCuda {
                 stream,
                 &mut args,
                 w.fused_pdl,
+                0,
             );
         }
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
