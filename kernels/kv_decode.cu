@@ -477,6 +477,97 @@ __device__ __forceinline__ void attend_tile(const DecodeParams& p, const KV* sq,
   }
 }
 
+// attend_tile for query tiles of at most 8 rows, keys as the MMA M dimension: S^T = K Q^T
+// (16 tokens x 8 query rows per MMA, half the MMAs of 16 query rows), the probabilities
+// transposed in registers (movmatrix) into the B operand of O^T = V^T P^T (16 head dims x 8
+// query rows per MMA). acc[n] (n < D / 16) holds O^T rows n 16 + lane / 4 (+ 8), columns
+// (query rows) 2 (lane % 4) + {0, 1}; m_run / l_run are those two columns' (l_run partial
+// over the lane's tokens: sum it over lanes xor 4, 8, 16 at the end).
+template <typename KV, int D>
+__device__ __forceinline__ void attend_tile_kt(const DecodeParams& p, const KV* sq, const KV* sk,
+                                               const KV* sv, int warp, int lane, int tile_tok,
+                                               int slot, int len, const int (&t_of)[2],
+                                               float (&acc)[D / 8][4], float (&m_run)[2],
+                                               float (&l_run)[2]) {
+  using Sm = DecodeSmem<KV, D>;
+  constexpr int kStride = Sm::kStride;
+  constexpr int kQStride = Sm::kQStride;
+  const int tok0 = tile_tok + warp * 16;
+  if (slot < 0 || tok0 >= len) return;
+  float sc[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+  const int kr = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // K / V row of this lane's address
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk += 2) {
+    uint32_t qb[4];  // B fragments of k-steps kk and kk + 1: Q rows 0-7, 8 head dims each
+    ldmatrix_x4(qb, sq + (lane & 7) * kQStride + kk * 16 + (lane >> 3) * 8);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (kk + h < D / 16) {
+        uint32_t ka[4];
+        const int c = (kk + h) * 2 + (lane >> 4);
+        ldmatrix_x4(ka, sk + kr * kStride + Sm::chunk(kr, c) * 8);
+        Mma<KV>::run(sc[h], ka, qb[2 * h], qb[2 * h + 1]);
+      }
+    }
+  }
+  float x[4];
+  const int last_pos = len - p.t;
+  const bool full_vis = (tok0 + 15 <= last_pos) && (p.window <= 0 || tok0 >= len - p.window);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float v = sc[0][e] + sc[1][e];
+    if (p.softcap > 0.f) {
+      v = p.softcap * tanhf(v * p.qk_scale / p.softcap) * kLog2e;
+    } else {
+      v *= p.scale_log2;
+    }
+    if (!full_vis) {
+      const int kp = tok0 + (lane >> 2) + (e >> 1) * 8;
+      const int qpos = last_pos + t_of[e & 1];
+      const bool vis = kp <= qpos && (p.window <= 0 || kp > qpos - p.window);
+      if (!vis) v = -INFINITY;
+    }
+    x[e] = v;
+  }
+  float corr[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = fmaxf(x[i], x[2 + i]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    const float m_new = fmaxf(m_run[i], mx);
+    const float m_use = (m_new == -INFINITY) ? 0.f : m_new;
+    corr[i] = fast_exp2(m_run[i] - m_use);
+    x[i] = fast_exp2(x[i] - m_use);
+    x[2 + i] = fast_exp2(x[2 + i] - m_use);
+    l_run[i] = l_run[i] * corr[i] + x[i] + x[2 + i];
+    m_run[i] = m_new;
+  }
+  if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+      acc[n][0] *= corr[0];
+      acc[n][1] *= corr[1];
+      acc[n][2] *= corr[0];
+      acc[n][3] *= corr[1];
+    }
+  }
+  // P^T as the B operand (k = token, n = query row): the transposes of the two 8x8 blocks.
+  const uint32_t pb0 = movmatrix_trans(Mma<KV>::pack(x[0], x[1]));
+  const uint32_t pb1 = movmatrix_trans(Mma<KV>::pack(x[2], x[3]));
+  const int vr = warp * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+#pragma unroll
+  for (int n = 0; n < D / 16; ++n) {
+    uint32_t va[4];  // V^T rows n 16 .. + 15 (head dims) x the warp's 16 tokens
+    const int c = n * 2 + ((lane >> 3) & 1);
+    ldmatrix_x4_trans(va, sv + vr * kStride + Sm::chunk(vr, c) * 8);
+    Mma<KV>::run(acc[n], va, pb0, pb1);
+  }
+}
+
 template <typename KV, int D> __device__ __forceinline__ void decode_body(const DecodeParams& p) {
   using Sm = DecodeSmem<KV, D>;
   constexpr int kStride = Sm::kStride;
@@ -961,8 +1052,15 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
     cp_async_commit();
   }
 
+  // Query tiles of at most 8 rows take the transposed tile math (attend_tile_kt): its
+  // columns are the query rows 2 (lane % 4) + {0, 1}.
+  const bool kt = rows_total <= 8;
   int t_of[2];
   lane_query_tokens(p, y, lane, t_of);
+  if (kt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) t_of[i] = min((lane & 3) * 2 + i, rows_total - 1) / p.g;
+  }
   float acc[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -976,8 +1074,13 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
     int id = -1;
     if (tid < kTileN) id = page_of(i + NS);
     const KV* sk = stages_base + (i % NS) * 2 * Sm::kTileElems;
-    attend_tile<KV, D>(p, sq, sk, sk + Sm::kTileElems, warp, lane, tile_tok(i), rc.slot, rc.len,
-                       t_of, acc, m_run, l_run);
+    if (kt) {
+      attend_tile_kt<KV, D>(p, sq, sk, sk + Sm::kTileElems, warp, lane, tile_tok(i), rc.slot,
+                            rc.len, t_of, acc, m_run, l_run);
+    } else {
+      attend_tile<KV, D>(p, sq, sk, sk + Sm::kTileElems, warp, lane, tile_tok(i), rc.slot, rc.len,
+                         t_of, acc, m_run, l_run);
+    }
     if (tid < kTileN) put_offsets(i + NS, id);  // tile i's slot: its copy was issued long ago
   }
   cp_async_wait<0>();
@@ -986,19 +1089,42 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   // is then rescaled to the rows' common max in one pass.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    if (kt) {
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 4);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 8);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 16);
+    } else {
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
   }
   __syncthreads();  // every warp is done with the tiles: the stage area becomes the slots
   constexpr int kM = Sm::kMStride;
-  if ((lane & 3) == 0) {
+  if (kt) {
+    if (lane < 4) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      s_ml[warp * 16 + (lane >> 2) + r * 8] = m_run[r];
-      s_ml[64 + warp * 16 + (lane >> 2) + r * 8] = l_run[r];
+      for (int i = 0; i < 2; ++i) {
+        s_ml[warp * 16 + lane * 2 + i] = m_run[i];
+        s_ml[64 + warp * 16 + lane * 2 + i] = l_run[i];
+      }
     }
-  }
-  {
+    float* slot_w = area + warp * 16 * kM;
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int q = (lane & 3) * 2 + (e & 1);
+        if (q < rows_here) slot_w[q * kM + n * 16 + (lane >> 2) + (e >> 1) * 8] = acc[n][e];
+      }
+    }
+  } else {
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s_ml[warp * 16 + (lane >> 2) + r * 8] = m_run[r];
+        s_ml[64 + warp * 16 + (lane >> 2) + r * 8] = l_run[r];
+      }
+    }
     float* slot_w = area + warp * 16 * kM;
     const int r0 = lane >> 2;
 #pragma unroll

@@ -34,6 +34,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "memory");
 }
 
+// The transpose of an 8x8 b16 matrix held one 32-bit pair per lane (lane l: row l / 4,
+// columns 2 (l % 4), + 1), in the same distribution.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // D = A * B + D, A 16x16 (row), B 16x8 (col), f32 accumulators.
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
