@@ -1,13 +1,14 @@
 // Kernel-level A/B of the paged decode kernels without the Rust library: the stream-K kernel
-// (kvr_kv_decode) against the short-batch split kernel (kvr_kv_sdecode, several part caps and
-// smallest shares, and a 6-stage build at one CTA per SM) and the cluster kernel
-// (kvr_kv_cdecode, clusters of 16) on the same pool (bf16 K/V, head dim 128, page 16,
+// (kvr_kv_decode) against the short-batch split kernel (kvr_kv_sdecode, several part caps;
+// builds with one group of 4 warps per CTA and a 6-stage one-group build for comparison)
+// and the cluster kernel (kvr_kv_cdecode, clusters of 16) on the same pool (bf16 K/V, head dim 128, page 16,
 // pages of the batch's sequences interleaved 256 tokens at a time, as bench_kv_decode.py
 // fills them; inputs rotate over >= 256 MiB). Every variant is checked against the stream-K
 // kernel's output first; then µs per call under graph replay (medians of 7 replays of >= 200
 // calls). The device has nvcc, so a kernel edit is measured in one call without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
-//     kv_decode_ab.cu -o kvab && ./kvab [max B (negative: only 1 and 8)] [max L]
+//     kv_decode_ab.cu -o kvab && ./kvab [max B (negative: only 1 and 8)] [max L] \
+//     [variant] [Llama|Qwen]       # KVAB_PROFILE=1: one checked launch each, for ncu
 #include "../kernels/kv_decode.cu"
 #include <algorithm>
 #include <cmath>
@@ -24,7 +25,15 @@ using Params = kvr::DecodeParams;
 
 // The split kernel with a 6-tile ring, one CTA per SM (more bytes in flight per CTA).
 __global__ void __launch_bounds__(128, 1) ab_split6(const __grid_constant__ Params p) {
-  kvr::sdecode_body<__nv_bfloat16, 128, 6, false>(p);
+  kvr::sdecode_body<__nv_bfloat16, 128, 6, false, 1>(p);
+}
+// One group of 4 warps per CTA (two CTAs per SM; the library's kernels have two groups at
+// head dim 128).
+__global__ void __launch_bounds__(128, 2) ab_split_g1(const __grid_constant__ Params p) {
+  kvr::sdecode_body<__nv_bfloat16, 128, KVR_KV_SDECODE_STAGES, false, 1>(p);
+}
+__global__ void __launch_bounds__(128, 2) ab_cluster_g1(const __grid_constant__ Params p) {
+  kvr::sdecode_body<__nv_bfloat16, 128, KVR_KV_SDECODE_STAGES, true, 1>(p);
 }
 // An empty kernel (launch cost under programmatic dependent launch).
 __global__ void ab_empty(const __grid_constant__ Params p) {
@@ -57,6 +66,7 @@ struct Variant {
   int stop;     // 0: the library's kernel; 9: an empty kernel
   int cluster;  // > 0: kvr_kv_cdecode with clusters of this many CTAs (splits = cluster)
   bool deep;    // ab_split6 (6 stages, one CTA per SM) instead of the library's 3 stages
+  bool g1;      // one group of 4 warps per CTA (ab_split_g1 / ab_cluster_g1)
 };
 
 static float median(std::vector<float> v) {
@@ -78,8 +88,18 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreate(&st));
   const kvr_kv_decode_smem lay = kvr_kv_decode_smem_layout(D, 2, OLD_STAGES);
   const int old_smem = lay.total;
-  const int new_smem = kvr_kv_decode_smem_layout(D, 2, KVR_KV_SDECODE_STAGES).split_total;
+  const int new_threads = KVR_KV_SDECODE_THREADS * KVR_KV_SDECODE_GROUPS(D);
+  const int new_smem = KVR_KV_SDECODE_GROUPS(D) == 2
+                           ? kvr_kv_decode_smem_layout(D, 2, KVR_KV_SDECODE_STAGES).split2_total
+                           : kvr_kv_decode_smem_layout(D, 2, KVR_KV_SDECODE_STAGES).split_total;
   const int deep_smem = kvr_kv_decode_smem_layout(D, 2, 6).split_total;
+  const int g1_smem = kvr_kv_decode_smem_layout(D, 2, KVR_KV_SDECODE_STAGES).split_total;
+  CK(cudaFuncSetAttribute(ab_split_g1, cudaFuncAttributeMaxDynamicSharedMemorySize, g1_smem));
+  CK(cudaFuncSetAttribute(ab_cluster_g1, cudaFuncAttributeMaxDynamicSharedMemorySize, g1_smem));
+  CK(cudaFuncSetAttribute(ab_cluster_g1, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  int g1_per_sm;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g1_per_sm, ab_split_g1, 128, g1_smem));
+  printf("one warp group: %d B smem, %d CTAs/SM\n", g1_smem, g1_per_sm);
   CK(cudaFuncSetAttribute(ab_split6, cudaFuncAttributeMaxDynamicSharedMemorySize, deep_smem));
   CK(cudaFuncSetAttribute(kvr_kv_decode_bf16_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, old_smem));
   CK(cudaFuncSetAttribute(kvr_kv_sdecode_bf16_d128, cudaFuncAttributeMaxDynamicSharedMemorySize, new_smem));
@@ -88,10 +108,10 @@ int main(int argc, char** argv) {
   CK(cudaFuncSetAttribute(ab_empty, cudaFuncAttributeMaxDynamicSharedMemorySize, new_smem));
   int old_per_sm, new_per_sm;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&old_per_sm, kvr_kv_decode_bf16_d128, KVR_KV_DECODE_THREADS, old_smem));
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&new_per_sm, kvr_kv_sdecode_bf16_d128, KVR_KV_SDECODE_THREADS, new_smem));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&new_per_sm, kvr_kv_sdecode_bf16_d128, new_threads, new_smem));
   const int old_wave = old_per_sm * nsm, new_wave = new_per_sm * nsm;
-  printf("SMs %d; stream-K: %d B smem, %d CTAs/SM; split: %d B smem, %d CTAs/SM\n", nsm, old_smem, old_per_sm,
-         new_smem, new_per_sm);
+  printf("SMs %d; stream-K: %d B smem, %d CTAs/SM; split: %d threads, %d B smem, %d CTAs/SM\n", nsm, old_smem,
+         old_per_sm, new_threads, new_smem, new_per_sm);
 
   const int max_parts = 8192;
   float *part_o, *part_lse;
@@ -102,9 +122,10 @@ int main(int argc, char** argv) {
   CK(cudaMemset(counters, 0, 1 << 20));
 
   const Variant variants[] = {
-      {"s16m1", 16, 1, true, 0, 0, false}, {"s32m2", 32, 2, true, 0, 0, false},
-      {"s64m2", 64, 2, true, 0, 0, false}, {"c16", 16, 1, true, 0, 16, false},
-      {"d6s32m2", 32, 2, true, 0, 0, true},
+      {"s16m2", 16, 2, true, 0, 0, false, false}, {"s32m2", 32, 2, true, 0, 0, false, false},
+      {"s64m2", 64, 2, true, 0, 0, false, false}, {"c16", 16, 1, true, 0, 16, false, false},
+      {"g1s32m2", 32, 2, true, 0, 0, false, true}, {"g1s64m2", 64, 2, true, 0, 0, false, true},
+      {"g1c16", 16, 1, true, 0, 16, false, true},
   };
   const int NV = sizeof(variants) / sizeof(variants[0]);
   printf("%-22s %8s", "config", "stream");
@@ -186,12 +207,12 @@ int main(int argc, char** argv) {
           Params c = p;
           c.min_tiles_per_cta = v.min_tiles;
           const int R = B * sh.hkv;
-          const int wave = v.deep ? nsm : new_wave;
+          const int wave = v.deep ? nsm : v.g1 ? g1_per_sm * nsm : new_wave;
           const int splits = v.cluster ? v.cluster : std::max(1, std::min(v.splits_cap, wave / (R * Y)));
           cudaLaunchConfig_t cfg = {};
           cfg.gridDim = dim3(splits, R, Y);
-          cfg.blockDim = dim3(KVR_KV_SDECODE_THREADS);
-          cfg.dynamicSmemBytes = v.deep ? deep_smem : new_smem;
+          cfg.blockDim = dim3(v.g1 || v.deep ? KVR_KV_SDECODE_THREADS : new_threads);
+          cfg.dynamicSmemBytes = v.deep ? deep_smem : v.g1 ? g1_smem : new_smem;
           cfg.stream = st;
           cudaLaunchAttribute at[2];
           int na = 0;
@@ -208,7 +229,12 @@ int main(int argc, char** argv) {
           cfg.attrs = at;
           cfg.numAttrs = na;
           if (v.cluster) {
-            CK(cudaLaunchKernelEx(&cfg, kvr_kv_cdecode_bf16_d128, c));
+            if (v.g1) CK(cudaLaunchKernelEx(&cfg, ab_cluster_g1, c));
+            else CK(cudaLaunchKernelEx(&cfg, kvr_kv_cdecode_bf16_d128, c));
+            return;
+          }
+          if (v.g1) {
+            CK(cudaLaunchKernelEx(&cfg, ab_split_g1, c));
             return;
           }
           switch (v.stop) {

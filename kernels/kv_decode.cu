@@ -941,28 +941,41 @@ template <typename KV, int D> __device__ __forceinline__ void decode_body(const 
 // directly, else each CTA writes a partial and the row's last CTA (atomic counter) stages all
 // partials in shared memory with cp.async and merges them by log-sum-exp. Launched as a
 // programmatic dependent: it waits for the previous kernel before its first read.
-template <typename KV, int D, int NS, bool kCluster>
+template <typename KV, int D, int NS, bool kCluster, int kG>
 __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   using Sm = DecodeSmem<KV, D>;
   constexpr int kStride = Sm::kStride;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int kCopyIt = (kTileN * kChunks + kConsumerThreads - 1) / kConsumerThreads;
   constexpr kvr_kv_decode_smem kLay = kvr_kv_decode_smem_layout(D, sizeof(KV), NS);
+  constexpr int kThreads = kConsumerThreads * kG;
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* cursor_p = smem;
   KV* stages_base = reinterpret_cast<KV*>(cursor_p);
   float* area = reinterpret_cast<float*>(cursor_p);  // after the tiles: combine / merge staging
-  cursor_p += kLay.split_area;
+  cursor_p += kG == 1 ? kLay.split_area : kLay.split2_area;
   KV* sq = reinterpret_cast<KV*>(cursor_p);
   cursor_p += kLay.q_bytes;
-  long long* s_off = reinterpret_cast<long long*>(cursor_p);  // [NS][64][2]
-  cursor_p += NS * kLay.off_bytes;
-  float* s_ml = reinterpret_cast<float*>(cursor_p);  // [2][4][16] warps' max / sum, [16][2] rows
-  float* s_row = s_ml + 128;
-  cursor_p += kLay.ml_bytes;
+  long long* s_off = reinterpret_cast<long long*>(cursor_p);  // [kG][NS][64][2]
+  cursor_p += kG * NS * kLay.off_bytes;
+  float* s_ml = reinterpret_cast<float*>(cursor_p);  // [2][4 kG][16] warps' max / sum, [16][2] rows
+  float* s_row = s_ml + 128 * kG;
+  cursor_p += kLay.ml_bytes + (kG - 1) * 128 * 4;
   int* s_flag = reinterpret_cast<int*>(cursor_p);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // kG groups of 4 warps; group g streams the CTA's tiles g, g + kG, ... through its own
+  // ring (its own barrier, bar.sync 1 + g), and all warps combine at the end.
+  const int grp = tid / kConsumerThreads, gtid = tid % kConsumerThreads, gwarp = warp & 3;
+  KV* g_stages = stages_base + grp * NS * 2 * Sm::kTileElems;
+  long long* g_off = s_off + grp * NS * kTileN * 2;
+  auto group_sync = [&]() {
+    if (kG == 1) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + grp) : "memory");
+    }
+  };
   const int s = blockIdx.x, P_max = gridDim.x, row = blockIdx.y, y = blockIdx.z;
   const int b = row / p.hkv, h = row % p.hkv;
   const int rows_total = p.g * p.t;
@@ -983,44 +996,45 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
     first_id = __ldg(trow + fast_div(p.page, static_cast<uint32_t>(first_tok)));
   row_shape(p, rc.slot, &rc.len, &rc.first_tile, &rc.ntiles);
   QTile<KV, D> qt;
-  if (p.q_vec) qt.load(p, y, b, h, rc.slot >= 0, tid);
+  if (p.q_vec && tid < kConsumerThreads) qt.load(p, y, b, h, rc.slot >= 0, tid);
   const int min_tiles = max(1, p.min_tiles_per_cta);
   // A cluster's CTAs all take part in its merge (those with no tile bring an empty partial).
   const int P = kCluster ? P_max : min(P_max, (rc.ntiles + min_tiles - 1) / min_tiles);
   if (s >= P) return;
   const int n_my = max(0, (rc.ntiles - s + P - 1) / P);  // tiles s, s + P, ... of the row
+  const int n_g = max(0, (n_my - grp + kG - 1) / kG);      // this group's: local g + kG i
 
-  // Row offsets (K, V) of this CTA's tile i, by the thread of that row (tid < 64): -1 past
-  // the sequence (the copy writes zeros: no stale value reaches the P V product).
-  auto tile_tok = [&](int i) { return (rc.first_tile + s + i * P) * kTileN; };
+  // Row offsets (K, V) of the group's tile i, by the group's thread of that row (gtid < 64):
+  // -1 past the sequence (the copy writes zeros: no stale value reaches the P V product).
+  auto tile_tok = [&](int i) { return (rc.first_tile + s + (grp + i * kG) * P) * kTileN; };
   auto page_of = [&](int i) {
-    const int tok = tile_tok(i) + tid;
-    if (i >= n_my || rc.slot < 0 || tok >= rc.len) return -1;
+    const int tok = tile_tok(i) + gtid;
+    if (i >= n_g || rc.slot < 0 || tok >= rc.len) return -1;
     return __ldg(trow + fast_div(p.page, static_cast<uint32_t>(tok)));
   };
   auto put_offsets = [&](int i, int id) {
     long long ko = -1, vo = -1;
     if (id >= 0) {
-      const int tok = tile_tok(i) + tid;
+      const int tok = tile_tok(i) + gtid;
       const uint32_t pi = fast_div(p.page, static_cast<uint32_t>(tok));
       const int64_t sl = tok - static_cast<int64_t>(pi) * p.page.d;
       ko = id * p.k_sp + h * p.k_sh + sl * p.k_st;
       vo = id * p.v_sp + h * p.v_sh + sl * p.v_st;
     }
-    s_off[((i % NS) * kTileN + tid) * 2] = ko;
-    s_off[((i % NS) * kTileN + tid) * 2 + 1] = vo;
+    g_off[((i % NS) * kTileN + gtid) * 2] = ko;
+    g_off[((i % NS) * kTileN + gtid) * 2 + 1] = vo;
   };
   const KV* kb = static_cast<const KV*>(p.k);
   const KV* vb = static_cast<const KV*>(p.v);
   const uint64_t pol = l2_evict_first_policy();
   auto issue = [&](int i) {
     const int st = i % NS;
-    KV* sk = stages_base + st * 2 * Sm::kTileElems;
+    KV* sk = g_stages + st * 2 * Sm::kTileElems;
     KV* sv = sk + Sm::kTileElems;
-    const long long* off = s_off + st * kTileN * 2;
+    const long long* off = g_off + st * kTileN * 2;
 #pragma unroll
     for (int k = 0; k < kCopyIt; ++k) {
-      const int j = tid + k * kConsumerThreads;
+      const int j = gtid + k * kConsumerThreads;
       if ((kTileN * kChunks) % kConsumerThreads == 0 || j < kTileN * kChunks) {
         const int r = j / kChunks, col = j % kChunks;
         const longlong2 o = *reinterpret_cast<const longlong2*>(off + r * 2);
@@ -1032,23 +1046,25 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
     }
   };
 
-  if (tid < kTileN) {
+  if (gtid < kTileN) {
     int ids[NS];
-    ids[0] = p.window <= 0 ? (first_tok < rc.len ? first_id : -1) : page_of(0);
+    ids[0] = p.window <= 0 && grp == 0 ? (first_tok < rc.len ? first_id : -1) : page_of(0);
 #pragma unroll
     for (int i = 1; i < NS; ++i) ids[i] = page_of(i);
 #pragma unroll
     for (int i = 0; i < NS; ++i) put_offsets(i, ids[i]);
   }
-  if (p.q_vec) {
-    qt.store(sq, tid);
-  } else {
-    QTile<KV, D>::load_scalar(p, y, b, h, rc.slot >= 0, tid, sq);
+  if (tid < kConsumerThreads) {
+    if (p.q_vec) {
+      qt.store(sq, tid);
+    } else {
+      QTile<KV, D>::load_scalar(p, y, b, h, rc.slot >= 0, tid, sq);
+    }
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < NS - 1; ++i) {
-    if (i < n_my) issue(i);
+    if (i < n_g) issue(i);
     cp_async_commit();
   }
 
@@ -1066,26 +1082,26 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-  for (int i = 0; i < n_my; ++i) {
+  for (int i = 0; i < n_g; ++i) {
     cp_async_wait<NS - 2>();
-    __syncthreads();  // tile i is in for every thread; tile i - 1's stage is free
-    if (i + NS - 1 < n_my) issue(i + NS - 1);
+    group_sync();  // tile i is in for every thread of the group; tile i - 1's stage is free
+    if (i + NS - 1 < n_g) issue(i + NS - 1);
     cp_async_commit();
     int id = -1;
-    if (tid < kTileN) id = page_of(i + NS);
-    const KV* sk = stages_base + (i % NS) * 2 * Sm::kTileElems;
+    if (gtid < kTileN) id = page_of(i + NS);
+    const KV* sk = g_stages + (i % NS) * 2 * Sm::kTileElems;
     if (kt) {
-      attend_tile_kt<KV, D>(p, sq, sk, sk + Sm::kTileElems, warp, lane, tile_tok(i), rc.slot,
+      attend_tile_kt<KV, D>(p, sq, sk, sk + Sm::kTileElems, gwarp, lane, tile_tok(i), rc.slot,
                             rc.len, t_of, acc, m_run, l_run);
     } else {
-      attend_tile<KV, D>(p, sq, sk, sk + Sm::kTileElems, warp, lane, tile_tok(i), rc.slot, rc.len,
-                         t_of, acc, m_run, l_run);
+      attend_tile<KV, D>(p, sq, sk, sk + Sm::kTileElems, gwarp, lane, tile_tok(i), rc.slot,
+                         rc.len, t_of, acc, m_run, l_run);
     }
-    if (tid < kTileN) put_offsets(i + NS, id);  // tile i's slot: its copy was issued long ago
+    if (gtid < kTileN) put_offsets(i + NS, id);  // tile i's slot: its copy was issued long ago
   }
   cp_async_wait<0>();
 
-  // Combine the 4 warps: each writes its accumulators and its rows' max / sum; every output
+  // Combine the 4 kG warps: each writes its accumulators and its rows' max / sum; every output
   // is then rescaled to the rows' common max in one pass.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -1105,7 +1121,7 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         s_ml[warp * 16 + lane * 2 + i] = m_run[i];
-        s_ml[64 + warp * 16 + lane * 2 + i] = l_run[i];
+        s_ml[64 * kG + warp * 16 + lane * 2 + i] = l_run[i];
       }
     }
     float* slot_w = area + warp * 16 * kM;
@@ -1122,7 +1138,7 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         s_ml[warp * 16 + (lane >> 2) + r * 8] = m_run[r];
-        s_ml[64 + warp * 16 + (lane >> 2) + r * 8] = l_run[r];
+        s_ml[64 * kG + warp * 16 + (lane >> 2) + r * 8] = l_run[r];
       }
     }
     float* slot_w = area + warp * 16 * kM;
@@ -1140,22 +1156,22 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   const bool split = P > 1;
   // Cluster mode: the CTA's partial (normalized output, base-2 log-sum-exp) stays in its
   // shared memory, after the 4 combine slots, for the cluster's merge.
-  float* s_part = area + 4 * 16 * kM;
+  float* s_part = area + 4 * kG * 16 * kM;
   float* s_plse = s_row;  // [16] (s_row serves only the global merge)
   const long long part0 = (static_cast<long long>(y) * gridDim.y + row) * P_max;
-  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kThreads) {
     const int i = i4 * 4;
     const int r = i / D, d = i % D;
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) M = fmaxf(M, s_ml[w * 16 + r]);
+    for (int w = 0; w < 4 * kG; ++w) M = fmaxf(M, s_ml[w * 16 + r]);
     float L = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     if (M != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
+      for (int w = 0; w < 4 * kG; ++w) {
         const float f = exp2f(s_ml[w * 16 + r] - M);
-        L += s_ml[64 + w * 16 + r] * f;
+        L += s_ml[64 * kG + w * 16 + r] * f;
         const float4 x = *reinterpret_cast<const float4*>(area + (w * 16 + r) * kM + d);
         o.x += f * x.x; o.y += f * x.y; o.z += f * x.z; o.w += f * x.w;
       }
@@ -1209,7 +1225,7 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   if (*s_flag == 0) return;
 
   // Merge: each thread folds the P partials of its outputs, 16 at a time (loads together).
-  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kConsumerThreads) {
+  for (int i4 = tid; i4 < rows_here * D / 4; i4 += kThreads) {
     const int i = i4 * 4;
     const int r = i / D, d = i % D;
     float M = -INFINITY, den = 0.f;
@@ -1248,15 +1264,18 @@ KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 96)
 KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 128)
 KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 256)
 
-// The split kernel for short batches: 3 stages (2 CTAs per SM up to head dim 128).
+// The short-batch kernels: 3 stages per group of 4 warps, KVR_KV_SDECODE_GROUPS groups (two
+// CTAs per SM with one group, one with two).
 #define KVR_SDECODE_KERNEL(NAME, KV, D)                                                         \
-  extern "C" __global__ void __launch_bounds__(kvr::kConsumerThreads, (D) <= 128 ? 2 : 1)        \
+  extern "C" __global__ void __launch_bounds__(                                                 \
+      kvr::kConsumerThreads * KVR_KV_SDECODE_GROUPS(D), KVR_KV_SDECODE_GROUPS(D) == 1 && (D) <= 128 ? 2 : 1) \
       kvr_kv_sdecode_##NAME##_d##D(const __grid_constant__ kvr::DecodeParams p) {                \
-    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, false>(p);                                   \
+    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, false, KVR_KV_SDECODE_GROUPS(D)>(p);         \
   }                                                                                              \
-  extern "C" __global__ void __launch_bounds__(kvr::kConsumerThreads, (D) <= 128 ? 2 : 1)        \
+  extern "C" __global__ void __launch_bounds__(                                                 \
+      kvr::kConsumerThreads * KVR_KV_SDECODE_GROUPS(D), KVR_KV_SDECODE_GROUPS(D) == 1 && (D) <= 128 ? 2 : 1) \
       kvr_kv_cdecode_##NAME##_d##D(const __grid_constant__ kvr::DecodeParams p) {                \
-    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, true>(p);                                    \
+    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, true, KVR_KV_SDECODE_GROUPS(D)>(p);          \
   }
 
 KVR_SDECODE_KERNEL(f16, __half, 64)

@@ -154,7 +154,10 @@ typedef struct {
 #define KVR_KV_DECODE_TILE 64     /* tokens per K/V tile (16 per consumer warp) */
 #define KVR_KV_MAX_INLINE_BATCH 512
 #define KVR_KV_SDECODE_STAGES 3   /* kvr_kv_sdecode_*, kvr_kv_cdecode_*: K/V stages per CTA */
-#define KVR_KV_SDECODE_THREADS 128
+#define KVR_KV_SDECODE_THREADS 128 /* per group of 4 warps */
+/* Groups of 4 warps per CTA of the split / cluster kernels: two (streaming alternate tiles,
+ * one CTA per SM) up to head dim 128, one beyond (the stages of two do not fit). */
+#define KVR_KV_SDECODE_GROUPS(head_dim) ((head_dim) <= 128 ? 2 : 1)
 /* q_vec: how q rows are loaded. */
 #define KVR_KV_Q_SCALAR 0 /* element loads, any dtype and strides */
 #define KVR_KV_Q_VEC_KV 1 /* 16-byte loads: q has the KV dtype, 16-byte aligned rows */
@@ -215,11 +218,15 @@ struct kvr_kv_decode_smem {
    * softmax state (ml_bytes), a flag (16 bytes). */
   int32_t split_area;
   int32_t split_total;
+  /* The same with two groups of 4 warps (kG = 2: twice the stages and offsets, 8 combine
+   * slots, softmax state of 8 warps). */
+  int32_t split2_area;
+  int32_t split2_total;
 };
 
 KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim, int32_t elem_bytes,
                                                                int32_t stages) {
-  struct kvr_kv_decode_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  struct kvr_kv_decode_smem s = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   s.swizzled = head_dim % 64 == 0;
   s.row_stride = s.swizzled ? head_dim : head_dim + 8;
   s.q_stride = head_dim + 8;
@@ -236,6 +243,9 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
   s.split_area = stages * s.stage_bytes;
   if (s.split_area < 5 * s.merge_bytes) s.split_area = 5 * s.merge_bytes;
   s.split_total = s.split_area + s.q_bytes + stages * s.off_bytes + s.ml_bytes + 16;
+  s.split2_area = 2 * stages * s.stage_bytes;
+  if (s.split2_area < 9 * s.merge_bytes) s.split2_area = 9 * s.merge_bytes;
+  s.split2_total = s.split2_area + s.q_bytes + 2 * stages * s.off_bytes + s.ml_bytes + 128 * 4 + 16;
   return s;
 }
 

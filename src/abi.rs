@@ -531,16 +531,32 @@ pub(crate) fn kv_decode_smem_bytes(head_dim: usize, elem: usize, stages: usize) 
         + scan
 }
 
-/// `kvr_kv_decode_smem_layout(head_dim, elem, stages).split_total`: dynamic shared memory of
-/// the short-batch split decode: the stage area (the K/V stages, at least 4 combine slots and
-/// a partial of 16 rows of head_dim + 8 floats), Q staging, row offsets of each stage, the
-/// softmax state and a flag.
-pub(crate) fn kv_split_decode_smem_bytes(head_dim: usize, elem: usize, stages: usize) -> usize {
+/// `KVR_KV_SDECODE_GROUPS(head_dim)`: groups of 4 warps per CTA of the short-batch kernels.
+pub(crate) fn kv_split_decode_groups(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        2
+    } else {
+        1
+    }
+}
+
+/// `kvr_kv_decode_smem_layout(head_dim, elem, stages).split_total` (`groups` 1) or
+/// `.split2_total` (2): dynamic shared memory of the short-batch kernels: the stage area (each
+/// group's K/V stages, at least 4 combine slots per group and a partial of 16 rows of
+/// head_dim + 8 floats), Q staging, each group's row offsets of each stage, the softmax state
+/// of the warps and a flag.
+pub(crate) fn kv_split_decode_smem_bytes(
+    head_dim: usize,
+    elem: usize,
+    stages: usize,
+    groups: usize,
+) -> usize {
     let merge = 16 * (head_dim + 8) * 4;
-    let area = (stages * kv_decode_stage_bytes(head_dim, elem)).max(5 * merge);
+    let area =
+        (groups * stages * kv_decode_stage_bytes(head_dim, elem)).max((4 * groups + 1) * merge);
     let q = 16 * (head_dim + 8) * elem;
-    let offsets = stages * KVR_KV_DECODE_TILE * 2 * 8;
-    let softmax_state = (4 * 16 * 2 + 32) * 4;
+    let offsets = groups * stages * KVR_KV_DECODE_TILE * 2 * 8;
+    let softmax_state = (4 * groups * 16 * 2 + 32) * 4;
     area + q + offsets + softmax_state + 16
 }
 
@@ -817,7 +833,7 @@ mod tests {
             Formula {
                 c_fn: "kvr_kv_decode_smem_layout",
                 c_type: "kvr_kv_decode_smem",
-                c_fields: &["stage_bytes", "total", "split_total"],
+                c_fields: &["stage_bytes", "total", "split_total", "split2_total"],
                 grid: grid(&[
                     &[32, 64, 80, 96, 112, 128, 160, 192, 256],
                     &[2, 4],
@@ -827,7 +843,8 @@ mod tests {
                     vec![
                         kv_decode_stage_bytes(u(a[0]), u(a[1])) as i64,
                         kv_decode_smem_bytes(u(a[0]), u(a[1]), u(a[2])) as i64,
-                        kv_split_decode_smem_bytes(u(a[0]), u(a[1]), u(a[2])) as i64,
+                        kv_split_decode_smem_bytes(u(a[0]), u(a[1]), u(a[2]), 1) as i64,
+                        kv_split_decode_smem_bytes(u(a[0]), u(a[1]), u(a[2]), 2) as i64,
                     ]
                 },
             },

@@ -10,12 +10,12 @@ use super::exec::{KvExecutor, Placed};
 use super::state::PoolState;
 use crate::abi::{
     dtype_code, kv_decode_smem_bytes as decode_smem, kv_decode_stage_bytes as decode_stage_bytes,
-    kv_split_decode_smem_bytes, FastDiv, KvDecodeArgs as DecodeParams, KvLayerDesc as LayerDesc,
-    KvPageCopyArgs as PageCopyParams, KvWriteArgs as WriteParams, KvWriteGroup as WriteGroup,
-    KVR_KV_DECODE_THREADS as DECODE_THREADS, KVR_KV_DECODE_TILE as TILE,
-    KVR_KV_MAX_INLINE_BATCH as MAX_INLINE_BATCH, KVR_KV_MAX_PAGE_COPIES as MAX_PAGE_COPIES,
-    KVR_KV_Q_SCALAR, KVR_KV_Q_VEC_F32, KVR_KV_Q_VEC_KV, KVR_KV_SDECODE_STAGES as SPLIT_STAGES,
-    KVR_KV_SDECODE_THREADS as SPLIT_THREADS,
+    kv_split_decode_groups, kv_split_decode_smem_bytes, FastDiv, KvDecodeArgs as DecodeParams,
+    KvLayerDesc as LayerDesc, KvPageCopyArgs as PageCopyParams, KvWriteArgs as WriteParams,
+    KvWriteGroup as WriteGroup, KVR_KV_DECODE_THREADS as DECODE_THREADS,
+    KVR_KV_DECODE_TILE as TILE, KVR_KV_MAX_INLINE_BATCH as MAX_INLINE_BATCH,
+    KVR_KV_MAX_PAGE_COPIES as MAX_PAGE_COPIES, KVR_KV_Q_SCALAR, KVR_KV_Q_VEC_F32, KVR_KV_Q_VEC_KV,
+    KVR_KV_SDECODE_STAGES as SPLIT_STAGES, KVR_KV_SDECODE_THREADS as SPLIT_THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
@@ -38,9 +38,9 @@ const MAX_SPLIT_PARTS: usize = 64;
 /// from its length: short rows use fewer parts).
 const SPLIT_MIN_TILES: i32 = 2;
 /// CTAs per cluster of the cluster kernel (a row's parts, merged in distributed shared
-/// memory); it takes batches of at most SMs / CLUSTER rows whose 64-token tiles, all rows
-/// together, number at most CLUSTER_MAX_TILES (short contexts: with one CTA per SM, longer
-/// ones stream faster through the split kernel's two CTAs per SM).
+/// memory); it takes batches of at most as many rows as clusters can be resident at once
+/// whose 64-token tiles, all rows together, number at most CLUSTER_MAX_TILES (longer
+/// contexts stream faster through the split kernel, which needs no co-scheduled cluster).
 const CLUSTER: usize = 16;
 const CLUSTER_MAX_TILES: usize = 256;
 
@@ -92,6 +92,8 @@ fn q_vector_mode(q: &TensorView, kv: DType) -> i32 {
 #[derive(Clone, Copy, Debug)]
 struct DecodeLaunch {
     kernel: Kernel,
+    /// Threads per CTA.
+    threads: u32,
     stages: u32,
     shared_bytes: u32,
     /// CTAs in one full wave (SMs x CTAs per SM).
@@ -196,7 +198,10 @@ impl DeviceState {
         cuda: &CudaBackend,
         cfg: &KvPoolConfig,
     ) -> Result<(Option<DecodeLaunch>, Option<DecodeLaunch>)> {
-        let bytes = kv_split_decode_smem_bytes(cfg.head_dim, cfg.dtype.size(), SPLIT_STAGES) as u32;
+        let groups = kv_split_decode_groups(cfg.head_dim);
+        let threads = SPLIT_THREADS * groups as u32;
+        let bytes =
+            kv_split_decode_smem_bytes(cfg.head_dim, cfg.dtype.size(), SPLIT_STAGES, groups) as u32;
         if bytes > cuda.max_shared_per_block() {
             return Ok((None, None));
         }
@@ -206,17 +211,18 @@ impl DeviceState {
                 head_dim: cfg.head_dim,
                 cluster,
             };
-            let per_sm = cuda.prepare_kernel(kernel, bytes, SPLIT_THREADS)?;
+            let per_sm = cuda.prepare_kernel(kernel, bytes, threads)?;
             if per_sm == 0 {
                 return Ok(None);
             }
             let wave = if cluster {
-                cuda.prepare_cluster(kernel, CLUSTER as u32, bytes, SPLIT_THREADS)? * CLUSTER as u32
+                cuda.prepare_cluster(kernel, CLUSTER as u32, bytes, threads)? * CLUSTER as u32
             } else {
                 per_sm * cuda.sm_count()
             };
             Ok((wave > 0).then_some(DecodeLaunch {
                 kernel,
+                threads,
                 stages: SPLIT_STAGES as u32,
                 shared_bytes: bytes,
                 wave,
@@ -268,6 +274,7 @@ impl DeviceState {
             cuda.prepare_kernel(kernel, bytes as u32, DECODE_THREADS)?;
             return Ok(Some(DecodeLaunch {
                 kernel,
+                threads: DECODE_THREADS,
                 stages,
                 shared_bytes: bytes as u32,
                 wave: per_sm * cuda.sm_count(),
@@ -550,7 +557,7 @@ impl DeviceState {
                 cuda.launch_ex(
                     l.kernel,
                     (split_x as u32, rows, y_tiles as u32),
-                    (SPLIT_THREADS, 1, 1),
+                    (l.threads, 1, 1),
                     l.shared_bytes,
                     stream,
                     &mut args,
@@ -591,7 +598,11 @@ impl DeviceState {
         // Rows above 2^16 - 1 do not fit grid.y.
         let fits = plan.b * cfg.kv_heads < 65_536;
         let cluster_ok = fits && self.cluster.is_some() && pairs * CLUSTER <= cap;
-        let split_parts = |wave: usize| (wave / pairs).min(MAX_SPLIT_PARTS).min(cap / pairs).max(1);
+        // A power of two: rows of 2^k tiles split into equal parts.
+        let split_parts = |wave: usize| {
+            let n = (wave / pairs).min(MAX_SPLIT_PARTS).min(cap / pairs).max(1);
+            1usize << n.ilog2()
+        };
         let split_ok = fits && self.split.is_some() && pairs <= cap;
         match self.path {
             DecodePath::Stream => return (DecodePath::Stream, 0),
@@ -603,7 +614,9 @@ impl DeviceState {
             DecodePath::Auto => {}
             _ => return (DecodePath::Stream, 0),
         }
-        if cluster_ok && pairs * CLUSTER <= self.sm_count as usize {
+        // Only as many rows as clusters can be resident at once (one wave of clusters).
+        let clusters = self.cluster.map_or(0, |l| l.wave as usize / CLUSTER);
+        if cluster_ok && pairs <= clusters {
             let tiles: usize = match &plan.ids {
                 BatchIds::Host(ids) => {
                     ids.iter()
