@@ -543,16 +543,13 @@ impl DeviceState {
         });
         let mut args = [&mut *p as *mut DecodeParams as *mut c_void];
         let rows = (plan.b * cfg.kv_heads) as u32;
-        match path {
-            DecodePath::Split | DecodePath::Cluster => {
-                let (l, cluster) = if path == DecodePath::Cluster {
-                    (
-                        self.cluster.expect("chosen only when present"),
-                        CLUSTER as u32,
-                    )
-                } else {
-                    (self.split.expect("chosen only when present"), 0)
-                };
+        let short = match path {
+            DecodePath::Cluster => self.cluster.map(|l| (l, CLUSTER as u32)),
+            DecodePath::Split => self.split.map(|l| (l, 0)),
+            _ => None,
+        };
+        match short {
+            Some((l, cluster)) => {
                 // A programmatic dependent: the kernel waits for the previous one first.
                 cuda.launch_ex(
                     l.kernel,
@@ -565,7 +562,7 @@ impl DeviceState {
                     cluster,
                 )
             }
-            _ => cuda.launch(
+            None => cuda.launch(
                 launch.kernel,
                 (grid_x, y_tiles as u32, 1),
                 (DECODE_THREADS, 1, 1),
