@@ -395,6 +395,19 @@ class Lib:
             ctypes.c_void_p(stream),
         )
 
+    def wgkv_reserve(self, pool, seq, steps, stream=None):
+        """kvr_wgkv_pool_reserve: `steps` device steps for `seq` (raises on failure)."""
+        self.check(self.lib.kvr_wgkv_pool_reserve(pool, ctypes.c_int32(seq), ctypes.c_int32(steps),
+                                                  ctypes.c_void_p(stream)), "kvr_wgkv_pool_reserve")
+
+    def wgkv_step(self, pool, layer, ids, k, v, k_pre=None, scores=None, scores_out=None, stream=None):
+        """Raw status of kvr_wgkv_pool_step (ids: i32 host kvr_tensor [B]; k, v, k_pre, scores,
+        scores_out: kvr_tensor values; exactly one of k_pre and scores)."""
+        ref = lambda t: ctypes.byref(t) if t is not None else None  # noqa: E731
+        return self.lib.kvr_wgkv_pool_step(
+            pool, ctypes.c_int32(layer), ctypes.byref(ids), ctypes.byref(k), ctypes.byref(v),
+            ref(k_pre), ref(scores), ref(scores_out), ctypes.c_void_p(stream))
+
     def wgkv_decode(self, pool, layer, ids, q, out, lse=None, params=None, stream=None):
         """Raw status of kvr_wgkv_pool_decode (ids: i32 host kvr_tensor [B])."""
         return self.lib.kvr_wgkv_pool_decode(

@@ -3263,6 +3263,71 @@ kvr_status kvr_wgkv_pool_append(struct kvr_wgkv_pool *pool,
                                 void *stream);
 
 /**
+ * Reserves `n_steps` device steps (`kvr_wgkv_pool_step`) for `seq`, every layer: pages for
+ * the ring slots and global positions its next `n_steps` committed tokens can write (each
+ * counted as admitted unless its score is already known), made private and put in the
+ * block tables now, so that a step needs no host decision. Each step of a layer uses one
+ * step of that layer's budget; any other operation on the sequence (append, commit,
+ * truncate, fork, free) ends the reservation. On CUDA the sequence becomes device-driven:
+ * its rows' state lives on the device from here on, and every later host call on it waits
+ * for `stream` (every stream for calls without one) to read it back. Call it every
+ * `n_steps` decode steps, e.g. 16 or 64, before replaying a captured graph of steps.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle,
+ * pending drafts, a sequence with no tokens); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_OUT_OF_RANGE` (`n_steps` outside 1..65536, a global cache that could pass
+ * `max_global_tokens`); `KVR_STATUS_POOL_EXHAUSTED` (too few free pages, or earlier steps
+ * of this sequence found no budget and were skipped: reported once, by the next call
+ * that reads the sequence back); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: reserved pages belong to the sequence (counted in `pages_used`).
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: the sequence is unchanged, except after `KVR_STATUS_CUDA_ERROR`.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_reserve(struct kvr_wgkv_pool *pool,
+                                 kvr_seq_id seq,
+                                 int32_t n_steps,
+                                 void *stream);
+
+/**
+ * One decode step of layer `layer`: one committed token for each sequence of `seq_ids`
+ * (i32 `[B]`, host memory, unique, each with steps reserved by `kvr_wgkv_pool_reserve`).
+ * `k`, `v`: `[B, n_kv_heads, head_dim]` (the cached, post-RoPE key). Exactly one of
+ * `k_pre` (the keys before RoPE, shaped like `k`: the pool's gate scores the token) and
+ * `scores` (f32 `[B, n_kv_heads]`, the gate's outputs) is given; `scores_out` (optional,
+ * f32 `[B, n_kv_heads]`, contiguous) receives the scores used. Each (sequence, KV head)
+ * row does what a committed one-token `kvr_wgkv_pool_append` does: the ring's oldest
+ * token is promoted if its score was > tau (or it is a sink) and dropped otherwise, the
+ * new token takes its slot. On CUDA every tensor is device memory and the call queues
+ * one kernel per 128 sequences (gate, ring update and copies fused) whose launches
+ * depend on nothing the host reads back: it can be captured in a CUDA graph and replayed
+ * while the reservation lasts; a row whose budget is spent is left unchanged and the
+ * next host call on its sequence returns `KVR_STATUS_POOL_EXHAUSTED`. The device gate
+ * takes head_dim <= 256. On the CPU the tensors are host memory and a spent budget is an
+ * error before anything changes.
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+ * shapes, both or neither of `k_pre` / `scores`, memory kinds, a sequence listed twice,
+ * no gate set, a non-finite score on the CPU); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (layer, a sequence without a
+ * reservation); `KVR_STATUS_UNSUPPORTED` (the device gate for head_dim > 256: pass
+ * scores); `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors stay the caller's.
+ * Thread safety: thread-safe (calls on one pool take its lock).
+ * On failure: nothing changes (nothing is queued).
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_step(struct kvr_wgkv_pool *pool,
+                              int32_t layer,
+                              const struct kvr_tensor *seq_ids,
+                              const struct kvr_tensor *k,
+                              const struct kvr_tensor *v,
+                              const struct kvr_tensor *k_pre,
+                              const struct kvr_tensor *scores,
+                              const struct kvr_tensor *scores_out,
+                              void *stream);
+
+/**
  * Accepts the first `n_accepted` pending drafts of `seq` (every layer and head): they
  * enter the ring in order, evicting and promoting exactly as committed appends would; the
  * other drafts are dropped.
@@ -3330,8 +3395,12 @@ kvr_status kvr_wgkv_pool_decode(struct kvr_wgkv_pool *pool,
  * Fills `*out` with the pool's occupancy (memory used against a full cache). Set
  * `out->struct_size` first.
  *
+ * Device-driven sequences (`kvr_wgkv_pool_reserve` on CUDA) are read back first, after
+ * waiting for every stream of the context.
+ *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
- * `struct_size` too small).
+ * `struct_size` too small); `KVR_STATUS_POOL_EXHAUSTED` (device steps that found no
+ * reservation, reported once); `KVR_STATUS_CUDA_ERROR`.
  * Ownership: `*out` is the caller's.
  * Thread safety: thread-safe (a snapshot under the pool's lock).
  * On failure: `*out` is not written.
@@ -3346,7 +3415,9 @@ kvr_status kvr_wgkv_pool_get_stats(const struct kvr_wgkv_pool *pool,
  * entries in `*out_count`.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
- * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`capacity` too small).
+ * `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`capacity` too small);
+ * `KVR_STATUS_POOL_EXHAUSTED` / `KVR_STATUS_CUDA_ERROR` (reading a device-driven sequence
+ * back, as `kvr_wgkv_pool_get_stats`).
  * Ownership: `rows` and `*out_count` are the caller's.
  * Thread safety: thread-safe.
  * On failure: nothing is written, except that `KVR_STATUS_OUT_OF_RANGE` stores the entry

@@ -52,4 +52,17 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Thread 0 of a CTA counts the CTA in on a device counter after a CTA barrier; true for the
+// last of `need`, which resets the counter for the next launch. acq_rel: the CTA's earlier
+// global writes (its partial, ordered before this by the barrier) are released to the last
+// CTA, which acquires everyone's (its threads read them after the next barrier). Cheaper than
+// a sequentially consistent __threadfence (MEMBAR.SC plus an L1 invalidation) on each side.
+__device__ __forceinline__ bool count_in_last(int32_t* counter, int need) {
+  int prev;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
+  const bool last = prev == need - 1;
+  if (last) *counter = 0;  // the next launch starts after this grid completes
+  return last;
+}
+
 }  // namespace kvr

@@ -206,19 +206,6 @@ template <typename T> __device__ __forceinline__ const T* cluster_map(const T* p
 #endif
 }
 
-// Thread 0 of a CTA counts the CTA in on a device counter after a CTA barrier; true for the
-// last of `need`, which resets the counter for the next launch. acq_rel: the CTA's earlier
-// global writes (its partial, ordered before this by the barrier) are released to the last
-// CTA, which acquires everyone's (its threads read them after the next barrier). Cheaper than
-// a sequentially consistent __threadfence (MEMBAR.SC plus an L1 invalidation) on each side.
-__device__ __forceinline__ bool count_in_last(int32_t* counter, int need) {
-  int prev;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counter) : "memory");
-  const bool last = prev == need - 1;
-  if (last) *counter = 0;  // the next launch starts after this grid completes
-  return last;
-}
-
 // Folds n <= N partials of one output vector (each: base-2 log-sum-exp l and normalized
 // output x, from load(j, l, x)) into a running log-sum-exp merge (max M, denominator den,
 // unnormalized sum o): all loads issued first, one rescale when the max grows.

@@ -148,6 +148,57 @@ typedef struct {
   int32_t slot[KVR_WGKV_MAX_PAIRS];
 } kvr_wgkv_scatter_args;
 
+/* ---- kernels/wgkv.cu: kvr_wgkv_step (one committed token per sequence, on the device) ----
+ * Grid (1 + chunks, kv_heads, tiles): CTA (0, h, z) moves the rows of tokens [16 z, 16 z +
+ * 16) of head h (promotion, new token, state; slots records each new token's ring slot);
+ * CTA (c > 0, h, z) scores those tokens on gate hidden units [(c - 1) *
+ * KVR_WGKV_GATE_CHUNK, ...) and adds its part of the fc2 dot product to zacc; the last CTA
+ * of (h, z) finishes the scores and sets the new tokens' admission bits. With scores_in
+ * set there is no gate (grid x = 1). Row state: KVR_WGKV_ROW_INTS ints per pool
+ * row {fill, ptr, global, total, budget, dropped, 0, 0}; admission bits [rows][admit_words]
+ * (bit s: ring slot s is promoted when evicted). A row with budget 0 is left as it is and
+ * counts the token in `dropped`. */
+#define KVR_WGKV_STEP_THREADS 256
+#define KVR_WGKV_STEP_TILE 16       /* tokens per CTA */
+#define KVR_WGKV_STEP_MAX_SEQS 128  /* sequences per launch (ids inline) */
+#define KVR_WGKV_GATE_CHUNK 16      /* gate hidden units per CTA (two per warp) */
+#define KVR_WGKV_GATE_MAX_IN 512    /* most gate inputs (2 * head_dim) */
+#define KVR_WGKV_ROW_INTS 8
+
+typedef struct {
+  KVR_PTR(const void) k_pre;      /* [n, H, D] keys before RoPE (gate input), or 0 */
+  KVR_PTR(const void) k;          /* [n, H, D] keys after RoPE (cached, gate input) */
+  KVR_PTR(const void) v;          /* [n, H, D] */
+  KVR_PTR(const float) scores_in; /* [n, H] given scores (no gate), or 0 */
+  KVR_PTR(float) scores_out;      /* [n, H] contiguous, optional */
+  KVR_PTR(const float) norm_pre;  /* this layer's gate, f32: [D] */
+  KVR_PTR(const float) norm_post; /* [D] */
+  KVR_PTR(const float) fc1_w;     /* [H][hidden][2 D] */
+  KVR_PTR(const float) fc1_b;     /* [H][hidden] */
+  KVR_PTR(const float) fc2_w;     /* [H][hidden] */
+  KVR_PTR(const float) fc2_b;     /* [H] */
+  KVR_PTR(int32_t) rows;          /* [pool rows][KVR_WGKV_ROW_INTS] */
+  KVR_PTR(uint32_t) admit;        /* [pool rows][admit_words] */
+  KVR_PTR(const int32_t) table;   /* the one-head pool's block table [rows][table_stride] */
+  KVR_PTR(int32_t) lens;          /* its lengths [rows] */
+  KVR_PTR(void) k_dst;            /* its K and V */
+  KVR_PTR(void) v_dst;
+  KVR_PTR(float) zacc;            /* [KVR_WGKV_STEP_MAX_SEQS][H], zero between launches */
+  KVR_PTR(int32_t) counters;      /* [tiles][H], zero between launches */
+  KVR_PTR(int32_t) slots;         /* [KVR_WGKV_STEP_MAX_SEQS][H]: ring slot of each new token (-1: skipped) */
+  int64_t kp_sb, kp_sh, kp_sd;    /* strides (elements): token, head, dim */
+  int64_t k_sb, k_sh, k_sd;
+  int64_t v_sb, v_sh, v_sd;
+  int64_t s_sb, s_sh;             /* scores_in: token, head */
+  int64_t k_sp, k_st, v_sp, v_st; /* pool page and slot strides */
+  int32_t n, hkv, d, hidden;
+  int32_t window, page_size, table_stride, admit_words;
+  int32_t rows_per_seq, row0, sinks, kp_dtype;
+  int32_t k_dtype, v_dtype, pool_dtype, pad0;
+  float tau, norm_eps, gate_floor, pad1;
+  int32_t seq[KVR_WGKV_STEP_MAX_SEQS];
+} kvr_wgkv_step_args;
+
 /* ---- kernels/kv_decode.cu: kvr_kv_decode_<kv>_d<head_dim> ---- */
 
 #define KVR_KV_DECODE_THREADS 192 /* 4 consumer warps + 2 producer warps */

@@ -2,6 +2,13 @@
 //   kvr_wgkv_scatter   rows of a source (new tokens from the host's K/V, or the pool's own
 //                      rows: ring -> global promotions, drafts -> scratch -> ring) to
 //                      (page, slot) positions, with dtype conversion; one warp per row.
+//   kvr_wgkv_step      one committed token per sequence of a batch, for one layer, wholly on
+//                      the device (graph-capturable): the write gate's MLP (or given
+//                      scores), then per (sequence, KV head) row the ring update -- the
+//                      evicted oldest token copied to the global cache if its score was > tau
+//                      (or it is a sink), the new token into its slot -- against row state
+//                      kept on the device, within a budget of steps the host reserved pages
+//                      for (src/kv/wgkv/mod.rs `reserve`).
 // Up to KVR_WGKV_MAX_PAIRS rows travel in the parameters; larger batches (a prefill) read
 // their rows from a device array the host uploads on the stream.
 #include "mma.cuh"
@@ -18,6 +25,90 @@ __device__ __forceinline__ void wg_store(void* p, int64_t i, int dtype, float x)
   if (dtype == KVR_DT_F32) static_cast<float*>(p)[i] = x;
   else if (dtype == KVR_DT_F16) static_cast<__half*>(p)[i] = __float2half_rn(x);
   else static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
+}
+
+// Two rows of d elements (element lane + 32 j of each, j < N, to this lane), one element
+// type: every load is issued before any is converted (a dtype branch per element would
+// make each load wait for the one before).
+template <int N, typename T>
+__device__ __forceinline__ void wg_rows_load_t(const T* a, int64_t ia, int64_t sa, const T* b, int64_t ib,
+                                               int64_t sb, int d, float (&xa)[N], float (&xb)[N]) {
+  const int lane = threadIdx.x & 31;
+  T va[N], vb[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int e = lane + 32 * j;
+    va[j] = e < d ? a[ia + e * sa] : T();
+    vb[j] = e < d ? b[ib + e * sb] : T();
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    xa[j] = to_float(va[j]);
+    xb[j] = to_float(vb[j]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void wg_rows_load(const void* a, int64_t ia, int64_t sa, const void* b, int64_t ib,
+                                             int64_t sb, int d, int dtype, float (&xa)[N], float (&xb)[N]) {
+  if (dtype == KVR_DT_F32)
+    wg_rows_load_t<N>(static_cast<const float*>(a), ia, sa, static_cast<const float*>(b), ib, sb, d, xa, xb);
+  else if (dtype == KVR_DT_F16)
+    wg_rows_load_t<N>(static_cast<const __half*>(a), ia, sa, static_cast<const __half*>(b), ib, sb, d, xa, xb);
+  else
+    wg_rows_load_t<N>(static_cast<const __nv_bfloat16*>(a), ia, sa, static_cast<const __nv_bfloat16*>(b), ib, sb,
+                      d, xa, xb);
+}
+
+// Stores two contiguous rows of d elements (as wg_rows_load spreads them).
+template <int N>
+__device__ __forceinline__ void wg_rows_store(void* a, int64_t ia, void* b, int64_t ib, int d, int dtype,
+                                              const float (&xa)[N], const float (&xb)[N]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int e = lane + 32 * j;
+    if (e < d) {
+      wg_store(a, ia + e, dtype, xa[j]);
+      wg_store(b, ib + e, dtype, xb[j]);
+    }
+  }
+}
+
+__device__ __forceinline__ float wg_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Gate input of token t (head h) into xs: [RMSNorm(k_pre); RMSNorm(k)] (one warp; head dim
+// <= KVR_WGKV_GATE_MAX_IN / 2).
+__device__ __forceinline__ void wg_gate_input(const kvr_wgkv_step_args& p, int64_t t, int h, float* xs) {
+  constexpr int kPer = KVR_WGKV_GATE_MAX_IN / 64;
+  const int lane = threadIdx.x & 31;
+  const int d = p.d;
+  float x[2][kPer];
+  const int64_t bp = t * p.kp_sb + h * p.kp_sh, bk = t * p.k_sb + h * p.k_sh;
+  if (p.kp_dtype == p.k_dtype) {
+    wg_rows_load<kPer>(p.k_pre, bp, p.kp_sd, p.k, bk, p.k_sd, d, p.k_dtype, x[0], x[1]);
+  } else {
+    float unused[kPer];
+    wg_rows_load<kPer>(p.k_pre, bp, p.kp_sd, p.k_pre, bp, p.kp_sd, d, p.kp_dtype, x[0], unused);
+    wg_rows_load<kPer>(p.k, bk, p.k_sd, p.k, bk, p.k_sd, d, p.k_dtype, x[1], unused);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) ss += x[half][j] * x[half][j];
+    const float r = rsqrtf(wg_warp_sum(ss) / static_cast<float>(d) + p.norm_eps);
+    const float* w = half ? p.norm_post : p.norm_pre;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = lane + 32 * j;
+      if (i < d) xs[half * d + i] = x[half][j] * r * w[i];
+    }
+  }
 }
 
 }  // namespace kvr
@@ -47,4 +138,164 @@ extern "C" __global__ void kvr_wgkv_scatter(const __grid_constant__ kvr_wgkv_sca
     for (int d = lane; d < p.d; d += 32)
       kvr::wg_store(dst, d0 + d, p.dst_dtype, kvr::wg_load(src, s0 + d * sd, p.src_dtype));
   }
+}
+
+// See the header comment and kvr_abi.h. CTA (c, h, z) of token tile z, head h: CTA c = 0
+// moves the tile's rows (one warp per row: promotion, new token, state), which needs no
+// score except for the new token's admission bit; CTA c > 0 scores gate chunk c - 1 at the
+// same time. The last CTA of (h, z) finishes the scores and sets those bits (with given
+// scores, CTA 0 is the grid's x extent and sets them itself).
+// Two CTAs per SM (128 registers): the gate grid of hidden 512 x 8 heads is one wave.
+extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
+    kvr_wgkv_step(const __grid_constant__ kvr_wgkv_step_args p) {
+  constexpr int kTile = KVR_WGKV_STEP_TILE;
+  constexpr int kWarps = KVR_WGKV_STEP_THREADS / 32;
+  constexpr int kIn = KVR_WGKV_GATE_MAX_IN / 32;
+  constexpr int kUnits = KVR_WGKV_GATE_CHUNK / kWarps;  // hidden units per warp
+  __shared__ float xs[kTile][KVR_WGKV_GATE_MAX_IN];
+  __shared__ float zp[kWarps][kTile];
+  __shared__ int s_last;
+  const int h = blockIdx.y;
+  const int t0 = blockIdx.z * kTile;
+  const int nt = min(kTile, p.n - t0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool gate = p.scores_in == nullptr;
+  const int in = 2 * p.d;
+  // This warp's gate weights, loaded first (nothing the previous kernel writes).
+  float w[kUnits][kIn], b1[kUnits], w2[kUnits];
+  // CTA 0 moves rows; CTA c > 0 scores gate chunk c - 1.
+  const int u0 = (static_cast<int>(blockIdx.x) - 1) * KVR_WGKV_GATE_CHUNK + warp;
+  if (gate && blockIdx.x > 0) {
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const int u = u0 + j * kWarps;
+      const bool live = u < p.hidden;
+      const int64_t unit = static_cast<int64_t>(h) * p.hidden + (live ? u : 0);
+      const float* row = p.fc1_w + unit * in;
+#pragma unroll
+      for (int e = 0; e < kIn; ++e) w[j][e] = live && lane + 32 * e < in ? __ldg(row + lane + 32 * e) : 0.f;
+      b1[j] = live ? __ldg(p.fc1_b + unit) : 0.f;
+      w2[j] = live ? __ldg(p.fc2_w + unit) : 0.f;
+    }
+  }
+  kvr::pdl_wait();
+  if (blockIdx.x == 0) {
+    constexpr int kPer = KVR_WGKV_GATE_MAX_IN / 64;  // elements of a row per lane
+    for (int i = warp; i < nt; i += kWarps) {
+      const int t = t0 + i;
+      const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
+      int32_t* st = p.rows + row * KVR_WGKV_ROW_INTS;
+      uint32_t* bits = p.admit + row * p.admit_words;
+      const int32_t* tb = p.table + row * p.table_stride;
+      // Everything that does not depend on the row's state, loaded at once.
+      const int4 s4 = *reinterpret_cast<const int4*>(st);
+      const int budget = st[4];
+      const uint32_t word = lane < p.admit_words ? bits[lane] : 0u;
+      // The ring's page ids (the table's first window / page_size entries), one per lane.
+      const int ring_pages = p.window / p.page_size;
+      const int32_t rpage = lane < ring_pages ? tb[lane] : 0;
+      const float given = gate ? 0.f : p.scores_in[t * p.s_sb + h * p.s_sh];
+      float kn[kPer], vn[kPer];  // k and v share a dtype (checked by the host)
+      kvr::wg_rows_load<kPer>(p.k, t * p.k_sb + h * p.k_sh, p.k_sd, p.v, t * p.v_sb + h * p.v_sh, p.v_sd, p.d,
+                              p.k_dtype, kn, vn);
+      int fill = s4.x, ptr = s4.y, glob = s4.z;
+      const int total = s4.w;
+      int slot = -1;
+      if (budget > 0) {
+        int gpos = -1;
+        if (fill < p.window) {
+          slot = fill++;
+        } else {
+          slot = ptr;
+          ptr = ptr + 1 == p.window ? 0 : ptr + 1;
+          const uint32_t w = p.admit_words <= 32 ? __shfl_sync(0xffffffffu, word, slot >> 5) : bits[slot >> 5];
+          if ((w >> (slot & 31)) & 1u) gpos = p.window + glob++;
+        }
+        const int64_t ps = ring_pages <= 32 ? __shfl_sync(0xffffffffu, rpage, slot / p.page_size)
+                                            : tb[slot / p.page_size];
+        const int64_t os = slot % p.page_size;
+        const int64_t pg = gpos >= 0 ? tb[gpos / p.page_size] : 0, og = gpos % p.page_size;
+        const int64_t ks = ps * p.k_sp + os * p.k_st, vs = ps * p.v_sp + os * p.v_st;
+        if (gpos >= 0) {
+          // Each lane moves the elements it reads: the old row is read before the new
+          // token overwrites it below.
+          const int64_t kg = pg * p.k_sp + og * p.k_st, vg = pg * p.v_sp + og * p.v_st;
+          float ko[kPer], vo[kPer];
+          kvr::wg_rows_load<kPer>(p.k_dst, ks, 1, p.v_dst, vs, 1, p.d, p.pool_dtype, ko, vo);
+          kvr::wg_rows_store<kPer>(p.k_dst, kg, p.v_dst, vg, p.d, p.pool_dtype, ko, vo);
+        }
+        kvr::wg_rows_store<kPer>(p.k_dst, ks, p.v_dst, vs, p.d, p.pool_dtype, kn, vn);
+      }
+      // slot is the same in every lane.
+      const uint32_t wslot = slot >= 0 && p.admit_words <= 32 ? __shfl_sync(0xffffffffu, word, slot >> 5) : 0u;
+      if (lane == 0) {
+        if (slot < 0) {
+          st[5] += 1;  // no budget: the row is left as it is
+        } else {
+          *reinterpret_cast<int4*>(st) = make_int4(fill, ptr, glob, total + 1);
+          st[4] = budget - 1;
+          p.lens[row] = glob == 0 ? fill : p.window + glob;
+          if (!gate) {
+            if (p.scores_out) p.scores_out[static_cast<int64_t>(t) * p.hkv + h] = given;
+            const uint32_t m = 1u << (slot & 31);
+            const uint32_t w = p.admit_words <= 32 ? wslot : bits[slot >> 5];
+            bits[slot >> 5] = total < p.sinks || given > p.tau ? w | m : w & ~m;
+          }
+        }
+        if (gate) p.slots[static_cast<int64_t>(t) * p.hkv + h] = slot;
+      }
+    }
+  }
+  if (!gate) return;
+  kvr::pdl_launch_dependents();
+  if (blockIdx.x > 0) {
+  for (int i = warp; i < nt; i += kWarps) kvr::wg_gate_input(p, t0 + i, h, xs[i]);
+  __syncthreads();
+  float acc[kTile];
+#pragma unroll
+  for (int i = 0; i < kTile; ++i) {
+    acc[i] = 0.f;
+    if (i < nt) {
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < kIn; ++e)
+          if (lane + 32 * e < in) dot += w[j][e] * xs[i][lane + 32 * e];
+        const float a = kvr::wg_warp_sum(dot) + b1[j];
+        acc[i] += 0.5f * a * (1.f + erff(a * 0.70710678118654752f)) * w2[j];
+      }
+    }
+  }
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) zp[warp][i] = acc[i];
+  __syncthreads();
+  if (threadIdx.x < nt) {
+    float z = 0.f;
+#pragma unroll
+    for (int w8 = 0; w8 < kWarps; ++w8) z += zp[w8][threadIdx.x];
+    atomicAdd(p.zacc + static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h, z);
+  }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    s_last = kvr::count_in_last(p.counters + static_cast<int64_t>(blockIdx.z) * p.hkv + h, gridDim.x);
+  __syncthreads();
+  if (!s_last || threadIdx.x >= nt) return;
+  // The last CTA: one thread per token finishes its score and sets the new token's bit.
+  const int t = t0 + threadIdx.x;
+  const int64_t at = static_cast<int64_t>(t) * p.hkv + h;
+  const float z = __ldcg(p.zacc + at) + p.fc2_b[h];
+  p.zacc[at] = 0.f;
+  const float score = fmaxf(1.f / (1.f + expf(-z)), p.gate_floor);
+  if (p.scores_out) p.scores_out[at] = score;
+  const int slot = __ldcg(p.slots + at);
+  if (slot < 0) return;
+  const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
+  const int total = __ldcg(p.rows + row * KVR_WGKV_ROW_INTS + 3) - 1;
+  uint32_t* word = p.admit + row * p.admit_words + (slot >> 5);
+  const uint32_t m = 1u << (slot & 31);
+  const uint32_t old = __ldcg(word);
+  *word = total < p.sinks || score > p.tau ? old | m : old & ~m;
 }

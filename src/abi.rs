@@ -106,6 +106,14 @@ abi_consts! {
     /// Rows per write-gated scatter launch, and its threads (kernels/wgkv.cu).
     KVR_WGKV_MAX_PAIRS: usize = 160;
     KVR_WGKV_SCATTER_THREADS: u32 = 256;
+    /// The write-gated device step (kernels/wgkv.cu `kvr_wgkv_step`): threads, tokens per
+    /// CTA, sequences per launch, gate hidden units per CTA, most gate inputs, row-state ints.
+    KVR_WGKV_STEP_THREADS: u32 = 256;
+    KVR_WGKV_STEP_TILE: usize = 16;
+    KVR_WGKV_STEP_MAX_SEQS: usize = 128;
+    KVR_WGKV_GATE_CHUNK: usize = 16;
+    KVR_WGKV_GATE_MAX_IN: usize = 512;
+    KVR_WGKV_ROW_INTS: usize = 8;
     /// `KvDecodeArgs::q_vec`: element loads; 16-byte loads of KV-typed q; of f32 q.
     KVR_KV_Q_SCALAR: i32 = 0;
     KVR_KV_Q_VEC_KV: i32 = 1;
@@ -275,6 +283,66 @@ abi_structs! {
         v_off: [i64; KVR_WGKV_MAX_PAIRS],
         page: [i32; KVR_WGKV_MAX_PAIRS],
         slot: [i32; KVR_WGKV_MAX_PAIRS],
+    }
+
+    /// `kvr_wgkv_step`.
+    struct WgKvStepArgs = "kvr_wgkv_step_args" {
+        k_pre: u64,
+        k: u64,
+        v: u64,
+        scores_in: u64,
+        scores_out: u64,
+        norm_pre: u64,
+        norm_post: u64,
+        fc1_w: u64,
+        fc1_b: u64,
+        fc2_w: u64,
+        fc2_b: u64,
+        rows: u64,
+        admit: u64,
+        table: u64,
+        lens: u64,
+        k_dst: u64,
+        v_dst: u64,
+        zacc: u64,
+        counters: u64,
+        slots: u64,
+        kp_sb: i64,
+        kp_sh: i64,
+        kp_sd: i64,
+        k_sb: i64,
+        k_sh: i64,
+        k_sd: i64,
+        v_sb: i64,
+        v_sh: i64,
+        v_sd: i64,
+        s_sb: i64,
+        s_sh: i64,
+        k_sp: i64,
+        k_st: i64,
+        v_sp: i64,
+        v_st: i64,
+        n: i32,
+        hkv: i32,
+        d: i32,
+        hidden: i32,
+        window: i32,
+        page_size: i32,
+        table_stride: i32,
+        admit_words: i32,
+        rows_per_seq: i32,
+        row0: i32,
+        sinks: i32,
+        kp_dtype: i32,
+        k_dtype: i32,
+        v_dtype: i32,
+        pool_dtype: i32,
+        pad0: i32,
+        tau: f32,
+        norm_eps: f32,
+        gate_floor: f32,
+        pad1: f32,
+        seq: [i32; KVR_WGKV_STEP_MAX_SEQS],
     }
 
     /// `kvr_kv_decode_<kv>_d<head_dim>`.

@@ -1,8 +1,10 @@
 //! GPU: the write-gated pool on CUDA against the same pool on the CPU, on the same data:
 //! prefill and single-token appends (host and device K/V), drafts verified with T query
-//! tokens, commit and rollback, a copy-on-write fork, folded and per-head decodes; every
-//! output element compared, and both compared with the fp64 reference over the kept
-//! tokens. Skips itself (printing why) without a GPU.
+//! tokens, commit and rollback, a copy-on-write fork, folded and per-head decodes; device
+//! steps (`reserve` + `step`: the gate and the ring update on the device, also replayed
+//! from a CUDA graph) against host appends of the same tokens and scores; every output
+//! element compared, and both compared with the fp64 reference over the kept tokens. Skips
+//! itself (printing why) without a GPU.
 
 mod common;
 
@@ -253,12 +255,245 @@ fn gpu_wgkv_matches_cpu_element_wise() {
             p.compare(&mut rng, &[(a, &ma), (f, &mf), (b, &mb)], 1, g, false),
             "fork",
         );
-        assert_eq!(p.cpu.stats(), p.gpu.stats());
+        assert_eq!(p.cpu.stats().unwrap(), p.gpu.stats().unwrap());
         for (cr, gr) in [
             (p.cpu.seq_rows(a), p.gpu.seq_rows(a)),
             (p.cpu.seq_rows(f), p.gpu.seq_rows(f)),
         ] {
             assert_eq!(cr.unwrap(), gr.unwrap());
         }
+    }
+}
+
+/// Device f32 tensor of `shape` holding `data`.
+fn dev_view(buf: &DeviceBuffer, shape: &[usize]) -> TensorView {
+    TensorView::contiguous(buf.addr(), DType::F32, MemoryKind::Cuda, shape).unwrap()
+}
+
+impl Both {
+    /// One device step of `layer` for `ids` on the GPU pool (gate or given scores); the
+    /// CPU pool appends the same tokens with the scores the GPU used. Returns the largest
+    /// gate score error against the fp64 formula.
+    #[allow(clippy::too_many_arguments)]
+    fn step(
+        &self,
+        models: &mut [&mut SeqModel],
+        rng: &mut Rng,
+        ids: &[i32],
+        layer: usize,
+        gate: Option<&kvreplay::kv::wgkv::GateWeights>,
+    ) -> f64 {
+        let c = self.cfg;
+        let (b, h, d) = (ids.len(), c.kv_heads, c.head_dim);
+        let pre = rng.vec(b * h * d, -2.0, 2.0);
+        let k = rng.vec(b * h * d, -1.0, 1.0);
+        let v = rng.vec(b * h * d, -1.0, 1.0);
+        let given = rng.vec(b * h, 0.0, 1.0);
+        let (pd, kd, vd, gd) = (
+            upload(&self.gctx, &pre),
+            upload(&self.gctx, &k),
+            upload(&self.gctx, &v),
+            upload(&self.gctx, &given),
+        );
+        let od = alloc(&self.gctx, b * h * 4);
+        let pv = dev_view(&pd, &[b, h, d]);
+        let gv = dev_view(&gd, &[b, h]);
+        self.gpu
+            .step(
+                layer,
+                ids,
+                gate.map(|_| &pv),
+                &dev_view(&kd, &[b, h, d]),
+                &dev_view(&vd, &[b, h, d]),
+                if gate.is_some() { None } else { Some(&gv) },
+                Some(&dev_view(&od, &[b, h])),
+                S,
+            )
+            .unwrap();
+        self.gctx.synchronize(S).unwrap();
+        let mut out = vec![0f32; b * h];
+        od.download(&mut out).unwrap();
+        let mut worst = 0f64;
+        for i in 0..b {
+            let r = i * h * d..(i + 1) * h * d;
+            let s = &out[i * h..(i + 1) * h];
+            match gate {
+                Some(g) => {
+                    for (hh, &got) in s.iter().enumerate() {
+                        let at = (i * h + hh) * d;
+                        let want = gate_f64(g, layer, hh, &pre[at..at + d], &k[at..at + d]);
+                        worst = worst.max((got as f64 - want).abs() / want.max(1e-2));
+                    }
+                }
+                None => assert_eq!(s, &given[i * h..(i + 1) * h]),
+            }
+            let shape = [1, h, d];
+            self.cpu
+                .append(
+                    ids[i],
+                    Some(layer),
+                    &view(&k[r.clone()], &shape),
+                    &view(&v[r.clone()], &shape),
+                    s,
+                    false,
+                    S,
+                )
+                .unwrap();
+            record(
+                models[i],
+                &c,
+                layer..layer + 1,
+                1,
+                &k[r.clone()],
+                &v[r],
+                s,
+                false,
+            );
+        }
+        worst
+    }
+
+    fn same_rows(&self, seqs: &[i32]) {
+        for &s in seqs {
+            assert_eq!(self.cpu.seq_rows(s).unwrap(), self.gpu.seq_rows(s).unwrap());
+        }
+    }
+}
+
+#[test]
+fn gpu_steps_match_cpu_appends_and_replay_in_graphs() {
+    for (dtype, d, ps, w, hid, g) in [
+        (DType::BF16, 128, 16, 32, 64, 4),
+        (DType::F16, 64, 4, 8, 40, 2),
+        (DType::BF16, 256, 2, 16, 96, 1),
+    ] {
+        let mut cfg = config(2, 2, d, ps, w, dtype, 20000);
+        cfg.sinks = 1;
+        let Some(p) = both("gpu_steps_match_cpu_appends_and_replay_in_graphs", cfg) else {
+            return;
+        };
+        let what = format!("{dtype} d{d} p{ps} w{w}");
+        let tol = if dtype == DType::BF16 { 3e-2 } else { 6e-3 };
+        let mut rng = Rng::new(5);
+        let (_, gate) = random_gate(&mut rng, cfg.layers, cfg.kv_heads, d, hid);
+        p.cpu.set_gate(Some(gate.clone())).unwrap();
+        p.gpu.set_gate(Some(gate.clone())).unwrap();
+        let a = p.cpu.seq_add(S).unwrap();
+        assert_eq!(p.gpu.seq_add(S).unwrap(), a);
+        let b = p.cpu.seq_add(S).unwrap();
+        assert_eq!(p.gpu.seq_add(S).unwrap(), b);
+        let (mut ma, mut mb) = (SeqModel::new(4), SeqModel::new(4));
+        p.append(&mut ma, &mut rng, a, 9, false, false);
+        p.append(&mut mb, &mut rng, b, 3 * w + 5, false, true);
+        let mut gate_err = 0f64;
+        for (round, steps) in [3usize, 2 * w + 1, 1, 17].into_iter().enumerate() {
+            p.gpu.reserve(a, steps, S).unwrap();
+            p.gpu.reserve(b, steps, S).unwrap();
+            let gated = (round % 2 == 0).then_some(&gate);
+            for _ in 0..steps {
+                for layer in 0..cfg.layers {
+                    let e = p.step(&mut [&mut mb, &mut ma], &mut rng, &[b, a], layer, gated);
+                    gate_err = gate_err.max(e);
+                }
+            }
+            let e = p.compare(&mut rng, &[(a, &ma), (b, &mb)], 1, g, false);
+            assert!(e.0 < tol && e.1 < tol, "{what}: round {round}: {e:?}");
+            p.same_rows(&[a, b]);
+        }
+        assert!(gate_err < 1e-4, "{what}: gate scores off by {gate_err}");
+        // A fork after steps: copy-on-write from the device-driven state.
+        let f = p.cpu.seq_fork(a, S).unwrap();
+        assert_eq!(p.gpu.seq_fork(a, S).unwrap(), f);
+        let mut mf = ma.clone();
+        p.gpu.reserve(f, 3, S).unwrap();
+        for _ in 0..3 {
+            for layer in 0..cfg.layers {
+                p.step(&mut [&mut mf], &mut rng, &[f], layer, Some(&gate));
+            }
+        }
+        p.append(&mut ma, &mut rng, a, 2, false, false);
+        let e = p.compare(&mut rng, &[(a, &ma), (f, &mf), (b, &mb)], 1, g, false);
+        assert!(e.0 < tol && e.1 < tol, "{what}: fork: {e:?}");
+        p.same_rows(&[a, f, b]);
+        // Graph: two layers' steps captured once, replayed within the budget, then once past
+        // it (skipped, reported once by the next host read).
+        let stream = RawStream::new(&p.gctx);
+        let rs = Stream(stream.ptr() as usize);
+        let (h, n) = (cfg.kv_heads, 2usize);
+        let k = rng.vec(n * h * d, -1.0, 1.0);
+        let v = rng.vec(n * h * d, -1.0, 1.0);
+        let sc: Vec<f32> = (0..n * h).map(|i| [0.05, 0.9, 0.3][i % 3]).collect();
+        let (kd, vd, sd) = (
+            upload(&p.gctx, &k),
+            upload(&p.gctx, &v),
+            upload(&p.gctx, &sc),
+        );
+        let replays = 5;
+        p.gpu.reserve(b, replays, rs).unwrap();
+        p.gpu.reserve(f, replays, rs).unwrap();
+        stream.sync();
+        let ids = [f, b];
+        let graph = stream.capture(|| {
+            for layer in 0..cfg.layers {
+                p.gpu
+                    .step(
+                        layer,
+                        &ids,
+                        None,
+                        &dev_view(&kd, &[n, h, d]),
+                        &dev_view(&vd, &[n, h, d]),
+                        Some(&dev_view(&sd, &[n, h])),
+                        None,
+                        rs,
+                    )
+                    .unwrap();
+            }
+        });
+        for _ in 0..replays {
+            graph.launch(&stream);
+            for (i, (&id, m)) in ids.iter().zip([&mut mf, &mut mb]).enumerate() {
+                for layer in 0..cfg.layers {
+                    let r = i * h * d..(i + 1) * h * d;
+                    let s = &sc[i * h..(i + 1) * h];
+                    let shape = [1, h, d];
+                    p.cpu
+                        .append(
+                            id,
+                            Some(layer),
+                            &view(&k[r.clone()], &shape),
+                            &view(&v[r.clone()], &shape),
+                            s,
+                            false,
+                            S,
+                        )
+                        .unwrap();
+                    record(m, &cfg, layer..layer + 1, 1, &k[r.clone()], &v[r], s, false);
+                }
+            }
+        }
+        stream.sync();
+        let e = p.compare(&mut rng, &[(f, &mf), (b, &mb)], 1, g, false);
+        assert!(e.0 < tol && e.1 < tol, "{what}: graph: {e:?}");
+        p.same_rows(&[f, b]);
+        graph.launch(&stream);
+        stream.sync();
+        for s in [b, f] {
+            let err = p.gpu.seq_rows(s).unwrap_err();
+            assert!(
+                matches!(err, kvreplay::Error::PoolExhausted(_)),
+                "{what}: {err}"
+            );
+        }
+        p.same_rows(&[f, b]);
+        assert_eq!(
+            p.cpu.stats().unwrap().kept_tokens,
+            p.gpu.stats().unwrap().kept_tokens
+        );
+        for s in [a, b, f] {
+            p.cpu.seq_free(s, S).unwrap();
+            p.gpu.seq_free(s, S).unwrap();
+        }
+        assert_eq!(p.gpu.stats().unwrap().pages_used, 0);
+        println!("{what}: steps match (gate score error {gate_err:.2e})");
     }
 }

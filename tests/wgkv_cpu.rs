@@ -117,7 +117,7 @@ fn decode_equals_dense_over_kept_tokens() {
         check_rows(&pool, a, &ma);
         check_rows(&pool, b, &mb);
         // Memory against a full cache.
-        let st = pool.stats();
+        let st = pool.stats().unwrap();
         assert!(st.pages_used <= st.full_pages, "{st:?}");
         assert_eq!(
             st.kept_tokens,
@@ -171,7 +171,7 @@ fn drafts_decode_commit_and_rollback_inside_and_across_the_ring() {
         }
         pool.seq_free(a, S).unwrap();
     }
-    assert_eq!(pool.stats().pages_used, 0);
+    assert_eq!(pool.stats().unwrap().pages_used, 0);
 }
 
 #[test]
@@ -183,11 +183,11 @@ fn fork_is_copy_on_write() {
     let a = pool.seq_add(S).unwrap();
     let mut ma = SeqModel::new(2);
     append(&pool, &mut ma, &mut rng, a, None, 22, false);
-    let used = pool.stats().pages_used;
+    let used = pool.stats().unwrap().pages_used;
     let b = pool.seq_fork(a, S).unwrap();
     let mut mb = ma.clone();
-    assert_eq!(pool.stats().pages_used, used);
-    assert_eq!(pool.stats().pages_shared, used);
+    assert_eq!(pool.stats().unwrap().pages_used, used);
+    assert_eq!(pool.stats().unwrap().pages_shared, used);
     for _ in 0..12 {
         append(&pool, &mut ma, &mut rng, a, None, 1, false);
         check_decode(&pool, &mut rng, &[(a, &ma), (b, &mb)], 1, 2);
@@ -202,7 +202,7 @@ fn fork_is_copy_on_write() {
     pool.seq_free(a, S).unwrap();
     check_decode(&pool, &mut rng, &[(b, &mb)], 1, 2);
     pool.seq_free(b, S).unwrap();
-    assert_eq!(pool.stats().pages_used, 0);
+    assert_eq!(pool.stats().unwrap().pages_used, 0);
 }
 
 #[test]
@@ -272,7 +272,7 @@ fn bad_calls_change_nothing() {
     let a = pool.seq_add(S).unwrap();
     let mut m = SeqModel::new(2);
     append(&pool, &mut m, &mut rng, a, None, 10, false);
-    let before = (pool.stats(), pool.seq_rows(a).unwrap());
+    let before = (pool.stats().unwrap(), pool.seq_rows(a).unwrap());
     let (k, v, s) = random_tokens(&mut rng, 1, 200, 2, 16);
     // Exhausted: 200 tokens at ~90 % admitted need more than the 12 pages.
     let r = pool.append(
@@ -346,7 +346,7 @@ fn bad_calls_change_nothing() {
     ));
     assert!(matches!(pool.commit(a, 1, S), Err(Error::OutOfRange(_))));
     assert!(matches!(pool.truncate(a, 5, S), Err(Error::OutOfRange(_))));
-    assert_eq!((pool.stats(), pool.seq_rows(a).unwrap()), before);
+    assert_eq!((pool.stats().unwrap(), pool.seq_rows(a).unwrap()), before);
     check_decode(&pool, &mut rng, &[(a, &m)], 1, 2);
     // Decode: T > drafts, window, bad ids.
     let q = rng.vec(2 * 4 * 16, -1.0, 1.0);
@@ -519,72 +519,6 @@ fn random_operations_keep_exact_page_accounting() {
 const MAXD: usize = kvreplay::kv::wgkv::MAX_DRAFTS;
 
 // ---- gate ----
-
-extern "C" {
-    fn erf(x: f64) -> f64;
-}
-
-/// The gate formula in f64, written from the paper / reference code.
-fn gate_f64(g: &GateWeights, l: usize, h: usize, pre: &[f32], post: &[f32]) -> f64 {
-    let d = g.head_dim;
-    let lay = &g.layers[l];
-    let norm = |x: &[f32], w: &[f32]| -> Vec<f64> {
-        let ms = x.iter().map(|&a| (a as f64).powi(2)).sum::<f64>() / d as f64;
-        x.iter()
-            .zip(w)
-            .map(|(&a, &b)| a as f64 / (ms + 1e-6).sqrt() * b as f64)
-            .collect()
-    };
-    let mut x = norm(pre, &lay.norm_pre);
-    x.extend(norm(post, &lay.norm_post));
-    let hid = g.hidden;
-    let mut z = lay.fc2_bias[h] as f64;
-    for j in 0..hid {
-        let mut a = lay.fc1_bias[h * hid + j] as f64;
-        for i in 0..2 * d {
-            a += lay.fc1_weight[(h * hid + j) * 2 * d + i] as f64 * x[i];
-        }
-        // SAFETY: libm.
-        let gelu = 0.5 * a * (1.0 + unsafe { erf(a / std::f64::consts::SQRT_2) });
-        z += gelu * lay.fc2_weight[h * hid + j] as f64;
-    }
-    (1.0 / (1.0 + (-z).exp())).max(1e-3)
-}
-
-fn random_gate(
-    rng: &mut Rng,
-    l: usize,
-    h: usize,
-    d: usize,
-    hid: usize,
-) -> (Vec<[Vec<f32>; 6]>, GateWeights) {
-    let mut raw = Vec::new();
-    for _ in 0..l {
-        raw.push([
-            rng.vec(d, 0.5, 1.5),
-            rng.vec(d, 0.5, 1.5),
-            rng.vec(h * hid * 2 * d, -0.2, 0.2),
-            rng.vec(h * hid, -0.5, 0.5),
-            rng.vec(h * hid, -0.6, 0.6),
-            rng.vec(h, -1.0, 1.0),
-        ]);
-    }
-    let views: Vec<[kvreplay::TensorView; 6]> = raw
-        .iter()
-        .map(|p| {
-            [
-                view(&p[0], &[d]),
-                view(&p[1], &[d]),
-                view(&p[2], &[h, hid, 2 * d]),
-                view(&p[3], &[h, hid]),
-                view(&p[4], &[h, hid]),
-                view(&p[5], &[h]),
-            ]
-        })
-        .collect();
-    let g = GateWeights::from_views(h, d, &views).unwrap();
-    (raw, g)
-}
 
 #[test]
 fn gate_matches_fp64_formula_and_drives_admission() {
@@ -858,7 +792,7 @@ fn pages_per_seq_matches_the_pool() {
                             )
                             .unwrap();
                         }
-                        let want = pool.stats().pages_used;
+                        let want = pool.stats().unwrap().pages_used;
                         let got = cfg.pages_per_seq(context, admit, drafts).unwrap();
                         assert_eq!(
                             got, want,
@@ -894,6 +828,248 @@ fn pages_per_seq_matches_the_pool() {
     bad.local_window = 6;
     assert!(matches!(
         bad.pages_per_seq(10, 0.5, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+// ---- device steps (the CPU backend's semantics of reserve + step) ----
+
+fn view_mut(data: &mut [f32], shape: &[usize]) -> kvreplay::TensorView {
+    kvreplay::TensorView::contiguous(
+        data.as_mut_ptr() as usize,
+        DType::F32,
+        kvreplay::MemoryKind::Host,
+        shape,
+    )
+    .unwrap()
+}
+
+/// One step of `layer` for `ids` through the gate (`gated`) or given scores; records the
+/// tokens with the scores the pool reports; checks gated scores against the fp64 formula.
+fn step(
+    pool: &WgKvPool,
+    models: &mut [&mut SeqModel],
+    rng: &mut Rng,
+    ids: &[i32],
+    layer: usize,
+    gate: Option<&GateWeights>,
+) -> kvreplay::Result<()> {
+    let c = *pool.config();
+    let (b, h, d) = (ids.len(), c.kv_heads, c.head_dim);
+    let pre = rng.vec(b * h * d, -2.0, 2.0);
+    let k = rng.vec(b * h * d, -1.0, 1.0);
+    let v = rng.vec(b * h * d, -1.0, 1.0);
+    let given = rng.vec(b * h, 0.0, 1.0);
+    let mut out = vec![f32::NAN; b * h];
+    let (pv, gv) = (view(&pre, &[b, h, d]), view(&given, &[b, h]));
+    pool.step(
+        layer,
+        ids,
+        gate.map(|_| &pv),
+        &view(&k, &[b, h, d]),
+        &view(&v, &[b, h, d]),
+        if gate.is_some() { None } else { Some(&gv) },
+        Some(&view_mut(&mut out, &[b, h])),
+        S,
+    )?;
+    for i in 0..b {
+        let r = i * h * d..(i + 1) * h * d;
+        if let Some(g) = gate {
+            for hh in 0..h {
+                let at = (i * h + hh) * d;
+                let want = gate_f64(g, layer, hh, &pre[at..at + d], &k[at..at + d]);
+                let got = out[i * h + hh] as f64;
+                assert!(
+                    (got - want).abs() < 1e-5 * want.max(1e-2),
+                    "{got} vs {want}"
+                );
+            }
+        } else {
+            assert_eq!(out[i * h..(i + 1) * h], given[i * h..(i + 1) * h]);
+        }
+        let s = &out[i * h..(i + 1) * h];
+        record(
+            models[i],
+            &c,
+            layer..layer + 1,
+            1,
+            &k[r.clone()],
+            &v[r],
+            s,
+            false,
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn steps_equal_one_token_appends_within_reservations() {
+    let mut rng = Rng::new(23);
+    let (l, h, d, hid) = (2, 2, 32, 40);
+    let (_, g) = random_gate(&mut rng, l, h, d, hid);
+    let mut cfg = config(l, h, d, 4, 8, DType::F32, 4000);
+    cfg.sinks = 1;
+    let pool = WgKvPool::new(cpu_ctx(), cfg).unwrap();
+    pool.set_gate(Some(g.clone())).unwrap();
+    let (a, b) = (pool.seq_add(S).unwrap(), pool.seq_add(S).unwrap());
+    let (mut ma, mut mb) = (SeqModel::new(l * h), SeqModel::new(l * h));
+    append(&pool, &mut ma, &mut rng, a, None, 5, false);
+    append(&pool, &mut mb, &mut rng, b, None, 13, false);
+    let before = (pool.stats().unwrap(), pool.seq_rows(a).unwrap());
+    let e = step(&pool, &mut [&mut ma], &mut rng, &[a], 0, Some(&g)).unwrap_err();
+    assert!(matches!(e, Error::OutOfRange(_)), "{e}");
+    assert_eq!((pool.stats().unwrap(), pool.seq_rows(a).unwrap()), before);
+    for (round, steps) in [1usize, 3, 16, 2, 9, 5].into_iter().enumerate() {
+        let free = pool.stats().unwrap().pages_free;
+        pool.reserve(a, steps, S).unwrap();
+        pool.reserve(b, steps, S).unwrap();
+        assert!(pool.stats().unwrap().pages_free <= free);
+        let gate = (round % 2 == 0).then_some(&g);
+        for _ in 0..steps {
+            for layer in 0..l {
+                step(
+                    &pool,
+                    &mut [&mut mb, &mut ma],
+                    &mut rng,
+                    &[b, a],
+                    layer,
+                    gate,
+                )
+                .unwrap();
+            }
+        }
+        check_rows(&pool, a, &ma);
+        check_rows(&pool, b, &mb);
+        check_decode(&pool, &mut rng, &[(a, &ma), (b, &mb)], 1, 2);
+        // The budget is spent: refused, nothing changes.
+        let before = (pool.stats().unwrap(), pool.seq_rows(a).unwrap());
+        let e = step(&pool, &mut [&mut ma], &mut rng, &[a], 1, gate).unwrap_err();
+        assert!(matches!(e, Error::OutOfRange(_)), "{e}");
+        assert_eq!((pool.stats().unwrap(), pool.seq_rows(a).unwrap()), before);
+    }
+    // Any other operation ends a reservation.
+    pool.reserve(a, 4, S).unwrap();
+    step(&pool, &mut [&mut ma], &mut rng, &[a], 0, None).unwrap();
+    step(&pool, &mut [&mut ma], &mut rng, &[a], 1, None).unwrap();
+    append(&pool, &mut ma, &mut rng, a, None, 1, false);
+    assert!(step(&pool, &mut [&mut ma], &mut rng, &[a], 0, None).is_err());
+    check_rows(&pool, a, &ma);
+    check_decode(&pool, &mut rng, &[(a, &ma), (b, &mb)], 1, 2);
+    // Forks share the reserved pages; freeing everything returns every page.
+    pool.reserve(a, 20, S).unwrap();
+    let f = pool.seq_fork(a, S).unwrap();
+    assert!(step(&pool, &mut [&mut ma], &mut rng, &[a], 0, None).is_err());
+    for s in [a, b, f] {
+        pool.seq_free(s, S).unwrap();
+    }
+    assert_eq!(pool.stats().unwrap().pages_used, 0);
+}
+
+#[test]
+fn bad_steps_and_reservations_change_nothing() {
+    let mut rng = Rng::new(29);
+    let (l, h, d) = (2, 2, 16);
+    let (_, g) = random_gate(&mut rng, l, h, d, 8);
+    let cfg = config(l, h, d, 4, 8, DType::F32, 40);
+    let pool = WgKvPool::new(cpu_ctx(), cfg).unwrap();
+    let a = pool.seq_add(S).unwrap();
+    let empty = pool.seq_add(S).unwrap();
+    let mut ma = SeqModel::new(l * h);
+    let e = pool.reserve(empty, 1, S).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    append(&pool, &mut ma, &mut rng, a, None, 3, false);
+    pool.reserve(a, 2, S).unwrap();
+    let snap = |p: &WgKvPool| (p.stats().unwrap(), p.seq_rows(a).unwrap());
+    let before = snap(&pool);
+    for n in [0, kvreplay::kv::wgkv::MAX_RESERVE_STEPS + 1] {
+        assert!(matches!(pool.reserve(a, n, S), Err(Error::OutOfRange(_))));
+    }
+    assert!(matches!(pool.reserve(7, 1, S), Err(Error::UnknownId(_))));
+    // Too many steps for the pool's pages.
+    assert!(matches!(
+        pool.reserve(a, 4000, S),
+        Err(Error::PoolExhausted(_))
+    ));
+    assert_eq!(snap(&pool), before);
+    let (b2, hd) = (2, h * d);
+    let k = rng.vec(b2 * hd, -1.0, 1.0);
+    let sc = vec![0.5f32; b2 * h];
+    let mut out = vec![0f32; b2 * h + 1];
+    let kv = view(&k, &[2, h, d]);
+    let k1 = view(&k[..hd], &[1, h, d]);
+    let scv = view(&sc, &[2, h]);
+    let sc1 = view(&sc[..h], &[1, h]);
+    let bad_shape = view(&sc[..h], &[h, 1]);
+    let strided = kvreplay::TensorView::new(
+        out.as_mut_ptr() as usize,
+        DType::F32,
+        kvreplay::MemoryKind::Host,
+        &[1, h],
+        &[h as isize + 1, 2],
+    )
+    .unwrap();
+    let cases: Vec<(&str, kvreplay::Result<()>)> = vec![
+        (
+            "both",
+            pool.step(0, &[a], Some(&k1), &k1, &k1, Some(&sc1), None, S),
+        ),
+        ("neither", pool.step(0, &[a], None, &k1, &k1, None, None, S)),
+        (
+            "no gate",
+            pool.step(0, &[a], Some(&k1), &k1, &k1, None, None, S),
+        ),
+        (
+            "twice",
+            pool.step(0, &[a, a], None, &kv, &kv, Some(&scv), None, S),
+        ),
+        (
+            "count",
+            pool.step(0, &[a], None, &kv, &kv, Some(&scv), None, S),
+        ),
+        (
+            "layer",
+            pool.step(2, &[a], None, &k1, &k1, Some(&sc1), None, S),
+        ),
+        (
+            "unknown",
+            pool.step(0, &[5], None, &k1, &k1, Some(&sc1), None, S),
+        ),
+        (
+            "unreserved",
+            pool.step(0, &[empty], None, &k1, &k1, Some(&sc1), None, S),
+        ),
+        (
+            "scores shape",
+            pool.step(0, &[a], None, &k1, &k1, Some(&bad_shape), None, S),
+        ),
+        (
+            "out strided",
+            pool.step(0, &[a], None, &k1, &k1, Some(&sc1), Some(&strided), S),
+        ),
+    ];
+    for (what, r) in cases {
+        assert!(r.is_err(), "{what} was accepted");
+    }
+    let nan = [f32::NAN; 2];
+    let e = pool
+        .step(
+            0,
+            &[a],
+            None,
+            &k1,
+            &k1,
+            Some(&view(&nan[..h], &[1, h])),
+            None,
+            S,
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert_eq!(snap(&pool), before);
+    // Drafts pending: no reservation.
+    pool.set_gate(Some(g)).unwrap();
+    append(&pool, &mut ma, &mut rng, a, None, 1, true);
+    assert!(matches!(
+        pool.reserve(a, 1, S),
         Err(Error::InvalidArgument(_))
     ));
 }

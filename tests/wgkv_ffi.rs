@@ -627,3 +627,165 @@ fn pages_per_seq_through_the_c_api() {
     kvr_wgkv_pool_free(pool);
     kvr_context_free(ctx);
 }
+
+#[test]
+fn reserve_and_step_through_the_c_api() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, cfg) = new_pool(ctx, 400);
+    let mut rng = Rng::new(3);
+    let (mut a, mut b) = (-1, -1);
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut a));
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut b));
+    let (mut ma, mut mb) = (SeqModel::new(L * H), SeqModel::new(L * H));
+    for (s, m, n) in [(a, &mut ma, 5usize), (b, &mut mb, 11)] {
+        let k = rng.vec(L * n * H * D, -1.0, 1.0);
+        let sc = rng.vec(L * n * H, 0.0, 1.0);
+        let shape = [L as i64, n as i64, H as i64, D as i64];
+        ok(kvr_wgkv_pool_append(
+            pool,
+            s,
+            KVR_LAYER_ALL,
+            &t32(&k, &shape),
+            &t32(&k, &shape),
+            null(),
+            &t32(&sc, &[L as i64, n as i64, H as i64]),
+            KVR_WGKV_COMMITTED,
+            null_mut(),
+        ));
+        record(m, &cfg, 0..L, n, &k, &k, &sc, false);
+    }
+    let ids = [b, a];
+    let idt = tensor(
+        ids.as_ptr() as *mut c_void,
+        KVR_DTYPE_I32,
+        KVR_DEVICE_HOST,
+        &[2],
+        &[1],
+    );
+    let steps = 6;
+    let step = |layer: i32, k: &[f32], v: &[f32], sc: &[f32], out: &mut [f32]| {
+        let sh = [2, H as i64, D as i64];
+        kvr_wgkv_pool_step(
+            pool,
+            layer,
+            &idt,
+            &t32(k, &sh),
+            &t32(v, &sh),
+            null(),
+            &t32(sc, &[2, H as i64]),
+            &t32(out, &[2, H as i64]),
+            null_mut(),
+        )
+    };
+    let mut out = vec![0f32; 2 * H];
+    let k0 = rng.vec(2 * H * D, -1.0, 1.0);
+    let s0 = vec![0.5f32; 2 * H];
+    assert_eq!(
+        step(0, &k0, &k0, &s0, &mut out),
+        KVR_STATUS_OUT_OF_RANGE,
+        "no reservation"
+    );
+    assert!(last_error().contains("reserve"), "{}", last_error());
+    for s in [a, b] {
+        ok(kvr_wgkv_pool_reserve(pool, s, steps, null_mut()));
+    }
+    for _ in 0..steps {
+        for layer in 0..L {
+            let k = rng.vec(2 * H * D, -1.0, 1.0);
+            let v = rng.vec(2 * H * D, -1.0, 1.0);
+            let sc = rng.vec(2 * H, 0.0, 1.0);
+            ok(step(layer as i32, &k, &v, &sc, &mut out));
+            assert_eq!(out, sc);
+            for (i, m) in [&mut mb, &mut ma].into_iter().enumerate() {
+                let r = i * H * D..(i + 1) * H * D;
+                let s = &sc[i * H..(i + 1) * H];
+                record(m, &cfg, layer..layer + 1, 1, &k[r.clone()], &v[r], s, false);
+            }
+        }
+    }
+    decode_check(pool, &cfg, a, &ma, &mut rng, 1);
+    decode_check(pool, &cfg, b, &mb, &mut rng, 1);
+    // Bad calls: a status, nothing changes.
+    let before = (
+        format!("{:?}", stats(pool)),
+        format!("{:?}", rows(pool, a)),
+        format!("{:?}", rows(pool, b)),
+    );
+    let kt = t32(&k0, &[2, H as i64, D as i64]);
+    let st = t32(&s0, &[2, H as i64]);
+    let cases: Vec<(kvr_status, kvr_status)> = vec![
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            step(0, &k0, &k0, &s0, &mut out), // the budget is spent
+        ),
+        (
+            KVR_STATUS_NULL_ARG,
+            kvr_wgkv_pool_step(pool, 0, null(), &kt, &kt, null(), &st, null(), null_mut()),
+        ),
+        (
+            KVR_STATUS_NULL_ARG,
+            kvr_wgkv_pool_step(pool, 0, &idt, &kt, null(), null(), &st, null(), null_mut()),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            kvr_wgkv_pool_step(pool, 0, &idt, &kt, &kt, null(), null(), null(), null_mut()),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            kvr_wgkv_pool_step(pool, 0, &idt, &kt, &kt, &kt, null(), null(), null_mut()),
+        ),
+        (
+            KVR_STATUS_INVALID_ARG,
+            kvr_wgkv_pool_step(pool, 0, &kt, &kt, &kt, null(), &st, null(), null_mut()),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            kvr_wgkv_pool_step(pool, 5, &idt, &kt, &kt, null(), &st, null(), null_mut()),
+        ),
+        (
+            KVR_STATUS_NULL_ARG,
+            kvr_wgkv_pool_step(
+                null_mut(),
+                0,
+                &idt,
+                &kt,
+                &kt,
+                null(),
+                &st,
+                null(),
+                null_mut(),
+            ),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            kvr_wgkv_pool_reserve(pool, a, -1, null_mut()),
+        ),
+        (
+            KVR_STATUS_OUT_OF_RANGE,
+            kvr_wgkv_pool_reserve(pool, a, 0, null_mut()),
+        ),
+        (
+            KVR_STATUS_UNKNOWN_ID,
+            kvr_wgkv_pool_reserve(pool, 3, 1, null_mut()),
+        ),
+        (
+            KVR_STATUS_POOL_EXHAUSTED,
+            kvr_wgkv_pool_reserve(pool, a, 3000, null_mut()),
+        ),
+        (
+            KVR_STATUS_NULL_ARG,
+            kvr_wgkv_pool_reserve(null_mut(), a, 1, null_mut()),
+        ),
+    ];
+    for (i, (want, got)) in cases.into_iter().enumerate() {
+        assert_eq!(got, want, "case {i}: {}", last_error());
+    }
+    let after = (
+        format!("{:?}", stats(pool)),
+        format!("{:?}", rows(pool, a)),
+        format!("{:?}", rows(pool, b)),
+    );
+    assert_eq!(after, before);
+    kvr_wgkv_pool_free(pool);
+    kvr_context_free(ctx);
+}

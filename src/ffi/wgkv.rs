@@ -613,6 +613,126 @@ pub extern "C" fn kvr_wgkv_pool_append(
     })
 }
 
+/// Reserves `n_steps` device steps (`kvr_wgkv_pool_step`) for `seq`, every layer: pages for
+/// the ring slots and global positions its next `n_steps` committed tokens can write (each
+/// counted as admitted unless its score is already known), made private and put in the
+/// block tables now, so that a step needs no host decision. Each step of a layer uses one
+/// step of that layer's budget; any other operation on the sequence (append, commit,
+/// truncate, fork, free) ends the reservation. On CUDA the sequence becomes device-driven:
+/// its rows' state lives on the device from here on, and every later host call on it waits
+/// for `stream` (every stream for calls without one) to read it back. Call it every
+/// `n_steps` decode steps, e.g. 16 or 64, before replaying a captured graph of steps.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG` / `KVR_STATUS_INVALID_ARG` (handle,
+/// pending drafts, a sequence with no tokens); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_OUT_OF_RANGE` (`n_steps` outside 1..65536, a global cache that could pass
+/// `max_global_tokens`); `KVR_STATUS_POOL_EXHAUSTED` (too few free pages, or earlier steps
+/// of this sequence found no budget and were skipped: reported once, by the next call
+/// that reads the sequence back); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: reserved pages belong to the sequence (counted in `pages_used`).
+/// Thread safety: thread-safe (calls on one pool take its lock).
+/// On failure: the sequence is unchanged, except after `KVR_STATUS_CUDA_ERROR`.
+#[no_mangle]
+#[must_use]
+pub extern "C" fn kvr_wgkv_pool_reserve(
+    pool: *mut kvr_wgkv_pool,
+    seq: kvr_seq_id,
+    n_steps: i32,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_wgkv_pool_reserve", || {
+        let p = pool_from(pool)?;
+        let n = usize::try_from(n_steps)
+            .map_err(|_| Error::OutOfRange(format!("n_steps {n_steps} is negative")))?;
+        p.reserve(seq, n, Stream(stream as usize))
+    })
+}
+
+/// One decode step of layer `layer`: one committed token for each sequence of `seq_ids`
+/// (i32 `[B]`, host memory, unique, each with steps reserved by `kvr_wgkv_pool_reserve`).
+/// `k`, `v`: `[B, n_kv_heads, head_dim]` (the cached, post-RoPE key). Exactly one of
+/// `k_pre` (the keys before RoPE, shaped like `k`: the pool's gate scores the token) and
+/// `scores` (f32 `[B, n_kv_heads]`, the gate's outputs) is given; `scores_out` (optional,
+/// f32 `[B, n_kv_heads]`, contiguous) receives the scores used. Each (sequence, KV head)
+/// row does what a committed one-token `kvr_wgkv_pool_append` does: the ring's oldest
+/// token is promoted if its score was > tau (or it is a sink) and dropped otherwise, the
+/// new token takes its slot. On CUDA every tensor is device memory and the call queues
+/// one kernel per 128 sequences (gate, ring update and copies fused) whose launches
+/// depend on nothing the host reads back: it can be captured in a CUDA graph and replayed
+/// while the reservation lasts; a row whose budget is spent is left unchanged and the
+/// next host call on its sequence returns `KVR_STATUS_POOL_EXHAUSTED`. The device gate
+/// takes head_dim <= 256. On the CPU the tensors are host memory and a spent budget is an
+/// error before anything changes.
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
+/// shapes, both or neither of `k_pre` / `scores`, memory kinds, a sequence listed twice,
+/// no gate set, a non-finite score on the CPU); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (layer, a sequence without a
+/// reservation); `KVR_STATUS_UNSUPPORTED` (the device gate for head_dim > 256: pass
+/// scores); `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: all tensors stay the caller's.
+/// Thread safety: thread-safe (calls on one pool take its lock).
+/// On failure: nothing changes (nothing is queued).
+#[no_mangle]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn kvr_wgkv_pool_step(
+    pool: *mut kvr_wgkv_pool,
+    layer: i32,
+    seq_ids: *const kvr_tensor,
+    k: *const kvr_tensor,
+    v: *const kvr_tensor,
+    k_pre: *const kvr_tensor,
+    scores: *const kvr_tensor,
+    scores_out: *const kvr_tensor,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_wgkv_pool_step", || {
+        let p = pool_from(pool)?;
+        let layer = one_layer(layer)?;
+        // SAFETY: NULL-checked descriptors.
+        let (ids, k, v) = unsafe {
+            (
+                view_from_c(seq_ids, "seq_ids")?,
+                view_from_c(k, "k")?,
+                view_from_c(v, "v")?,
+            )
+        };
+        if ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.memory() != MemoryKind::Host {
+            return Err(Error::InvalidArgument(format!(
+                "seq_ids must be an i32 [B] tensor in host memory, not {} {:?} in {:?} memory",
+                ids.dtype(),
+                ids.shape(),
+                ids.memory()
+            )));
+        }
+        let ids = crate::pool::read_host_i32(&ids, ids.shape()[0]);
+        let opt = |t: *const kvr_tensor, name: &str| -> Result<Option<TensorView>> {
+            if t.is_null() {
+                Ok(None)
+            } else {
+                // SAFETY: non-NULL descriptor.
+                unsafe { view_from_c(t, name) }.map(Some)
+            }
+        };
+        let (kp, sc, so) = (
+            opt(k_pre, "k_pre")?,
+            opt(scores, "scores")?,
+            opt(scores_out, "scores_out")?,
+        );
+        p.step(
+            layer,
+            &ids,
+            kp.as_ref(),
+            &k,
+            &v,
+            sc.as_ref(),
+            so.as_ref(),
+            Stream(stream as usize),
+        )
+    })
+}
+
 /// Accepts the first `n_accepted` pending drafts of `seq` (every layer and head): they
 /// enter the ring in order, evicting and promoting exactly as committed appends would; the
 /// other drafts are dropped.
@@ -753,8 +873,12 @@ pub struct kvr_wgkv_pool_stats {
 /// Fills `*out` with the pool's occupancy (memory used against a full cache). Set
 /// `out->struct_size` first.
 ///
+/// Device-driven sequences (`kvr_wgkv_pool_reserve` on CUDA) are read back first, after
+/// waiting for every stream of the context.
+///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
-/// `struct_size` too small).
+/// `struct_size` too small); `KVR_STATUS_POOL_EXHAUSTED` (device steps that found no
+/// reservation, reported once); `KVR_STATUS_CUDA_ERROR`.
 /// Ownership: `*out` is the caller's.
 /// Thread safety: thread-safe (a snapshot under the pool's lock).
 /// On failure: `*out` is not written.
@@ -767,7 +891,7 @@ pub extern "C" fn kvr_wgkv_pool_get_stats(
     guard("kvr_wgkv_pool_get_stats", || {
         let p = pool_from(pool)?;
         non_null(out, "out")?;
-        let s = p.stats();
+        let s = p.stats()?;
         let c = kvr_wgkv_pool_stats {
             struct_size: size_of::<kvr_wgkv_pool_stats>() as u32,
             reserved: 0,
@@ -812,7 +936,9 @@ pub struct kvr_wgkv_row_stats {
 /// entries in `*out_count`.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle);
-/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`capacity` too small).
+/// `KVR_STATUS_UNKNOWN_ID`; `KVR_STATUS_OUT_OF_RANGE` (`capacity` too small);
+/// `KVR_STATUS_POOL_EXHAUSTED` / `KVR_STATUS_CUDA_ERROR` (reading a device-driven sequence
+/// back, as `kvr_wgkv_pool_get_stats`).
 /// Ownership: `rows` and `*out_count` are the caller's.
 /// Thread safety: thread-safe.
 /// On failure: nothing is written, except that `KVR_STATUS_OUT_OF_RANGE` stores the entry

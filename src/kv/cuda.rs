@@ -659,6 +659,10 @@ impl KvExecutor for DeviceState {
     ) -> Result<()> {
         DeviceState::write_tokens(self, &self.cuda, &self.cfg, layers, placed, k, v, stream)
     }
+    fn device_tables(&self) -> Option<(usize, usize)> {
+        let t = self.tables.addr();
+        Some((t, t + self.cfg.max_seqs * self.cfg.pages_per_seq() * 4))
+    }
     fn decode(
         &self,
         lay: &LayerLayout,

@@ -31,6 +31,11 @@ pub(crate) trait KvExecutor: Send + Sync {
         v: &TensorView,
         stream: Stream,
     ) -> Result<()>;
+    /// Device addresses of the block table `[max_seqs][pages_per_seq]` and the lengths
+    /// `[max_seqs]` that decode reads (None on the CPU, whose host mirror is the table).
+    fn device_tables(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Attention over one layer (`lay`) for a checked batch.
     fn decode(
         &self,

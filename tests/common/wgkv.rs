@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kvreplay::kv::wgkv::{WgKvConfig, WgKvPool};
+use kvreplay::kv::wgkv::{GateWeights, WgKvConfig, WgKvPool};
 use kvreplay::kv::{DecodeIo, DecodeOptions};
 use kvreplay::{Context, DType, MemoryKind, Stream, TensorView};
 
@@ -240,4 +240,72 @@ pub fn config(
         tau: 0.1,
         sinks: 0,
     }
+}
+
+// ---- gate ----
+
+extern "C" {
+    fn erf(x: f64) -> f64;
+}
+
+/// The gate formula in f64, written from the paper / reference code.
+pub fn gate_f64(g: &GateWeights, l: usize, h: usize, pre: &[f32], post: &[f32]) -> f64 {
+    let d = g.head_dim;
+    let lay = &g.layers[l];
+    let norm = |x: &[f32], w: &[f32]| -> Vec<f64> {
+        let ms = x.iter().map(|&a| (a as f64).powi(2)).sum::<f64>() / d as f64;
+        x.iter()
+            .zip(w)
+            .map(|(&a, &b)| a as f64 / (ms + 1e-6).sqrt() * b as f64)
+            .collect()
+    };
+    let mut x = norm(pre, &lay.norm_pre);
+    x.extend(norm(post, &lay.norm_post));
+    let hid = g.hidden;
+    let mut z = lay.fc2_bias[h] as f64;
+    for j in 0..hid {
+        let mut a = lay.fc1_bias[h * hid + j] as f64;
+        for i in 0..2 * d {
+            a += lay.fc1_weight[(h * hid + j) * 2 * d + i] as f64 * x[i];
+        }
+        // SAFETY: libm.
+        let gelu = 0.5 * a * (1.0 + unsafe { erf(a / std::f64::consts::SQRT_2) });
+        z += gelu * lay.fc2_weight[h * hid + j] as f64;
+    }
+    (1.0 / (1.0 + (-z).exp())).max(1e-3)
+}
+
+pub fn random_gate(
+    rng: &mut Rng,
+    l: usize,
+    h: usize,
+    d: usize,
+    hid: usize,
+) -> (Vec<[Vec<f32>; 6]>, GateWeights) {
+    let mut raw = Vec::new();
+    for _ in 0..l {
+        raw.push([
+            rng.vec(d, 0.5, 1.5),
+            rng.vec(d, 0.5, 1.5),
+            rng.vec(h * hid * 2 * d, -0.2, 0.2),
+            rng.vec(h * hid, -0.5, 0.5),
+            rng.vec(h * hid, -0.6, 0.6),
+            rng.vec(h, -1.0, 1.0),
+        ]);
+    }
+    let views: Vec<[kvreplay::TensorView; 6]> = raw
+        .iter()
+        .map(|p| {
+            [
+                view(&p[0], &[d]),
+                view(&p[1], &[d]),
+                view(&p[2], &[h, hid, 2 * d]),
+                view(&p[3], &[h, hid]),
+                view(&p[4], &[h, hid]),
+                view(&p[5], &[h]),
+            ]
+        })
+        .collect();
+    let g = GateWeights::from_views(h, d, &views).unwrap();
+    (raw, g)
 }

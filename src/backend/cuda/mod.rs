@@ -274,6 +274,9 @@ impl CudaBackend {
         pdl: bool,
         cluster: u32,
     ) -> Result<()> {
+        // KVR_PDL=0 launches every kernel without the programmatic dependency (A/B runs).
+        static PDL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let pdl = pdl && *PDL.get_or_init(|| std::env::var("KVR_PDL").as_deref() != Ok("0"));
         if !pdl && cluster == 0 {
             return self.launch(kernel, grid, block, shared_bytes, stream, params);
         }
@@ -540,6 +543,13 @@ impl CudaBackend {
                 out.len(),
             )
         })
+    }
+
+    /// Waits for all work queued in the context, on every stream.
+    pub(crate) fn synchronize_all(&self) -> Result<()> {
+        let _cur = self.make_current()?;
+        // SAFETY: the context is current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
     /// Waits for `stream`.

@@ -118,6 +118,8 @@ pub(crate) enum Kernel {
     },
     /// `kvr_wgkv_scatter` (kernels/wgkv.cu): row copies of the write-gated KV mode.
     WgKvScatter,
+    /// `kvr_wgkv_step` (kernels/wgkv.cu): one decode step of write-gated rows on the device.
+    WgKvStep,
     /// `kvr_gdn_fdecode_<state>_v_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the warp-streaming
     /// decode of replay pools in one launch (small batches); dk in [`GDN_DECODE_DKS`], rings
     /// of up to 16 or 32 entries.
@@ -196,7 +198,8 @@ const GDN_KVONLY_BASE: usize = 140;
 const GDN_RECUR1_BASE: usize = 146;
 const GDN_FDECODE_X_BASE: usize = 170;
 const KV_SPLIT_DECODE_BASE: usize = 182;
-const KERNEL_COUNT: usize = 202;
+const WGKV_STEP: usize = 202;
+const KERNEL_COUNT: usize = 203;
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -324,6 +327,7 @@ impl Kernel {
                 }
             }
         }
+        v.push(Kernel::WgKvStep);
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -398,6 +402,7 @@ impl Kernel {
                     + r.expect("a compiled ring length")
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
+            Kernel::WgKvStep => WGKV_STEP,
             Kernel::GdnFDecode { state, dk, ring32 } => {
                 GDN_FDECODE_BASE
                     + 4 * dk_slot(dk)
@@ -495,6 +500,7 @@ impl Kernel {
                 format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
             }
             Kernel::WgKvScatter => "kvr_wgkv_scatter".into(),
+            Kernel::WgKvStep => "kvr_wgkv_step".into(),
             Kernel::GdnFDecode { state, dk, ring32 } => format!(
                 "kvr_gdn_fdecode_{}_v_d{dk}_r{}",
                 state.name(),

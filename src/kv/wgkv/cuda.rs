@@ -1,11 +1,19 @@
 //! The CUDA side of the write-gated mode: row copies (kernels/wgkv.cu) into the pool's
-//! pages; the tables, copy-on-write copies and decode are the paged pool's own.
+//! pages, and the device step (`kvr_wgkv_step`: gate, ring update and promotion on the
+//! device, against row state kept in device memory); the tables, copy-on-write copies and
+//! decode are the paged pool's own.
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use super::{Pair, RowSource};
-use crate::abi::{dtype_code, WgKvScatterArgs, KVR_WGKV_MAX_PAIRS, KVR_WGKV_SCATTER_THREADS};
+use super::gate::{GateWeights, GATE_FLOOR, GATE_NORM_EPS};
+use super::{Pair, RowSource, WgKvConfig};
+use crate::abi::{
+    dtype_code, WgKvScatterArgs, WgKvStepArgs, KVR_WGKV_GATE_CHUNK, KVR_WGKV_GATE_MAX_IN,
+    KVR_WGKV_MAX_PAIRS, KVR_WGKV_ROW_INTS, KVR_WGKV_SCATTER_THREADS, KVR_WGKV_STEP_MAX_SEQS,
+    KVR_WGKV_STEP_THREADS, KVR_WGKV_STEP_TILE,
+};
+use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
@@ -13,27 +21,333 @@ use crate::error::{Error, Result};
 use crate::kv::config::LayerLayout;
 use crate::tensor::{DType, MemoryKind, TensorView};
 
-/// Launches row copies into the one layer of a one-head pool.
+/// One row's device state: fill, ptr, global, total, budget, dropped (then two zeros).
+pub(super) type RowWords = [i32; KVR_WGKV_ROW_INTS];
+
+/// The gate's weights in device memory: per layer the addresses of norm_pre, norm_post,
+/// fc1 weight, fc1 bias, fc2 weight, fc2 bias (f32).
+struct DeviceGate {
+    _buf: DeviceBuffer,
+    hidden: usize,
+    layers: Vec<[u64; 6]>,
+}
+
+/// Launches row copies into the one layer of a one-head pool, and the device step.
 pub(super) struct WgCuda {
     cuda: Arc<CudaBackend>,
     dtype: DType,
     head_dim: usize,
     layout: LayerLayout,
+    cfg: WgKvConfig,
+    /// The inner pool's device block table and lengths, and the table's width.
+    table: usize,
+    lens: usize,
+    table_stride: usize,
+    /// Row state `[rows][KVR_WGKV_ROW_INTS]` and admission bits `[rows][admit_words]`.
+    rows: DeviceBuffer,
+    admit: DeviceBuffer,
+    admit_words: usize,
+    /// The gate's partial sums `[KVR_WGKV_STEP_MAX_SEQS][kv_heads]` and CTA counters
+    /// `[tiles][kv_heads]`, zero between launches.
+    zacc: DeviceBuffer,
+    counters: DeviceBuffer,
+    /// The ring slot of each new token of a launch `[KVR_WGKV_STEP_MAX_SEQS][kv_heads]`.
+    slots: DeviceBuffer,
+    gate: Mutex<Option<DeviceGate>>,
+}
+
+/// What one device step reads and writes (checked by the pool).
+pub(super) struct StepIo<'a> {
+    pub(super) layer: usize,
+    pub(super) seqs: &'a [i32],
+    pub(super) k_pre: Option<&'a TensorView>,
+    pub(super) k: &'a TensorView,
+    pub(super) v: &'a TensorView,
+    pub(super) scores: Option<&'a TensorView>,
+    pub(super) scores_out: Option<&'a TensorView>,
 }
 
 impl WgCuda {
     pub(super) fn new(
         cuda: Arc<CudaBackend>,
-        dtype: DType,
-        head_dim: usize,
+        cfg: &WgKvConfig,
         layout: LayerLayout,
-    ) -> Self {
-        WgCuda {
+        (table, lens): (usize, usize),
+        table_stride: usize,
+    ) -> Result<Self> {
+        let n_rows = cfg.max_seqs * cfg.rows_per_seq();
+        let admit_words = cfg.local_window.div_ceil(32);
+        let rows = DeviceBuffer::new(&cuda, n_rows * KVR_WGKV_ROW_INTS * 4)?;
+        rows.upload(&vec![0i32; n_rows * KVR_WGKV_ROW_INTS])?;
+        let admit = DeviceBuffer::new(&cuda, n_rows * admit_words * 4)?;
+        let tiles = KVR_WGKV_STEP_MAX_SEQS.div_ceil(KVR_WGKV_STEP_TILE);
+        let zacc = DeviceBuffer::new(&cuda, KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads * 4)?;
+        zacc.upload(&vec![0f32; KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads])?;
+        let counters = DeviceBuffer::new(&cuda, tiles * cfg.kv_heads * 4)?;
+        counters.upload(&vec![0i32; tiles * cfg.kv_heads])?;
+        let slots = DeviceBuffer::new(&cuda, KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads * 4)?;
+        Ok(WgCuda {
             cuda,
-            dtype,
-            head_dim,
+            dtype: cfg.dtype,
+            head_dim: cfg.head_dim,
             layout,
+            cfg: *cfg,
+            table,
+            lens,
+            table_stride,
+            rows,
+            admit,
+            admit_words,
+            zacc,
+            counters,
+            slots,
+            gate: Mutex::new(None),
+        })
+    }
+
+    /// Words of admission bits per row.
+    pub(super) fn admit_words(&self) -> usize {
+        self.admit_words
+    }
+
+    /// Puts the gate's weights in device memory (or drops them). A gate wider than the
+    /// kernel's input limit stays host-only: the device step then needs given scores.
+    pub(super) fn set_gate(&self, gate: Option<&GateWeights>) -> Result<()> {
+        let dev = match gate {
+            Some(g) if 2 * g.head_dim <= KVR_WGKV_GATE_MAX_IN => {
+                let mut all: Vec<f32> = Vec::new();
+                let mut offs = Vec::with_capacity(g.layers.len());
+                for l in &g.layers {
+                    let mut o = [0usize; 6];
+                    for (i, part) in [
+                        &l.norm_pre,
+                        &l.norm_post,
+                        &l.fc1_weight,
+                        &l.fc1_bias,
+                        &l.fc2_weight,
+                        &l.fc2_bias,
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    {
+                        // 16-byte aligned parts.
+                        all.resize(all.len().next_multiple_of(4), 0.0);
+                        o[i] = all.len();
+                        all.extend_from_slice(part);
+                    }
+                    offs.push(o);
+                }
+                let buf = DeviceBuffer::new(&self.cuda, all.len() * 4)?;
+                buf.upload(&all)?;
+                let base = buf.addr() as u64;
+                Some(DeviceGate {
+                    layers: offs
+                        .iter()
+                        .map(|o| o.map(|x| base + 4 * x as u64))
+                        .collect(),
+                    hidden: g.hidden,
+                    _buf: buf,
+                })
+            }
+            _ => None,
+        };
+        *self.gate.lock().unwrap_or_else(|e| e.into_inner()) = dev;
+        Ok(())
+    }
+
+    /// Whether the device holds a gate.
+    pub(super) fn has_gate(&self) -> bool {
+        self.gate
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Queues the upload of the state of rows `first..first + words.len()` (and their
+    /// admission bits, `admit_words` per row) on `stream`.
+    pub(super) fn push_rows(
+        &self,
+        first: usize,
+        words: &[RowWords],
+        bits: &[u32],
+        stream: Stream,
+    ) -> Result<()> {
+        let bytes: Vec<u8> = words
+            .iter()
+            .flatten()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect();
+        self.cuda.copy_to_device_async(
+            self.rows.addr() + first * KVR_WGKV_ROW_INTS * 4,
+            &bytes,
+            stream,
+        )?;
+        let bytes: Vec<u8> = bits.iter().flat_map(|x| x.to_ne_bytes()).collect();
+        self.cuda.copy_to_device_async(
+            self.admit.addr() + first * self.admit_words * 4,
+            &bytes,
+            stream,
+        )
+    }
+
+    /// Waits for `stream` (every stream of the context for None) and reads the state and
+    /// admission bits of `n` rows from `first`.
+    pub(super) fn pull_rows(
+        &self,
+        first: usize,
+        n: usize,
+        stream: Option<Stream>,
+    ) -> Result<(Vec<RowWords>, Vec<u32>)> {
+        if stream.is_none() {
+            self.cuda.synchronize_all()?;
         }
+        let stream = stream.unwrap_or(Stream::DEFAULT);
+        let mut raw = vec![0u8; n * KVR_WGKV_ROW_INTS * 4];
+        self.cuda.read_device(
+            self.rows.addr() + first * KVR_WGKV_ROW_INTS * 4,
+            &mut raw,
+            stream,
+        )?;
+        let words = raw
+            .chunks_exact(KVR_WGKV_ROW_INTS * 4)
+            .map(|c| {
+                let mut w = [0i32; KVR_WGKV_ROW_INTS];
+                for (x, b) in w.iter_mut().zip(c.chunks_exact(4)) {
+                    *x = i32::from_ne_bytes(b.try_into().expect("4 bytes"));
+                }
+                w
+            })
+            .collect();
+        let mut raw = vec![0u8; n * self.admit_words * 4];
+        self.cuda.read_device(
+            self.admit.addr() + first * self.admit_words * 4,
+            &mut raw,
+            stream,
+        )?;
+        let bits = raw
+            .chunks_exact(4)
+            .map(|b| u32::from_ne_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        Ok((words, bits))
+    }
+
+    /// Queues the device step: one launch per `KVR_WGKV_STEP_MAX_SEQS` sequences.
+    pub(super) fn step(&self, io: &StepIo<'_>, stream: Stream) -> Result<()> {
+        let c = &self.cfg;
+        let h = c.kv_heads;
+        let gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        let (gl, hidden) = match (io.scores, &*gate) {
+            (Some(_), _) => ([0u64; 6], 0),
+            (None, Some(g)) => (g.layers[io.layer], g.hidden),
+            (None, None) => {
+                return Err(Error::Unsupported(
+                    "the pool's gate is not on the device (none set, or 2 * head_dim above \
+                     KVR_WGKV_GATE_MAX_IN): pass scores"
+                        .into(),
+                ))
+            }
+        };
+        // CTA 0 moves the rows; the others score gate chunks.
+        let chunks = if io.scores.is_some() {
+            1
+        } else {
+            1 + hidden.div_ceil(KVR_WGKV_GATE_CHUNK)
+        };
+        let s3 = |t: Option<&TensorView>| {
+            t.map_or([0i64; 3], |t| {
+                let s = t.strides();
+                [s[0] as i64, s[1] as i64, s[2] as i64]
+            })
+        };
+        let (kp, kk, vv) = (s3(io.k_pre), s3(Some(io.k)), s3(Some(io.v)));
+        let ss = io.scores.map_or([0i64; 2], |t| {
+            let s = t.strides();
+            [s[0] as i64, s[1] as i64]
+        });
+        for (ci, chunk) in io.seqs.chunks(KVR_WGKV_STEP_MAX_SEQS).enumerate() {
+            let t0 = (ci * KVR_WGKV_STEP_MAX_SEQS) as u64;
+            let at = |t: Option<&TensorView>, s0: i64| -> u64 {
+                t.map_or(0, |t| {
+                    (t.addr() as i64 + t0 as i64 * s0 * t.dtype().size() as i64) as u64
+                })
+            };
+            let mut p = Box::new(WgKvStepArgs {
+                k_pre: at(io.k_pre, kp[0]),
+                k: at(Some(io.k), kk[0]),
+                v: at(Some(io.v), vv[0]),
+                scores_in: at(io.scores, ss[0]),
+                scores_out: at(io.scores_out, h as i64),
+                norm_pre: gl[0],
+                norm_post: gl[1],
+                fc1_w: gl[2],
+                fc1_b: gl[3],
+                fc2_w: gl[4],
+                fc2_b: gl[5],
+                rows: self.rows.addr() as u64,
+                admit: self.admit.addr() as u64,
+                table: self.table as u64,
+                lens: self.lens as u64,
+                k_dst: self.layout.k as u64,
+                v_dst: self.layout.v as u64,
+                zacc: self.zacc.addr() as u64,
+                counters: self.counters.addr() as u64,
+                slots: self.slots.addr() as u64,
+                kp_sb: kp[0],
+                kp_sh: kp[1],
+                kp_sd: kp[2],
+                k_sb: kk[0],
+                k_sh: kk[1],
+                k_sd: kk[2],
+                v_sb: vv[0],
+                v_sh: vv[1],
+                v_sd: vv[2],
+                s_sb: ss[0],
+                s_sh: ss[1],
+                k_sp: self.layout.k_strides[0] as i64,
+                k_st: self.layout.k_strides[2] as i64,
+                v_sp: self.layout.v_strides[0] as i64,
+                v_st: self.layout.v_strides[2] as i64,
+                n: chunk.len() as i32,
+                hkv: h as i32,
+                d: self.head_dim as i32,
+                hidden: hidden as i32,
+                window: c.local_window as i32,
+                page_size: c.page_size as i32,
+                table_stride: self.table_stride as i32,
+                admit_words: self.admit_words as i32,
+                rows_per_seq: c.rows_per_seq() as i32,
+                row0: (io.layer * h) as i32,
+                sinks: c.sinks.min(i32::MAX as usize) as i32,
+                kp_dtype: io.k_pre.map_or(0, |t| dtype_code(t.dtype())),
+                k_dtype: dtype_code(io.k.dtype()),
+                v_dtype: dtype_code(io.v.dtype()),
+                pool_dtype: dtype_code(self.dtype),
+                pad0: 0,
+                tau: c.tau,
+                norm_eps: GATE_NORM_EPS,
+                gate_floor: GATE_FLOOR,
+                pad1: 0.0,
+                seq: [0; KVR_WGKV_STEP_MAX_SEQS],
+            });
+            p.seq[..chunk.len()].copy_from_slice(chunk);
+            let grid = (
+                chunks as u32,
+                h as u32,
+                chunk.len().div_ceil(KVR_WGKV_STEP_TILE) as u32,
+            );
+            let mut args = [&mut *p as *mut WgKvStepArgs as *mut c_void];
+            self.cuda.launch_ex(
+                Kernel::WgKvStep,
+                grid,
+                (KVR_WGKV_STEP_THREADS, 1, 1),
+                0,
+                stream,
+                &mut args,
+                true,
+                0,
+            )?;
+        }
+        Ok(())
     }
 
     /// A device copy of a host tensor (stream-ordered memory, freed with [`Self::free`]

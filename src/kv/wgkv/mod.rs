@@ -58,6 +58,9 @@ use crate::tensor::{DType, MemoryKind, TensorView};
 /// Most pending draft tokens per row.
 pub const MAX_DRAFTS: usize = MAX_QUERY_TOKENS;
 
+/// Most device steps one reservation covers.
+pub const MAX_RESERVE_STEPS: usize = 1 << 16;
+
 /// Shape, capacity and admission policy of a write-gated pool.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WgKvConfig {
@@ -206,6 +209,11 @@ struct Row {
     drafts: Vec<f32>,
     /// Per ring slot: promote on eviction.
     admit: Vec<bool>,
+    /// Device steps the last reservation still allows (zero after any other operation).
+    budget: usize,
+    /// The row's state lives on the device (a CUDA pool's reserved sequence): the host
+    /// mirror is read back before every host operation.
+    driven: bool,
 }
 
 impl Row {
@@ -217,6 +225,8 @@ impl Row {
             total: 0,
             drafts: Vec::new(),
             admit: vec![false; w],
+            budget: 0,
+            driven: false,
         }
     }
     /// Inner length of the committed tokens.
@@ -310,10 +320,11 @@ impl WgKvPool {
             Backend::Cpu(_) => None,
             Backend::Cuda(c) => Some(cuda::WgCuda::new(
                 c,
-                cfg.dtype,
-                cfg.head_dim,
+                &cfg,
                 *inner.layer_layout(0).expect("one layer"),
-            )),
+                inner.exec.device_tables().expect("a CUDA pool's tables"),
+                inner_cfg.pages_per_seq(),
+            )?),
         };
         Ok(WgKvPool {
             cfg,
@@ -360,6 +371,9 @@ impl WgKvPool {
                 )));
             }
         }
+        if let Some(c) = &self.cuda {
+            c.set_gate(gate.as_ref())?;
+        }
         *self.gate.lock().unwrap_or_else(|e| e.into_inner()) = gate.map(Arc::new);
         Ok(())
     }
@@ -392,7 +406,15 @@ impl WgKvPool {
     pub fn seq_free(&self, seq: SeqId, stream: Stream) -> Result<()> {
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
-        rows.remove(seq)?;
+        let mut gone = rows.remove(seq)?;
+        if gone.first().is_some_and(|r| r.driven) {
+            // No budget may outlive the sequence in its slot.
+            let w = self.cfg.local_window;
+            for r in &mut gone {
+                *r = Row::new(w);
+            }
+            self.push_seq(&gone, seq as usize * self.cfg.rows_per_seq(), stream)?;
+        }
         for r in 0..self.cfg.rows_per_seq() {
             let slot = seq as usize * self.cfg.rows_per_seq() + r;
             let s = st.seqs.remove(slot as i32)?;
@@ -408,7 +430,8 @@ impl WgKvPool {
     pub fn seq_fork(&self, src: SeqId, stream: Stream) -> Result<SeqId> {
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
-        let parent = rows.get(src)?.clone();
+        self.sync_seq(&mut rows, &mut st, src, Some(stream))?;
+        let mut parent = rows.get(src)?.clone();
         let seq = rows.free_slot()?;
         let n = self.cfg.rows_per_seq();
         for r in 0..n {
@@ -422,14 +445,22 @@ impl WgKvPool {
             st.set_len(to, s.len);
             st.seqs.fill(to, s);
         }
+        for r in &mut parent {
+            r.budget = 0;
+            r.driven = false;
+        }
         rows.fill(seq, parent);
         self.inner.flush(&mut st, stream)?;
+        // The parent's pages are shared now: its reservation ends.
+        self.end_reservation(&mut rows, src, stream)?;
         Ok(seq as SeqId)
     }
 
     /// Per row (layer-major, then head) counts of a sequence.
     pub fn seq_rows(&self, seq: SeqId) -> Result<Vec<WgRowStats>> {
-        let rows = self.lock_rows();
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        self.sync_seq(&mut rows, &mut st, seq, None)?;
         Ok(rows
             .get(seq)?
             .iter()
@@ -444,9 +475,103 @@ impl WgKvPool {
 
     /// Committed tokens of a sequence (layer 0, head 0) plus its pending drafts.
     pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
-        let rows = self.lock_rows();
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        self.sync_seq(&mut rows, &mut st, seq, None)?;
         let r = &rows.get(seq)?[0];
         Ok(r.total + r.drafts.len())
+    }
+
+    /// Brings the host mirror of a device-driven sequence (see [`Self::reserve`]) up to date:
+    /// waits for `stream` (every stream of the context for None) and reads its rows' state
+    /// and lengths. Device steps that found no reservation are reported here, once.
+    fn sync_seq(
+        &self,
+        rows: &mut SlotTable<Vec<Row>>,
+        st: &mut PoolState,
+        seq: SeqId,
+        stream: Option<Stream>,
+    ) -> Result<()> {
+        let rs = rows.get_mut(seq)?;
+        let Some(c) = self.cuda.as_ref().filter(|_| rs[0].driven) else {
+            return Ok(());
+        };
+        let (w, nr) = (self.cfg.local_window, rs.len());
+        let base = seq as usize * nr;
+        let (words, bits) = c.pull_rows(base, nr, stream)?;
+        let wpr = c.admit_words();
+        let mut dropped = 0usize;
+        for (r, row) in rs.iter_mut().enumerate() {
+            let x = words[r];
+            let at = |i: usize| x[i].max(0) as usize;
+            (row.fill, row.ptr, row.global, row.total, row.budget) =
+                (at(0), at(1), at(2), at(3), at(4));
+            dropped += at(5);
+            for (s, a) in row.admit.iter_mut().enumerate() {
+                *a = (bits[r * wpr + s / 32] >> (s % 32)) & 1 == 1;
+            }
+            let len = row.committed_len(w) + row.drafts.len();
+            st.seq_mut(base + r).len = len;
+            st.lens[base + r] = len as i32;
+        }
+        if dropped > 0 {
+            self.push_seq(rs, base, stream.unwrap_or(Stream::DEFAULT))?;
+            return Err(Error::PoolExhausted(format!(
+                "{dropped} device steps on rows of sequence {seq} found no reservation \
+                 (reserve before stepping) and were skipped: those tokens are not in the pool"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues the upload of a sequence's rows (state, budget, admission bits) to the
+    /// device step's state, whose rows start at `base` (nothing on the CPU).
+    fn push_seq(&self, rs: &[Row], base: usize, stream: Stream) -> Result<()> {
+        let Some(c) = &self.cuda else {
+            return Ok(());
+        };
+        let wpr = c.admit_words();
+        let words: Vec<cuda::RowWords> = rs
+            .iter()
+            .map(|r| {
+                let i = |x: usize| x.min(i32::MAX as usize) as i32;
+                [
+                    i(r.fill),
+                    i(r.ptr),
+                    i(r.global),
+                    i(r.total),
+                    i(r.budget),
+                    0,
+                    0,
+                    0,
+                ]
+            })
+            .collect();
+        let mut bits = vec![0u32; rs.len() * wpr];
+        for (i, r) in rs.iter().enumerate() {
+            for (s, _) in r.admit.iter().enumerate().filter(|x| *x.1) {
+                bits[i * wpr + s / 32] |= 1 << (s % 32);
+            }
+        }
+        c.push_rows(base, &words, &bits, stream)
+    }
+
+    /// Ends a sequence's reservation after a host operation changed it: the budget drops
+    /// to zero, and a device-driven sequence's new state goes to the device.
+    fn end_reservation(
+        &self,
+        rows: &mut SlotTable<Vec<Row>>,
+        seq: SeqId,
+        stream: Stream,
+    ) -> Result<()> {
+        let rs = rows.get_mut(seq)?;
+        for r in rs.iter_mut() {
+            r.budget = 0;
+        }
+        if rs[0].driven {
+            self.push_seq(rs, seq as usize * self.cfg.rows_per_seq(), stream)?;
+        }
+        Ok(())
     }
 
     /// Simulates appending tokens with `scores` to `row` (committed tokens).
@@ -582,6 +707,14 @@ impl WgKvPool {
     /// Makes the pages of `positions` private and grows `slot` from its length to
     /// `new_len` (host; pages counted by the caller).
     fn grow_row(&self, st: &mut PoolState, slot: usize, new_len: usize, positions: &[usize]) {
+        self.provide_pages(st, slot, new_len, positions);
+        st.seq_mut(slot).len = new_len;
+        st.set_len(slot, new_len);
+    }
+
+    /// Makes the pages of `positions` private and gives `slot` pages up to `new_len`
+    /// tokens, its length unchanged (pages counted by the caller).
+    fn provide_pages(&self, st: &mut PoolState, slot: usize, new_len: usize, positions: &[usize]) {
         let ps = self.cfg.page_size;
         let npages = st.seq(slot).pages.len();
         let mut touched: Vec<usize> = positions
@@ -599,10 +732,7 @@ impl WgKvPool {
         for (j, &p) in fresh.iter().enumerate() {
             st.set_table(slot, npages + j, p);
         }
-        let s = st.seq_mut(slot);
-        s.pages.extend_from_slice(&fresh);
-        s.len = new_len;
-        st.set_len(slot, new_len);
+        st.seq_mut(slot).pages.extend_from_slice(&fresh);
     }
 
     /// Checks K/V (and optional k_pre) of an append: `[n, kv_heads, head_dim]` for one
@@ -678,6 +808,29 @@ impl WgKvPool {
         }
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
+        self.sync_seq(&mut rows, &mut st, seq, Some(stream))?;
+        self.append_rows(
+            &mut rows, &mut st, seq, layers, n, k, v, scores, draft, stream,
+        )?;
+        self.end_reservation(&mut rows, seq, stream)
+    }
+
+    /// [`Self::append`] on checked arguments, with the locks held (the rows' budgets kept).
+    #[allow(clippy::too_many_arguments)]
+    fn append_rows(
+        &self,
+        rows: &mut SlotTable<Vec<Row>>,
+        st: &mut PoolState,
+        seq: SeqId,
+        layers: std::ops::Range<usize>,
+        n: usize,
+        k: &TensorView,
+        v: &TensorView,
+        scores: &[f32],
+        draft: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        let h = self.cfg.kv_heads;
         let srows = rows.get(seq)?.clone();
         if n == 0 {
             return Ok(());
@@ -752,13 +905,12 @@ impl WgKvPool {
                         plan.after.global, self.cfg.max_global_tokens
                     )));
                 }
-                let positions: Vec<usize> = plan
-                    .place_new
-                    .iter()
-                    .map(|x| x.1)
-                    .chain(plan.promote_old.iter().map(|x| x.1))
-                    .collect();
-                needed += self.pages_for(&st, base + r, plan.keep, plan.new_len, &positions);
+                let positions = written(&plan.place_new, &plan.promote_old);
+                // Pages a reservation gave the row beyond its length are kept.
+                let keep = plan
+                    .keep
+                    .max(st.seq(base + r).pages.len() * self.cfg.page_size);
+                needed += self.pages_for(st, base + r, keep, plan.new_len, &positions);
                 plans.push(plan);
             }
         }
@@ -770,22 +922,17 @@ impl WgKvPool {
         }
         // Host state, then the device tables (and copy-on-write copies).
         for p in &plans {
-            let positions: Vec<usize> = p
-                .place_new
-                .iter()
-                .map(|x| x.1)
-                .chain(p.promote_old.iter().map(|x| x.1))
-                .collect();
-            self.grow_row(&mut st, base + p.r, p.new_len, &positions);
+            let positions = written(&p.place_new, &p.promote_old);
+            self.grow_row(st, base + p.r, p.new_len, &positions);
         }
-        self.inner.flush(&mut st, stream)?;
+        self.inner.flush(st, stream)?;
         // Promotions of ring tokens (before the ring slots are rewritten).
         let mut promos: Vec<Pair> = Vec::new();
         for p in &plans {
             let slot = base + p.r;
             for &(ring, gpos) in &p.promote_old {
-                let (page, s) = self.dest(&st, slot, gpos);
-                let (ko, vo) = self.pool_offsets(self.dest(&st, slot, ring));
+                let (page, s) = self.dest(st, slot, gpos);
+                let (ko, vo) = self.pool_offsets(self.dest(st, slot, ring));
                 promos.push((ko, vo, page, s));
             }
         }
@@ -816,7 +963,7 @@ impl WgKvPool {
             for p in &plans {
                 let slot = base + p.r;
                 for &(j, pos) in &p.place_new {
-                    let (page, sl) = self.dest(&st, slot, pos);
+                    let (page, sl) = self.dest(st, slot, pos);
                     pairs.push((off(ks, p.li, j, p.h), off(vs, p.li, j, p.h), page, sl));
                 }
             }
@@ -892,12 +1039,252 @@ impl WgKvPool {
         Ok(scores)
     }
 
+    /// Reserves `steps` device steps for `seq` (every layer): pages for the ring slots and
+    /// global positions the next `steps` committed tokens can write (all assumed admitted:
+    /// the tokens already in the ring are counted by their known scores), made private
+    /// (copy-on-write) and added to the rows' block tables, their length unchanged. Until
+    /// the next other operation on the sequence, each [`Self::step`] of a layer uses one
+    /// step of that layer's budget. On CUDA the sequence is then *device-driven*: its rows'
+    /// state lives on the device, and every host operation on it first waits for `stream`
+    /// and reads the state back (a step that found no budget is reported there). Needs at
+    /// least one committed token and no pending drafts. All or nothing.
+    pub fn reserve(&self, seq: SeqId, steps: usize, stream: Stream) -> Result<()> {
+        if steps == 0 || steps > MAX_RESERVE_STEPS {
+            return Err(Error::OutOfRange(format!(
+                "{steps} steps; reserve 1 to {MAX_RESERVE_STEPS}"
+            )));
+        }
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        self.sync_seq(&mut rows, &mut st, seq, Some(stream))?;
+        let srows = rows.get(seq)?.clone();
+        let (w, ps) = (self.cfg.local_window, self.cfg.page_size);
+        let base = seq as usize * self.cfg.rows_per_seq();
+        let mut plans = Vec::with_capacity(srows.len());
+        let mut needed = 0usize;
+        for (r, row) in srows.iter().enumerate() {
+            let (l, hh) = (r / self.cfg.kv_heads, r % self.cfg.kv_heads);
+            if !row.drafts.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {seq} has {} pending drafts in layer {l}; commit or truncate \
+                     them before reserving steps",
+                    row.drafts.len()
+                )));
+            }
+            if row.total == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {seq} has no tokens in layer {l}; append (prefill) at least one \
+                     before reserving steps"
+                )));
+            }
+            let p = self.simulate(row, &vec![1.0; steps]);
+            if p.after.global > self.cfg.max_global_tokens {
+                return Err(Error::OutOfRange(format!(
+                    "{steps} steps could take layer {l} head {hh} of sequence {seq} to {} \
+                     global tokens; max_global_tokens is {}",
+                    p.after.global, self.cfg.max_global_tokens
+                )));
+            }
+            let positions = written(&p.place_new, &p.promote_old);
+            let new_len = p.after.committed_len(w);
+            let keep = row.committed_len(w).max(st.seq(base + r).pages.len() * ps);
+            needed += self.pages_for(&st, base + r, keep, new_len, &positions);
+            plans.push((new_len, positions));
+        }
+        if needed > st.alloc.free_count() {
+            return Err(Error::PoolExhausted(format!(
+                "reserving {steps} steps needs {needed} pages, {} free",
+                st.alloc.free_count()
+            )));
+        }
+        for (r, (new_len, positions)) in plans.iter().enumerate() {
+            self.provide_pages(&mut st, base + r, *new_len, positions);
+        }
+        self.inner.flush(&mut st, stream)?;
+        let rs = rows.get_mut(seq)?;
+        for r in rs.iter_mut() {
+            r.budget = steps;
+            r.driven = self.cuda.is_some();
+        }
+        self.push_seq(rs, base, stream)
+    }
+
+    /// One committed token for each sequence of `seqs` (unique, each with a reservation:
+    /// [`Self::reserve`]) in layer `layer`: K/V `[B, kv_heads, head_dim]`, scores from the
+    /// pool's gate on `k_pre` (keys before RoPE, like `k`) and `k`, or given (`scores`, f32
+    /// `[B, kv_heads]`); `scores_out` (f32 `[B, kv_heads]`, contiguous) receives them. The
+    /// same ring update as a committed [`Self::append`] of one token. On CUDA every tensor
+    /// is device memory and the step is one kernel per 128 sequences, with no host work
+    /// that depends on the device: graph-capturable, replayable while the budget lasts (a
+    /// row whose budget is spent is left as it is and reported by the next host operation
+    /// on its sequence). On the CPU the scores are computed on the host and a spent budget
+    /// is an error before anything changes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step(
+        &self,
+        layer: usize,
+        seqs: &[i32],
+        k_pre: Option<&TensorView>,
+        k: &TensorView,
+        v: &TensorView,
+        scores: Option<&TensorView>,
+        scores_out: Option<&TensorView>,
+        stream: Stream,
+    ) -> Result<()> {
+        crate::pool::check_layer(layer, self.cfg.layers)?;
+        let (b, h) = (seqs.len(), self.cfg.kv_heads);
+        let mut ts: Vec<(&str, &TensorView)> = vec![("k", k), ("v", v)];
+        match (k_pre, scores) {
+            (Some(kp), None) => ts.push(("k_pre", kp)),
+            (None, Some(_)) => {}
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "give exactly one of scores and k_pre".into(),
+                ))
+            }
+        }
+        let (_, n) = self.check_tokens(Some(layer), &ts)?;
+        if n != b {
+            return Err(Error::InvalidArgument(format!(
+                "k has {n} tokens for {b} sequences; a step takes one token per sequence"
+            )));
+        }
+        if b == 0 {
+            return Ok(());
+        }
+        let on_cuda = self.cuda.is_some();
+        let want_mem = if on_cuda {
+            MemoryKind::Cuda
+        } else {
+            MemoryKind::Host
+        };
+        for (name, t) in ts
+            .iter()
+            .copied()
+            .chain(scores.map(|t| ("scores", t)))
+            .chain(scores_out.map(|t| ("scores_out", t)))
+        {
+            t.expect_memory(want_mem, name)?;
+        }
+        for (name, t) in scores
+            .map(|t| ("scores", t))
+            .into_iter()
+            .chain(scores_out.map(|t| ("scores_out", t)))
+        {
+            if t.dtype() != DType::F32 || t.shape() != [b, h] {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} is {} {:?}; expected f32 [{b}, {h}]",
+                    t.dtype(),
+                    t.shape()
+                )));
+            }
+        }
+        if let Some(t) = scores_out {
+            if t.strides() != [h as isize, 1] {
+                return Err(Error::InvalidArgument(
+                    "scores_out must be contiguous".into(),
+                ));
+            }
+        }
+        if k.dtype() != v.dtype() {
+            return Err(Error::DTypeMismatch(format!(
+                "k ({}) and v ({}) must have the same dtype",
+                k.dtype(),
+                v.dtype()
+            )));
+        }
+        let gate = match k_pre {
+            Some(_) => Some(
+                self.gate
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone()
+                    .ok_or_else(|| {
+                        Error::InvalidArgument("the pool has no gate; set one first".into())
+                    })?,
+            ),
+            None => None,
+        };
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        for (i, &id) in seqs.iter().enumerate() {
+            if seqs[..i].contains(&id) {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {id} is listed twice"
+                )));
+            }
+            let row = &rows.get(id)?[layer * h];
+            let ok = if on_cuda { row.driven } else { row.budget > 0 };
+            if !ok {
+                return Err(Error::OutOfRange(format!(
+                    "sequence {id} has no reserved steps{}; reserve before stepping",
+                    if on_cuda { "" } else { " left in this layer" }
+                )));
+            }
+        }
+        if let Some(c) = &self.cuda {
+            if k_pre.is_some() && !c.has_gate() {
+                return Err(Error::Unsupported(format!(
+                    "the gate's input (2 x head_dim = {}) exceeds the device gate's {}; pass \
+                     scores",
+                    2 * self.cfg.head_dim,
+                    crate::abi::KVR_WGKV_GATE_MAX_IN
+                )));
+            }
+            let io = cuda::StepIo {
+                layer,
+                seqs,
+                k_pre,
+                k,
+                v,
+                scores,
+                scores_out,
+            };
+            return c.step(&io, stream);
+        }
+        // CPU: scores on the host, then one committed append per sequence.
+        let sc: Vec<f32> = match (scores, &gate, k_pre) {
+            (Some(t), _, _) => read_f32_2d(t),
+            (None, Some(g), Some(kp)) => g.scores(layer, kp, k)?,
+            _ => unreachable!("checked above"),
+        };
+        if let Some(s) = sc.iter().find(|s| !s.is_finite()) {
+            return Err(Error::InvalidArgument(format!("a score is {s}")));
+        }
+        for (i, &id) in seqs.iter().enumerate() {
+            let (ki, vi) = (token_slice(k, i)?, token_slice(v, i)?);
+            let s = &sc[i * h..(i + 1) * h];
+            self.append_rows(
+                &mut rows,
+                &mut st,
+                id,
+                layer..layer + 1,
+                1,
+                &ki,
+                &vi,
+                s,
+                false,
+                stream,
+            )?;
+            for r in &mut rows.get_mut(id)?[layer * h..(layer + 1) * h] {
+                r.budget -= 1;
+            }
+        }
+        if let Some(t) = scores_out {
+            // SAFETY: a checked, contiguous f32 host view of b x h elements.
+            unsafe { std::slice::from_raw_parts_mut(t.addr() as *mut f32, b * h) }
+                .copy_from_slice(&sc);
+        }
+        Ok(())
+    }
+
     /// Accepts the first `accepted` pending drafts of every row of `seq` (moving them into
     /// the ring, with the evictions and promotions a committed append makes) and drops the
     /// rest. Needs free pages for the moved drafts while it runs. All or nothing.
     pub fn commit(&self, seq: SeqId, accepted: usize, stream: Stream) -> Result<()> {
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
+        self.sync_seq(&mut rows, &mut st, seq, Some(stream))?;
         let srows = rows.get(seq)?.clone();
         let w = self.cfg.local_window;
         let ps = self.cfg.page_size;
@@ -945,11 +1332,7 @@ impl WgKvPool {
                 .unwrap_or(0)
                 .max(c);
             let new_len = p.after.committed_len(w);
-            let positions: Vec<usize> = moved
-                .iter()
-                .map(|x| x.1)
-                .chain(p.promote_old.iter().map(|x| x.1))
-                .collect();
+            let positions = written(&moved, &p.promote_old);
             needed += self.pages_for(&st, base + r, keep, new_len, &positions);
             let s = st.seq(base + r);
             released += s.pages[keep.div_ceil(ps).min(s.pages.len())..]
@@ -990,12 +1373,7 @@ impl WgKvPool {
         for (r, p) in plans.iter().enumerate() {
             let slot = base + r;
             self.inner.truncate_locked(&mut st, slot, p.keep);
-            let positions: Vec<usize> = p
-                .moved
-                .iter()
-                .map(|x| x.1)
-                .chain(p.promote_old.iter().map(|x| x.1))
-                .collect();
+            let positions = written(&p.moved, &p.promote_old);
             self.grow_row(&mut st, slot, p.new_len, &positions);
         }
         self.inner.flush(&mut st, stream)?;
@@ -1026,7 +1404,7 @@ impl WgKvPool {
         for (r, p) in plans.into_iter().enumerate() {
             rs[r] = p.after;
         }
-        Ok(())
+        self.end_reservation(&mut rows, seq, stream)
     }
 
     /// Rolls `seq` back to `len` tokens, which must lie between its committed length and
@@ -1035,6 +1413,7 @@ impl WgKvPool {
     pub fn truncate(&self, seq: SeqId, len: usize, stream: Stream) -> Result<()> {
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
+        self.sync_seq(&mut rows, &mut st, seq, Some(stream))?;
         let srows = rows.get(seq)?;
         let w = self.cfg.local_window;
         for (r, row) in srows.iter().enumerate() {
@@ -1057,13 +1436,22 @@ impl WgKvPool {
             self.inner
                 .truncate_locked(&mut st, base + r, row.committed_len(w) + keep);
         }
-        self.inner.flush(&mut st, stream)
+        self.inner.flush(&mut st, stream)?;
+        self.end_reservation(&mut rows, seq, stream)
     }
 
-    /// Occupancy.
-    pub fn stats(&self) -> WgKvStats {
-        let rows = self.lock_rows();
-        let st = self.inner.lock();
+    /// Occupancy (waits for the device when a sequence is device-driven).
+    pub fn stats(&self) -> Result<WgKvStats> {
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        let driven: Vec<SeqId> = rows
+            .iter()
+            .filter(|(_, rs)| rs[0].driven)
+            .map(|(id, _)| id)
+            .collect();
+        for seq in driven {
+            self.sync_seq(&mut rows, &mut st, seq, None)?;
+        }
         let ps = self.cfg.page_size;
         let mut s = WgKvStats {
             pages_total: self.cfg.capacity_pages,
@@ -1082,7 +1470,7 @@ impl WgKvPool {
                 s.full_pages += full.div_ceil(ps);
             }
         }
-        s
+        Ok(s)
     }
 
     /// Attention of `io.q` over layer `layer`'s rows (ring + global + drafts) of the
@@ -1280,6 +1668,39 @@ impl WgKvPool {
         }
         Ok(())
     }
+}
+
+/// Inner positions a row update writes: where its tokens go (`(token, position)`) and
+/// where its promotions go (`(ring slot, position)`).
+fn written(placed: &[(usize, usize)], promoted: &[(usize, usize)]) -> Vec<usize> {
+    placed.iter().chain(promoted).map(|x| x.1).collect()
+}
+
+/// Token `i` of a `[n, H, D]` view, as `[1, H, D]`.
+fn token_slice(t: &TensorView, i: usize) -> Result<TensorView> {
+    let s = t.strides();
+    let mut shape = t.shape().to_vec();
+    shape[0] = 1;
+    TensorView::new(
+        (t.addr() as isize + i as isize * s[0] * t.dtype().size() as isize) as usize,
+        t.dtype(),
+        t.memory(),
+        &shape,
+        s,
+    )
+}
+
+/// The elements of an f32 `[n, m]` host view (any strides), row-major.
+fn read_f32_2d(t: &TensorView) -> Vec<f32> {
+    let (s, [n, m]) = (t.strides(), [t.shape()[0], t.shape()[1]]);
+    (0..n * m)
+        // SAFETY: a checked f32 host view; (i / m, i % m) is one of its elements.
+        .map(|i| unsafe {
+            (t.addr() as *const f32)
+                .offset((i / m) as isize * s[0] + (i % m) as isize * s[1])
+                .read()
+        })
+        .collect()
 }
 
 /// Layer `li` of a `[layers, n, H, D]` view, as `[n, H, D]`.
