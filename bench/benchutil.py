@@ -1,6 +1,8 @@
 """Timing helpers shared by the benchmark drivers (the method in BENCHMARKS.md): CUDA-event and
 CUDA-Graph timings, and the streaming bandwidth ceilings measured in the same run."""
 
+import time
+
 import torch
 
 GIB = 1 << 30
@@ -32,10 +34,27 @@ def time_eager(fn, n_sets, iters):
     return median([a.elapsed_time(b) * 1000.0 for a, b in ev])
 
 
+def settle():
+    """Empties torch's cache and waits for the driver. torch.cuda.graph's entry calls
+    torch.cuda.empty_cache(); memory handed back to the driver is then worked on in the
+    background for a while (about 2 s after freeing 8 GiB on the H200), and whatever is timed
+    meanwhile reads up to 15 % slower. The benchmarks' old "allocation effect" at 2-8 GiB was
+    this, paid by whichever implementation was timed first (BENCHMARKS.md, issue 15). So the
+    cache is emptied here, and the wait is in proportion to what was freed."""
+    before = torch.cuda.memory_reserved()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    freed = before - torch.cuda.memory_reserved()
+    if freed > (64 << 20):
+        time.sleep(min(5.0, 0.5 + 0.3 * freed / GIB))
+    return freed
+
+
 def time_graph(fn, n_sets, calls, replays=7, warm=True):
     """Per-call time (us) under CUDA Graph replay of `calls` calls rotating over the sets.
     With warm=False the calls are not run before capture (for stateful calls whose warm-up
-    the caller does itself)."""
+    the caller does itself). Starts with settle()."""
+    settle()
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
