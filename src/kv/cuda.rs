@@ -43,6 +43,9 @@ const SPLIT_MIN_TILES: i32 = 2;
 /// contexts stream faster through the split kernel, which needs no co-scheduled cluster).
 const CLUSTER: usize = 16;
 const CLUSTER_MAX_TILES: usize = 256;
+/// Mean tiles per row from which a batch larger than a wave takes one split-kernel CTA per
+/// row (`long_even_rows`; measured better than stream-K from 4K-token rows at B = 32-128).
+const WAVE_ROW_MIN_TILES: usize = 64;
 
 /// Which decode kernel a call takes (`KVR_KV_DECODE`: auto, stream, split or cluster).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -632,8 +635,34 @@ impl DeviceState {
         if split_ok && pairs <= wave {
             return (DecodePath::Split, split_parts(wave));
         }
+        // More pairs than a wave: one CTA per pair, in waves, when the rows are long and
+        // alike and the last wave is nearly full (the split kernel streams a row faster than
+        // the stream-K partition; stream-K stays for ragged, short or awkward batches).
+        if split_ok && y_tiles == 1 && wave > 0 && long_even_rows(st, plan, pairs, wave) {
+            return (DecodePath::Split, 1);
+        }
         (DecodePath::Stream, 0)
     }
+}
+
+/// Whether a batch of `pairs` rows (host lengths) suits one split-kernel CTA per row, in
+/// waves of `wave`: at least `WAVE_ROW_MIN_TILES` tiles per sequence on average, the longest
+/// within 25 % of the mean, and the last wave at least 90 % full.
+fn long_even_rows(st: &PoolState, plan: &DecodePlan, pairs: usize, wave: usize) -> bool {
+    let BatchIds::Host(ids) = &plan.ids else {
+        return false;
+    };
+    let tiles: Vec<usize> = ids
+        .iter()
+        .filter(|&&id| id >= 0)
+        .map(|&id| (st.lens[id as usize] as usize).div_ceil(TILE))
+        .collect();
+    let (n, sum) = (tiles.len(), tiles.iter().sum::<usize>());
+    let max = tiles.iter().copied().max().unwrap_or(0);
+    n > 0
+        && sum >= WAVE_ROW_MIN_TILES * n
+        && 4 * max * n <= 5 * sum
+        && 10 * pairs >= 9 * pairs.div_ceil(wave) * wave
 }
 
 impl KvExecutor for DeviceState {
