@@ -975,12 +975,20 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   rc.h = h;
   rc.slot = batch_slot(p, b);
   const int32_t* trow = p.table + static_cast<int64_t>(rc.slot < 0 ? 0 : rc.slot) * p.table_stride;
-  // Without a sliding window this CTA's first tile is tile s whatever the length: its page ids
-  // are loaded beside the length (their tokens are checked against it below).
-  int first_id = -1;
-  const int first_tok = s * kTileN + tid;
-  if (tid < kTileN && rc.slot >= 0 && p.window <= 0 && first_tok < p.table_stride * static_cast<int>(p.page.d))
-    first_id = __ldg(trow + fast_div(p.page, static_cast<uint32_t>(first_tok)));
+  // Without a sliding window a row split P_max ways (P == P_max below: every row of more than
+  // P_max * min_tiles tiles, and every cluster) gives this group tiles s + (grp + kG i) P_max
+  // whatever the length: the page ids of its first NS tiles are loaded beside the length
+  // (their tokens are checked against it below). A paged row's ids are far apart in the
+  // table; loaded after the length, they cost the prologue one more round trip.
+  int spec_id[NS];
+  const int tok_cap = p.table_stride * static_cast<int>(p.page.d);
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    spec_id[i] = -1;
+    const int tok = (s + (grp + i * kG) * P_max) * kTileN + gtid;
+    if (gtid < kTileN && rc.slot >= 0 && p.window <= 0 && tok < tok_cap)
+      spec_id[i] = __ldg(trow + fast_div(p.page, static_cast<uint32_t>(tok)));
+  }
   row_shape(p, rc.slot, &rc.len, &rc.first_tile, &rc.ntiles);
   QTile<KV, D> qt;
   if (p.q_vec && tid < kConsumerThreads) qt.load(p, y, b, h, rc.slot >= 0, tid);
@@ -1034,10 +1042,13 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   };
 
   if (gtid < kTileN) {
+    const bool spec = p.window <= 0 && P == P_max;
     int ids[NS];
-    ids[0] = p.window <= 0 && grp == 0 ? (first_tok < rc.len ? first_id : -1) : page_of(0);
 #pragma unroll
-    for (int i = 1; i < NS; ++i) ids[i] = page_of(i);
+    for (int i = 0; i < NS; ++i) {
+      const int tok = tile_tok(i) + gtid;
+      ids[i] = !spec ? page_of(i) : i < n_g && rc.slot >= 0 && tok < rc.len ? spec_id[i] : -1;
+    }
 #pragma unroll
     for (int i = 0; i < NS; ++i) put_offsets(i, ids[i]);
   }
