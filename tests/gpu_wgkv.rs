@@ -485,6 +485,21 @@ fn gpu_steps_match_cpu_appends_and_replay_in_graphs() {
             );
         }
         p.same_rows(&[f, b]);
+        // The budget was spent (and read back): the host refuses the next step at once.
+        let e = p
+            .gpu
+            .step(
+                0,
+                &[b],
+                None,
+                &dev_view(&kd, &[1, h, d]),
+                &dev_view(&vd, &[1, h, d]),
+                Some(&dev_view(&sd, &[1, h])),
+                None,
+                rs,
+            )
+            .unwrap_err();
+        assert!(matches!(e, kvreplay::Error::OutOfRange(_)), "{what}: {e}");
         assert_eq!(
             p.cpu.stats().unwrap().kept_tokens,
             p.gpu.stats().unwrap().kept_tokens

@@ -1213,11 +1213,13 @@ impl WgKvPool {
                     "sequence {id} is listed twice"
                 )));
             }
-            let row = &rows.get(id)?[layer * h];
-            let ok = if on_cuda { row.driven } else { row.budget > 0 };
-            if !ok {
+            // The host's budget: the reservation's on CUDA (the device counts the steps
+            // down, graph replays included), the steps left on the CPU; zero after any
+            // other operation on the sequence either way.
+            if rows.get(id)?[layer * h].budget == 0 {
                 return Err(Error::OutOfRange(format!(
-                    "sequence {id} has no reserved steps{}; reserve before stepping",
+                    "sequence {id} has no reserved steps{}; reserve before stepping (any other \
+                     operation on the sequence ends a reservation)",
                     if on_cuda { "" } else { " left in this layer" }
                 )));
             }
