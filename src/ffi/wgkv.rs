@@ -661,8 +661,9 @@ pub extern "C" fn kvr_wgkv_pool_reserve(
 /// depend on nothing the host reads back: it can be captured in a CUDA graph and replayed
 /// while the reservation lasts; a row whose budget is spent is left unchanged and the
 /// next host call on its sequence returns `KVR_STATUS_POOL_EXHAUSTED`. The device gate
-/// takes head_dim <= 256. On the CPU the tensors are host memory and a spent budget is an
-/// error before anything changes.
+/// takes head_dim <= 256. A captured step holds the addresses of the pool's device copy of
+/// the gate: capture again after `kvr_wgkv_pool_set_gate` / `kvr_wgkv_pool_load_gate`. On the
+/// CPU the tensors are host memory and a spent budget is an error before anything changes.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (handle,
 /// shapes, both or neither of `k_pre` / `scores`, memory kinds, a sequence listed twice,

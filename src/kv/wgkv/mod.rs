@@ -322,7 +322,9 @@ impl WgKvPool {
                 c,
                 &cfg,
                 *inner.layer_layout(0).expect("one layer"),
-                inner.exec.device_tables().expect("a CUDA pool's tables"),
+                inner.exec.device_tables().ok_or_else(|| {
+                    Error::Unsupported("the CUDA pool exposes no device tables".into())
+                })?,
                 inner_cfg.pages_per_seq(),
             )?),
         };
