@@ -8,13 +8,17 @@
 // calls). The device has nvcc, so a kernel edit is measured in one call without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
 //     kv_decode_ab.cu -o kvab && ./kvab [max B (negative: only 1 and 8)] [max L] \
-//     [variant] [Llama|Qwen]       # KVAB_PROFILE=1: one checked launch each, for ncu
+//     [variants, comma-separated] [Llama|Qwen]   # KVAB_PROFILE=1: one checked launch each, for ncu
+// KVAB_LAYOUT=pg|ct|hm|hm1|rnd picks the pool layout (below), KVAB_B=n one batch size,
+// KVAB_CAP_GIB=n the largest K+V per call (default 2). Variant "lib" is the library's split
+// kernel rule (power-of-two parts), "g1*" the library's batch kernel build (one warp group).
 #include "../kernels/kv_decode.cu"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
@@ -67,7 +71,15 @@ struct Variant {
   int cluster;  // > 0: kvr_kv_cdecode with clusters of this many CTAs (splits = cluster)
   bool deep;    // ab_split6 (6 stages, one CTA per SM) instead of the library's 3 stages
   bool g1;      // one group of 4 warps per CTA (ab_split_g1 / ab_cluster_g1)
+  int forced;   // > 0: exactly this many parts per row
 };
+
+// Whether `name` is in the comma-separated list (null: every name).
+static bool listed(const char* list, const char* name) {
+  if (!list) return true;
+  const std::string l = std::string(",") + list + ",";
+  return l.find(std::string(",") + name + ",") != std::string::npos;
+}
 
 static float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -122,10 +134,13 @@ int main(int argc, char** argv) {
   CK(cudaMemset(counters, 0, 1 << 20));
 
   const Variant variants[] = {
+      {"lib", -64, 2, true, 0, 0, false, false},
       {"s16m2", 16, 2, true, 0, 0, false, false}, {"s32m2", 32, 2, true, 0, 0, false, false},
       {"s64m2", 64, 2, true, 0, 0, false, false}, {"c16", 16, 1, true, 0, 16, false, false},
       {"g1s32m2", 32, 2, true, 0, 0, false, true}, {"g1s64m2", 64, 2, true, 0, 0, false, true},
       {"g1c16", 16, 1, true, 0, 16, false, true},
+      {"f2", 0, 2, true, 0, 0, false, false, 2}, {"f4", 0, 2, true, 0, 0, false, false, 4},
+      {"d6f1", 0, 2, true, 0, 0, true, false, 1}, {"d6f2", 0, 2, true, 0, 0, true, false, 2},
   };
   const int NV = sizeof(variants) / sizeof(variants[0]);
   printf("%-22s %8s", "config", "stream");
@@ -136,13 +151,15 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{"Llama", 32, 8}, {"Qwen", 28, 4}};
   for (const Shape& sh : shapes) {
     if (only_shape && strcmp(only_shape, sh.name) != 0) continue;
-    for (int B : {1, 2, 4, 8, 16, 32}) {
+    for (int B : {1, 2, 4, 8, 16, 32, 64, 128}) {
       if (B != 1 && B != 8 && maxB < 0) continue;
+      if (getenv("KVAB_B") && atoi(getenv("KVAB_B")) != B) continue;
       if (B > std::abs(maxB)) continue;
       for (int L : {1024, 4096, 16384, 65536}) {
         if (L > maxL) continue;
         const size_t kv_bytes = (size_t)2 * B * L * sh.hkv * D * 2;
-        if (kv_bytes > ((size_t)2 << 30)) continue;
+        const size_t cap_gib = getenv("KVAB_CAP_GIB") ? atoi(getenv("KVAB_CAP_GIB")) : 2;
+        if (kv_bytes > (cap_gib << 30)) continue;
         const int n_sets = (int)std::min<size_t>(64, std::max<size_t>(1, ((size_t)256 << 20) / kv_bytes + 1));
         const int pps = L / PAGE, pages = B * pps;
         const size_t per_array = (size_t)pages * sh.hkv * PAGE * D;  // elements of K (or V) of one layer
@@ -150,11 +167,32 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&kvbuf, per_array * 2 * n_sets * sizeof(KV)));
         fill<<<1024, 256, 0, st>>>(kvbuf, per_array * 2 * n_sets, 1234u + B * 7 + L);
         // Table: 16 pages (256 tokens) per sequence per round, sequences interleaved.
+        // KVAB_LAYOUT: pg (that, [page][head][slot][d]), ct (one page of L tokens per
+        // sequence: the contiguous layout), hm (head-major [head][page][slot][d]), rnd (pages
+        // in a random order).
+        const char* lay_env = getenv("KVAB_LAYOUT");
+        const std::string layout = lay_env ? lay_env : "pg";
+        // (hm1 / pg1: each sequence's pages consecutive, hm1 is then the contiguous layout's
+        // addresses read through a paged table.)
+        const bool contig = layout == "ct", head_major = layout == "hm" || layout == "hm1";
         std::vector<int32_t> table((size_t)B * pps), lens(B, L);
         int next = 0;
         for (int r = 0; r < pps; r += 16)
           for (int b = 0; b < B; ++b)
             for (int j = r; j < std::min(pps, r + 16); ++j) table[(size_t)b * pps + j] = next++;
+        if (layout == "hm1" || layout == "pg1")
+          for (size_t i = 0; i < table.size(); ++i) table[i] = (int32_t)i;
+        if (layout == "rnd") {
+          uint32_t h = 12345u;
+          for (size_t i = table.size() - 1; i > 0; --i) {
+            h = h * 1664525u + 1013904223u;
+            std::swap(table[i], table[(h >> 8) % (i + 1)]);
+          }
+        }
+        if (contig) {
+          table.assign(B, 0);
+          for (int b = 0; b < B; ++b) table[b] = b;
+        }
         int32_t *d_table, *d_lens;
         CK(cudaMalloc(&d_table, table.size() * 4));
         CK(cudaMalloc(&d_lens, B * 4));
@@ -188,6 +226,15 @@ int main(int argc, char** argv) {
           p.k_st = p.v_st = D;
           p.page = fastdiv(PAGE);
           p.table_stride = pps;
+          if (contig) {
+            p.k_sp = p.v_sp = (int64_t)sh.hkv * L * D;
+            p.k_sh = p.v_sh = (int64_t)L * D;
+            p.page = fastdiv(L);
+            p.table_stride = 1;
+          } else if (head_major) {
+            p.k_sp = p.v_sp = PAGE * D;
+            p.k_sh = p.v_sh = (int64_t)pages * PAGE * D;
+          }
           p.max_seqs = B;
           p.b = B; p.t = 1; p.hq = sh.hq; p.hkv = sh.hkv; p.g = g;
           p.q_dtype = KVR_DT_BF16; p.out_dtype = KVR_DT_BF16;
@@ -208,7 +255,13 @@ int main(int argc, char** argv) {
           c.min_tiles_per_cta = v.min_tiles;
           const int R = B * sh.hkv;
           const int wave = v.deep ? nsm : v.g1 ? g1_per_sm * nsm : new_wave;
-          const int splits = v.cluster ? v.cluster : std::max(1, std::min(v.splits_cap, wave / (R * Y)));
+          int splits = v.cluster ? v.cluster : std::max(1, std::min(std::abs(v.splits_cap), wave / (R * Y)));
+          if (v.forced > 0) splits = v.forced;
+          if (v.splits_cap < 0) {  // the library's rule: the largest power of two
+            int p2 = 1;
+            while (p2 * 2 <= splits) p2 *= 2;
+            splits = p2;
+          }
           cudaLaunchConfig_t cfg = {};
           cfg.gridDim = dim3(splits, R, Y);
           cfg.blockDim = dim3(v.g1 || v.deep ? KVR_KV_SDECODE_THREADS : new_threads);
@@ -256,7 +309,7 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < qn; ++i) refmax = std::max(refmax, fabsf(__bfloat162float(ref[i])));
         float worst = 0.f;
         for (const Variant& v : variants) {
-          if (v.stop || (only_variant && strcmp(only_variant, v.name) != 0)) continue;
+          if (v.stop || !listed(only_variant, v.name)) continue;
           const int R = B * sh.hkv;
           if (v.cluster && (long)R * Y * v.cluster > 4096) continue;
           CK(cudaMemset(out, 0xff, qn * 2));
@@ -307,7 +360,10 @@ int main(int argc, char** argv) {
         snprintf(tag, sizeof tag, "%s B=%d L=%dK", sh.name, B, L / 1024);
         float t_old = time_graph([&](const Params& p) { launch_old(p); });
         std::vector<float> t_new(NV);
-        for (int v = 0; v < NV; ++v) t_new[v] = time_graph([&](const Params& p) { launch_new(p, variants[v]); });
+        for (int v = 0; v < NV; ++v)
+          t_new[v] = !listed(only_variant, variants[v].name)
+                         ? NAN
+                         : time_graph([&](const Params& p) { launch_new(p, variants[v]); });
         printf("%-22s %8.2f", tag, t_old);
         for (int v = 0; v < NV; ++v) printf(" %11.2f", t_new[v]);
         printf("   %.1e\n", worst);

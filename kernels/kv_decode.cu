@@ -977,13 +977,18 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
   const int32_t* trow = p.table + static_cast<int64_t>(rc.slot < 0 ? 0 : rc.slot) * p.table_stride;
   // Without a sliding window a row split P_max ways (P == P_max below: every row of more than
   // P_max * min_tiles tiles, and every cluster) gives this group tiles s + (grp + kG i) P_max
-  // whatever the length: the page ids of its first NS tiles are loaded beside the length
+  // whatever the length: the page ids of its first kPro tiles are loaded beside the length
   // (their tokens are checked against it below). A paged row's ids are far apart in the
   // table; loaded after the length, they cost the prologue one more round trip.
-  int spec_id[NS];
+  // In the loop a tile's page ids are loaded kAhead iterations before its offsets are needed
+  // (with one, the table's L2 round trip was exposed: paged rows ran up to 7 % behind the
+  // same kernel on a contiguous layout, BENCHMARKS.md, fifteenth session).
+  constexpr int kAhead = 4;
+  constexpr int kPro = NS + kAhead - 1;  // ids the prologue loads
+  int spec_id[kPro];
   const int tok_cap = p.table_stride * static_cast<int>(p.page.d);
 #pragma unroll
-  for (int i = 0; i < NS; ++i) {
+  for (int i = 0; i < kPro; ++i) {
     spec_id[i] = -1;
     const int tok = (s + (grp + i * kG) * P_max) * kTileN + gtid;
     if (gtid < kTileN && rc.slot >= 0 && p.window <= 0 && tok < tok_cap)
@@ -1041,16 +1046,21 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
     }
   };
 
+  int id_q[kAhead - 1];  // ids of tiles i + NS, ..., i + NS + kAhead - 2, loaded already
+#pragma unroll
+  for (int j = 0; j + 1 < kAhead; ++j) id_q[j] = -1;
   if (gtid < kTileN) {
     const bool spec = p.window <= 0 && P == P_max;
-    int ids[NS];
+    int ids[kPro];
 #pragma unroll
-    for (int i = 0; i < NS; ++i) {
+    for (int i = 0; i < kPro; ++i) {
       const int tok = tile_tok(i) + gtid;
       ids[i] = !spec ? page_of(i) : i < n_g && rc.slot >= 0 && tok < rc.len ? spec_id[i] : -1;
     }
 #pragma unroll
     for (int i = 0; i < NS; ++i) put_offsets(i, ids[i]);
+#pragma unroll
+    for (int j = 0; j + 1 < kAhead; ++j) id_q[j] = ids[NS + j];
   }
   if (tid < kConsumerThreads) {
     if (p.q_vec) {
@@ -1086,7 +1096,7 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
     if (i + NS - 1 < n_g) issue(i + NS - 1);
     cp_async_commit();
     int id = -1;
-    if (gtid < kTileN) id = page_of(i + NS);
+    if (gtid < kTileN) id = page_of(i + NS + kAhead - 1);
     const KV* sk = g_stages + (i % NS) * 2 * Sm::kTileElems;
     if (kt) {
       attend_tile_kt<KV, D>(p, sq, sk, sk + Sm::kTileElems, gwarp, lane, tile_tok(i), rc.slot,
@@ -1095,7 +1105,12 @@ __device__ __forceinline__ void sdecode_body(const DecodeParams& p) {
       attend_tile<KV, D>(p, sq, sk, sk + Sm::kTileElems, gwarp, lane, tile_tok(i), rc.slot,
                          rc.len, t_of, acc, m_run, l_run);
     }
-    if (gtid < kTileN) put_offsets(i + NS, id);  // tile i's slot: its copy was issued long ago
+    if (gtid < kTileN) {  // tile i's slot: its copy was issued long ago
+      put_offsets(i + NS, id_q[0]);
+#pragma unroll
+      for (int j = 0; j + 2 < kAhead; ++j) id_q[j] = id_q[j + 1];
+      id_q[kAhead - 2] = id;
+    }
   }
   cp_async_wait<0>();
 
@@ -1276,6 +1291,15 @@ KVR_DECODE_KERNEL(bf16, __nv_bfloat16, 256)
     kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, true, KVR_KV_SDECODE_GROUPS(D)>(p);          \
   }
 
+// The batch kernel: the split kernel with one group of 4 warps per CTA (two CTAs per SM up
+// to head dim 128, so one CTA's prologue and tail overlap another's stream), for batches of
+// more rows than the split kernel's wave.
+#define KVR_BDECODE_KERNEL(NAME, KV, D)                                                         \
+  extern "C" __global__ void __launch_bounds__(kvr::kConsumerThreads, (D) <= 128 ? 2 : 1)     \
+      kvr_kv_bdecode_##NAME##_d##D(const __grid_constant__ kvr::DecodeParams p) {                \
+    kvr::sdecode_body<KV, D, KVR_KV_SDECODE_STAGES, false, 1>(p);                                \
+  }
+
 KVR_SDECODE_KERNEL(f16, __half, 64)
 KVR_SDECODE_KERNEL(f16, __half, 80)
 KVR_SDECODE_KERNEL(f16, __half, 96)
@@ -1286,3 +1310,14 @@ KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 80)
 KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 96)
 KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 128)
 KVR_SDECODE_KERNEL(bf16, __nv_bfloat16, 256)
+
+KVR_BDECODE_KERNEL(f16, __half, 64)
+KVR_BDECODE_KERNEL(f16, __half, 80)
+KVR_BDECODE_KERNEL(f16, __half, 96)
+KVR_BDECODE_KERNEL(f16, __half, 128)
+KVR_BDECODE_KERNEL(f16, __half, 256)
+KVR_BDECODE_KERNEL(bf16, __nv_bfloat16, 64)
+KVR_BDECODE_KERNEL(bf16, __nv_bfloat16, 80)
+KVR_BDECODE_KERNEL(bf16, __nv_bfloat16, 96)
+KVR_BDECODE_KERNEL(bf16, __nv_bfloat16, 128)
+KVR_BDECODE_KERNEL(bf16, __nv_bfloat16, 256)

@@ -111,9 +111,9 @@ if [ -x bin/gpu_gdn ]; then
   job gpu_gdn-recur-general test "KVR_GDN_RECUR1=0" bin/gpu_gdn recurrent --test-threads=1 --nocapture
 fi
 # The paged decode tests with each decode kernel forced (the library picks the cluster,
-# split or stream-K kernel by batch and context; every one must match the CPU backend),
+# split, batch or stream-K kernel by batch and context; every one must match the CPU backend),
 # and the write-gated pools (their rows decode through the same kernels).
-for k in stream split cluster; do
+for k in stream split cluster batch; do
   [ -x bin/gpu_kv ] && job "gpu_kv-$k" test "KVR_KV_DECODE=$k" bin/gpu_kv --test-threads=1 --nocapture
   [ -x bin/gpu_wgkv ] && job "gpu_wgkv-$k" test "KVR_KV_DECODE=$k" bin/gpu_wgkv --test-threads=1 --nocapture
 done

@@ -510,6 +510,50 @@ fn gpu_copy_on_write_fork_truncate_and_t8_verify() {
     println!("copy-on-write / fork / truncate: max relative error {worst:.2e}");
 }
 
+/// Batches of more (row, query tile) pairs than the split kernel's wave whose rows are even
+/// take one CTA per row (the batch kernel, two CTAs per SM, or the split kernel in waves;
+/// src/kv/cuda.rs `choose_path`): a wave of 1K-token rows, and 4K-token rows in several
+/// waves, checked element by element against the CPU backend.
+#[test]
+fn gpu_even_batches_beyond_a_wave_match_cpu() {
+    let Some(g) = gpu_ctx("gpu_even_batches_beyond_a_wave_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(29);
+    let mut worst = 0f64;
+    for (b, hkv, grp, len) in [(33usize, 8usize, 4usize, 1_000usize), (99, 4, 7, 4_100)] {
+        let cfg = KvPoolConfig {
+            layers: 1,
+            kv_heads: hkv,
+            head_dim: 128,
+            page_size: 16,
+            dtype: DType::BF16,
+            capacity_pages: b * (len + 400).div_ceil(16),
+            max_seqs: b,
+            max_seq_len: len + 400,
+        };
+        let p = pair(&g, cfg);
+        let ids: Vec<i32> = (0..b)
+            .map(|i| p.add_seq(&mut rng, len + (i * 37) % 200, i % 3 == 0))
+            .collect();
+        let (e, l, m) = p.compare(
+            &mut rng,
+            0,
+            &ids,
+            1,
+            hkv * grp,
+            DType::BF16,
+            DType::BF16,
+            &DecodeOptions::default(),
+        );
+        assert!(e < tolerance(DType::BF16), "B {b} hkv {hkv}: error {e:e}");
+        assert!(l < 2e-2, "lse error {l:e}");
+        println!("B {b} x {hkv} KV heads, {len}+ tokens: {m} elements, max relative error {e:.2e}");
+        worst = worst.max(e);
+    }
+    println!("even batches beyond a wave: max relative error {worst:.2e} (vs the CPU backend)");
+}
+
 #[test]
 fn gpu_batches_device_ids_large_batches_and_contiguous_layout() {
     let Some(g) = gpu_ctx("gpu_batches_device_ids_large_batches_and_contiguous_layout") else {

@@ -18,7 +18,7 @@ use crate::abi::{
     KVR_KV_SDECODE_STAGES as SPLIT_STAGES, KVR_KV_SDECODE_THREADS as SPLIT_THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
-use crate::backend::cuda::module::Kernel;
+use crate::backend::cuda::module::{Kernel, SplitKind};
 use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
@@ -44,10 +44,13 @@ const SPLIT_MIN_TILES: i32 = 2;
 const CLUSTER: usize = 16;
 const CLUSTER_MAX_TILES: usize = 256;
 /// Mean tiles per row from which a batch larger than a wave takes one split-kernel CTA per
-/// row (`long_even_rows`; measured better than stream-K from 4K-token rows at B = 32-128).
+/// row (`even_rows`; measured better than stream-K from 4K-token rows at B = 32-128).
 const WAVE_ROW_MIN_TILES: usize = 64;
+/// The same for the batch kernel (two CTAs per SM; measured better than stream-K and the
+/// split kernel from 1K-token rows at B = 32 and 128, BENCHMARKS.md, fifteenth session).
+const BATCH_ROW_MIN_TILES: usize = 16;
 
-/// Which decode kernel a call takes (`KVR_KV_DECODE`: auto, stream, split or cluster).
+/// Which decode kernel a call takes (`KVR_KV_DECODE`: auto, stream, split, cluster or batch).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum DecodePath {
     Auto,
@@ -58,6 +61,9 @@ enum DecodePath {
     Split,
     /// `kvr_kv_cdecode_*`: one cluster of CLUSTER CTAs per (row, query tile).
     Cluster,
+    /// `kvr_kv_bdecode_*`: the split kernel with one group of warps per CTA (two CTAs per SM),
+    /// for batches of more (row, query tile) pairs than the split kernel's wave.
+    Batch,
 }
 
 impl FastDiv {
@@ -118,10 +124,11 @@ pub(super) struct DeviceState {
     /// Byte offset of the group counters in `counters`.
     group_counters_at: usize,
     decode: Option<DecodeLaunch>,
-    /// The short-batch kernels (same dtype and head dim as `decode`): the split kernel, and
-    /// the cluster kernel where clusters of CLUSTER CTAs can run.
+    /// The split kernels (same dtype and head dim as `decode`): the split kernel, the
+    /// cluster kernel where clusters of CLUSTER CTAs can run, and the batch kernel.
     split: Option<DecodeLaunch>,
     cluster: Option<DecodeLaunch>,
+    batch_kernel: Option<DecodeLaunch>,
     path: DecodePath,
     sm_count: u32,
 }
@@ -153,21 +160,25 @@ impl DeviceState {
         layers.upload(&descs)?;
         let batch = DeviceBuffer::new(cuda, cfg.max_seqs * 4)?;
         let decode = Self::decode_launch(cuda, cfg)?;
-        let (split, cluster) = match decode {
-            Some(_) => Self::split_launches(cuda, cfg)?,
-            None => (None, None),
+        let [split, cluster, batch_kernel] = match decode {
+            Some(_) => SplitKind::ALL.map(|kind| Self::split_launch(cuda, cfg, kind)),
+            None => [Ok(None), Ok(None), Ok(None)],
         };
+        let (split, cluster, batch_kernel) = (split?, cluster?, batch_kernel?);
         let path = match std::env::var("KVR_KV_DECODE").as_deref() {
             Ok("stream") => DecodePath::Stream,
             Ok("split") => DecodePath::Split,
             Ok("cluster") => DecodePath::Cluster,
+            Ok("batch") => DecodePath::Batch,
             _ => DecodePath::Auto,
         };
-        // Partial slots: two per CTA of a stream-K wave; the split kernel uses at most one
-        // per CTA of its wave (no more than the stream-K kernel's: same shared memory class).
-        let wave = decode
-            .map_or(1, |d| d.wave as usize)
-            .max(split.map_or(1, |d| d.wave as usize).div_ceil(2));
+        // Partial slots: two per CTA of a stream-K wave; the split kernels use at most one
+        // per CTA of their wave (no more than the stream-K kernel's: same shared memory class).
+        let wave = [split, batch_kernel]
+            .iter()
+            .flatten()
+            .map(|l| (l.wave as usize).div_ceil(2))
+            .fold(decode.map_or(1, |d| d.wave as usize), usize::max);
         let part_o = DeviceBuffer::new(cuda, wave * 2 * 16 * cfg.head_dim * 4)?;
         let part_lse = DeviceBuffer::new(cuda, wave * 2 * 16 * 4)?;
         // Row counters [max_seqs][kv_heads][Y], then group counters [wave][2] (one per
@@ -189,49 +200,50 @@ impl DeviceState {
             decode,
             split,
             cluster,
+            batch_kernel,
             path,
             sm_count: cuda.sm_count(),
         })
     }
 
-    /// The split kernel's launch (shared memory, CTAs per wave), and the cluster kernel's
-    /// where the device can run a cluster of CLUSTER of its CTAs (wave: CTAs resident in
-    /// clusters at once).
-    fn split_launches(
+    /// A split kernel's launch (shared memory, CTAs per wave; for the cluster kernel, CTAs
+    /// resident in clusters of CLUSTER at once), None where the device cannot run it.
+    fn split_launch(
         cuda: &CudaBackend,
         cfg: &KvPoolConfig,
-    ) -> Result<(Option<DecodeLaunch>, Option<DecodeLaunch>)> {
-        let groups = kv_split_decode_groups(cfg.head_dim);
+        kind: SplitKind,
+    ) -> Result<Option<DecodeLaunch>> {
+        let groups = match kind {
+            SplitKind::Batch => 1,
+            _ => kv_split_decode_groups(cfg.head_dim),
+        };
         let threads = SPLIT_THREADS * groups as u32;
         let bytes =
             kv_split_decode_smem_bytes(cfg.head_dim, cfg.dtype.size(), SPLIT_STAGES, groups) as u32;
         if bytes > cuda.max_shared_per_block() {
-            return Ok((None, None));
+            return Ok(None);
         }
-        let launch = |cluster: bool| -> Result<Option<DecodeLaunch>> {
-            let kernel = Kernel::KvSplitDecode {
-                kv: cfg.dtype,
-                head_dim: cfg.head_dim,
-                cluster,
-            };
-            let per_sm = cuda.prepare_kernel(kernel, bytes, threads)?;
-            if per_sm == 0 {
-                return Ok(None);
-            }
-            let wave = if cluster {
-                cuda.prepare_cluster(kernel, CLUSTER as u32, bytes, threads)? * CLUSTER as u32
-            } else {
-                per_sm * cuda.sm_count()
-            };
-            Ok((wave > 0).then_some(DecodeLaunch {
-                kernel,
-                threads,
-                stages: SPLIT_STAGES as u32,
-                shared_bytes: bytes,
-                wave,
-            }))
+        let kernel = Kernel::KvSplitDecode {
+            kv: cfg.dtype,
+            head_dim: cfg.head_dim,
+            kind,
         };
-        Ok((launch(false)?, launch(true)?))
+        let per_sm = cuda.prepare_kernel(kernel, bytes, threads)?;
+        if per_sm == 0 {
+            return Ok(None);
+        }
+        let wave = if kind == SplitKind::Cluster {
+            cuda.prepare_cluster(kernel, CLUSTER as u32, bytes, threads)? * CLUSTER as u32
+        } else {
+            per_sm * cuda.sm_count()
+        };
+        Ok((wave > 0).then_some(DecodeLaunch {
+            kernel,
+            threads,
+            stages: SPLIT_STAGES as u32,
+            shared_bytes: bytes,
+            wave,
+        }))
     }
 
     /// Picks the deepest pipeline that fits the device's shared memory and measures the
@@ -549,6 +561,7 @@ impl DeviceState {
         let short = match path {
             DecodePath::Cluster => self.cluster.map(|l| (l, CLUSTER as u32)),
             DecodePath::Split => self.split.map(|l| (l, 0)),
+            DecodePath::Batch => self.batch_kernel.map(|l| (l, 0)),
             _ => None,
         };
         match short {
@@ -579,7 +592,8 @@ impl DeviceState {
     /// Picks the kernel of a decode call and, for the split and cluster kernels, their CTAs
     /// per (row, query tile). Batches of at most one wave of (row, query tile) pairs take the
     /// split kernel (fixed parts per row, up to a wave of CTAs); among them, a few rows whose
-    /// tiles (from the host's lengths) are few take the cluster kernel. The choice affects
+    /// tiles (from the host's lengths) are few take the cluster kernel. Larger batches of even
+    /// rows take the batch or split kernel with one CTA per row, the rest stream-K. The choice affects
     /// speed only: every kernel serves every length, so a captured graph stays valid while
     /// sequences grow. `KVR_KV_DECODE` forces one (where the device has it).
     fn choose_path(
@@ -604,18 +618,28 @@ impl DeviceState {
             1usize << n.ilog2()
         };
         let split_ok = fits && self.split.is_some() && pairs <= cap;
+        let batch_ok = fits && self.batch_kernel.is_some() && pairs <= cap;
+        let wave_of = |l: Option<DecodeLaunch>| l.map_or(0, |l| l.wave as usize);
         match self.path {
             DecodePath::Stream => return (DecodePath::Stream, 0),
             DecodePath::Cluster if cluster_ok => return (DecodePath::Cluster, CLUSTER),
             DecodePath::Split if split_ok => {
-                let wave = self.split.map_or(1, |l| l.wave as usize);
-                return (DecodePath::Split, split_parts(wave.max(pairs)));
+                return (
+                    DecodePath::Split,
+                    split_parts(wave_of(self.split).max(pairs)),
+                );
+            }
+            DecodePath::Batch if batch_ok => {
+                return (
+                    DecodePath::Batch,
+                    split_parts(wave_of(self.batch_kernel).max(pairs)),
+                );
             }
             DecodePath::Auto => {}
             _ => return (DecodePath::Stream, 0),
         }
         // Only as many rows as clusters can be resident at once (one wave of clusters).
-        let clusters = self.cluster.map_or(0, |l| l.wave as usize / CLUSTER);
+        let clusters = wave_of(self.cluster) / CLUSTER;
         if cluster_ok && pairs <= clusters {
             let tiles: usize = match &plan.ids {
                 BatchIds::Host(ids) => {
@@ -631,24 +655,37 @@ impl DeviceState {
                 return (DecodePath::Cluster, CLUSTER);
             }
         }
-        let wave = self.split.map_or(0, |l| l.wave as usize);
+        let wave = wave_of(self.split);
         if split_ok && pairs <= wave {
             return (DecodePath::Split, split_parts(wave));
         }
-        // More pairs than a wave: one CTA per pair, in waves, when the rows are long and
-        // alike and the last wave is nearly full (the split kernel streams a row faster than
-        // the stream-K partition; stream-K stays for ragged, short or awkward batches).
-        if split_ok && y_tiles == 1 && wave > 0 && long_even_rows(st, plan, pairs, wave) {
-            return (DecodePath::Split, 1);
+        // More pairs than a wave: one CTA per pair, in waves, when the rows are alike and
+        // the last wave is nearly full: the batch kernel (two CTAs per SM) from 1K-token rows,
+        // else the split kernel from 4K-token rows. They stream a row faster than the stream-K
+        // partition, which stays for ragged, short or awkward batches.
+        if y_tiles == 1 {
+            let batch_wave = wave_of(self.batch_kernel);
+            if batch_ok && even_rows(st, plan, pairs, batch_wave, BATCH_ROW_MIN_TILES) {
+                return (DecodePath::Batch, 1);
+            }
+            if split_ok && even_rows(st, plan, pairs, wave, WAVE_ROW_MIN_TILES) {
+                return (DecodePath::Split, 1);
+            }
         }
         (DecodePath::Stream, 0)
     }
 }
 
-/// Whether a batch of `pairs` rows (host lengths) suits one split-kernel CTA per row, in
-/// waves of `wave`: at least `WAVE_ROW_MIN_TILES` tiles per sequence on average, the longest
-/// within 25 % of the mean, and the last wave at least 90 % full.
-fn long_even_rows(st: &PoolState, plan: &DecodePlan, pairs: usize, wave: usize) -> bool {
+/// Whether a batch of `pairs` rows (host lengths) suits one CTA per row, in waves of `wave`:
+/// at least `min_tiles` tiles per sequence on average, the longest within 25 % of the mean,
+/// and the last wave at least 90 % full.
+fn even_rows(
+    st: &PoolState,
+    plan: &DecodePlan,
+    pairs: usize,
+    wave: usize,
+    min_tiles: usize,
+) -> bool {
     let BatchIds::Host(ids) = &plan.ids else {
         return false;
     };
@@ -659,8 +696,9 @@ fn long_even_rows(st: &PoolState, plan: &DecodePlan, pairs: usize, wave: usize) 
         .collect();
     let (n, sum) = (tiles.len(), tiles.iter().sum::<usize>());
     let max = tiles.iter().copied().max().unwrap_or(0);
-    n > 0
-        && sum >= WAVE_ROW_MIN_TILES * n
+    wave > 0
+        && n > 0
+        && sum >= min_tiles * n
         && 4 * max * n <= 5 * sum
         && 10 * pairs >= 9 * pairs.div_ceil(wave) * wave
 }

@@ -52,12 +52,12 @@ pub(crate) enum Kernel {
     KvWrite { src: DType, dst: DType },
     /// `kvr_kv_decode_<kv>_d<head_dim>` (kernels/kv_decode.cu); kv is f16 or bf16.
     KvDecode { kv: DType, head_dim: usize },
-    /// The short-batch split decode (kernels/kv_decode.cu): `kvr_kv_sdecode_<kv>_d<head_dim>`,
-    /// or with `cluster` `kvr_kv_cdecode_*` (a row's parts merged in a thread-block cluster).
+    /// The split decode kernels (kernels/kv_decode.cu), `kvr_kv_<s|c|b>decode_<kv>_d<head_dim>`
+    /// by [`SplitKind`].
     KvSplitDecode {
         kv: DType,
         head_dim: usize,
-        cluster: bool,
+        kind: SplitKind,
     },
     /// `kvr_gdn_step_<state>_<k|v>_nv<8|16>` (kernels/gdn.cu); state is f32 or bf16,
     /// V-major or not; `wide` holds 16 float4 of state per thread instead of 8.
@@ -198,8 +198,32 @@ const GDN_KVONLY_BASE: usize = 140;
 const GDN_RECUR1_BASE: usize = 146;
 const GDN_FDECODE_X_BASE: usize = 170;
 const KV_SPLIT_DECODE_BASE: usize = 182;
-const WGKV_STEP: usize = 202;
-const KERNEL_COUNT: usize = 203;
+const WGKV_STEP: usize = 212;
+const KERNEL_COUNT: usize = 213;
+
+/// The builds of the split decode body (kernels/kv_decode.cu `sdecode_body`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum SplitKind {
+    /// `kvr_kv_sdecode_*`: short batches, two groups of 4 warps per CTA up to head dim 128.
+    Split,
+    /// `kvr_kv_cdecode_*`: the same with a row's parts merged in a thread-block cluster.
+    Cluster,
+    /// `kvr_kv_bdecode_*`: one group per CTA (two CTAs per SM up to head dim 128), for batches
+    /// of more rows than the split kernel's wave.
+    Batch,
+}
+
+impl SplitKind {
+    pub(crate) const ALL: [SplitKind; 3] = [SplitKind::Split, SplitKind::Cluster, SplitKind::Batch];
+
+    fn letter(self) -> char {
+        match self {
+            SplitKind::Split => 's',
+            SplitKind::Cluster => 'c',
+            SplitKind::Batch => 'b',
+        }
+    }
+}
 
 impl Kernel {
     /// Every kernel, in slot order.
@@ -316,14 +340,10 @@ impl Kernel {
                 }
             }
         }
-        for cluster in [false, true] {
+        for kind in SplitKind::ALL {
             for kv in [DType::F16, DType::BF16] {
                 for head_dim in DECODE_HEAD_DIMS {
-                    v.push(Kernel::KvSplitDecode {
-                        kv,
-                        head_dim,
-                        cluster,
-                    });
+                    v.push(Kernel::KvSplitDecode { kv, head_dim, kind });
                 }
             }
         }
@@ -412,14 +432,10 @@ impl Kernel {
             Kernel::GdnKvOnly { state, dk } => {
                 GDN_KVONLY_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
             }
-            Kernel::KvSplitDecode {
-                kv,
-                head_dim,
-                cluster,
-            } => {
+            Kernel::KvSplitDecode { kv, head_dim, kind } => {
                 let n = 2 * DECODE_HEAD_DIMS.len();
                 KV_SPLIT_DECODE_BASE
-                    + n * cluster as usize
+                    + n * SplitKind::ALL.iter().position(|&k| k == kind).unwrap_or(0)
                     + Kernel::KvDecode { kv, head_dim }.index()
                     - KV_DECODE_BASE
             }
@@ -445,15 +461,9 @@ impl Kernel {
             Kernel::KvCopyPages => "kvr_kv_copy_pages".into(),
             Kernel::KvWrite { src, dst } => format!("kvr_kv_write_{}_{}", src.name(), dst.name()),
             Kernel::KvDecode { kv, head_dim } => format!("kvr_kv_decode_{}_d{head_dim}", kv.name()),
-            Kernel::KvSplitDecode {
-                kv,
-                head_dim,
-                cluster,
-            } => format!(
-                "kvr_kv_{}decode_{}_d{head_dim}",
-                if cluster { "c" } else { "s" },
-                kv.name()
-            ),
+            Kernel::KvSplitDecode { kv, head_dim, kind } => {
+                format!("kvr_kv_{}decode_{}_d{head_dim}", kind.letter(), kv.name())
+            }
             Kernel::GdnStep {
                 state,
                 vmajor,
