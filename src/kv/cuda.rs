@@ -592,10 +592,10 @@ impl DeviceState {
     /// Picks the kernel of a decode call and, for the split and cluster kernels, their CTAs
     /// per (row, query tile). Batches of at most one wave of (row, query tile) pairs take the
     /// split kernel (fixed parts per row, up to a wave of CTAs); among them, a few rows whose
-    /// tiles (from the host's lengths) are few take the cluster kernel. Larger batches of even
-    /// rows take the batch or split kernel with one CTA per row, the rest stream-K. The choice affects
-    /// speed only: every kernel serves every length, so a captured graph stays valid while
-    /// sequences grow. `KVR_KV_DECODE` forces one (where the device has it).
+    /// tiles (from the host's lengths) are few take the cluster kernel. Larger batches of
+    /// even rows take the batch or split kernel with one CTA per row, the rest stream-K. The
+    /// choice affects speed only: every kernel serves every length, so a captured graph stays
+    /// valid while sequences grow. `KVR_KV_DECODE` forces one (where the device has it).
     fn choose_path(
         &self,
         cfg: &KvPoolConfig,
