@@ -3,7 +3,9 @@
 //   kvr_gdn_wdecode_<state>_v_d<dk>  one warp per 8 value rows of a (row, value head): the
 //                                    state stream and everything per value row
 // for V-major states in pools without KV-only mode, ring length 0 (recurrent) or up to
-// KVR_GDN_WDECODE_MAX_RING (src/linear/replay/cuda.rs picks it).
+// KVR_GDN_WDECODE_MAX_RING (src/linear/replay/cuda.rs picks it). Recurrent pools without a
+// conv window (no prep kernel) take kvr_gdn_wrec_<state>_v_d<dk> instead: the state stream
+// alone, in fewer registers (below).
 //
 // What limits decode is keeping enough state bytes in flight: a plain read of the states
 // through registers, 8 rows a warp, runs at the GPU's read ceiling from B = 32 on (H200:
@@ -753,6 +755,115 @@ using FdBf16 = FdFix<KVR_DT_BF16, KVR_DT_F32>;
 using FdF32 = FdFix<KVR_DT_F32, KVR_DT_F32>;
 using FdM2Bf16 = FdFixM2<KVR_DT_BF16>;
 
+// Recurrent pools without a prep kernel (ring 0, no conv window): kvr_gdn_wrec_<state>_v_d<dk>,
+// KVR_GDN_WREC_ROWS (8) value rows per warp, 4 warps a CTA, grid (dv / (4 R), value heads,
+// rows). A recurrent step only streams the state (read, update, write back), so what sets its
+// speed is the state bytes in flight per SM. The recurrent kind of wdecode_body carries the
+// replay kinds' structure (ring registers, 1-D grid) in 80 registers, 6 CTAs (24 warps) an SM;
+// this body needs 64 at dk <= 128, so 8 CTAs (32 warps, a third more rows in flight) fit:
+// GDN B = 128 141 against 159 us, Mamba-2 287 against 314 (H200, BENCHMARKS.md). 4 rows a
+// warp in 48 registers (40 warps, less in flight) was slower (177 us). Same arithmetic as the
+// recurrent kind: S <- e^g S, u = beta (v - S k) (delta rule) or beta v (additive),
+// y = S q + (k . q) u, S <- S + u k^T, the skip and gate epilogue, and the step counted by one
+// thread per row.
+template <typename SD, int DK, int R>
+__device__ __forceinline__ void wrec_body(const StepParams& p) {
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  static_assert(R == 4 || R == 8, "rows per warp");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int kh = h / (p.hv / p.hk);
+  const int row0 = (tile * 4 + warp) * R;
+  const int rr = lane & (R - 1);
+  const bool writer = lane < R;
+  pdl_wait();
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const Tensor& out = p.out;
+  const int64_t out_at = b * out.s[0] + h * out.s[2] + (row0 + rr) * out.s[3];
+  if (seq < 0) {
+    pdl_launch_dependents();
+    if (writer) stx(out.p, out.dtype, out_at, 0.f);
+    return;
+  }
+  auto key = [&](int c) { return wkey<DK>(lane, c); };
+  SD* hs = reinterpret_cast<SD*>(p.state + (static_cast<int64_t>(seq) * p.seq_stride +
+                                            static_cast<int64_t>(h) * DK * p.dv) *
+                                               static_cast<int64_t>(sizeof(SD))) +
+           static_cast<int64_t>(row0) * DK;
+  float s[R][KL];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  pdl_launch_dependents();
+  int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  const bool counter = h == 0 && tile == 0 && threadIdx.x == 0;
+  int4 m0 = make_int4(0, 0, 0, 0);
+  int conv_end = 0;
+  if (counter) {
+    m0 = __ldcg(reinterpret_cast<const int4*>(meta));
+    conv_end = __ldcg(meta + kMetaConvEnd);
+  }
+  float q[KL], k[KL];
+  load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
+  load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+  const float vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
+  const float2 gb = token_gb(p, b, 0, h);
+  EpilogueIn epi{0.f, 0.f};
+  if (writer) epi = epilogue_in(p, b, 0, h, row0 + rr);
+  normalize_qk<KL>(p, q, k, false);
+  const float a = expf(gb.x), bt = gb.y;
+  // (S q)_r, (S k)_r of the decayed rows and k . q in one reduce-scatter: lane l ends with
+  // P[l / (32 / N)].
+  constexpr int N = 4 * R;  // R rows x {q, k}, k . q, padding to a power of two
+  float P[N];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float x = 0.f, z = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      s[r][c] *= a;
+      x += s[r][c] * q[c];
+      z += s[r][c] * k[c];
+    }
+    P[r] = x;
+    P[R + r] = z;
+  }
+  {
+    float kq = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
+    P[2 * R] = kq;
+#pragma unroll
+    for (int i = 2 * R + 1; i < N; ++i) P[i] = 0.f;
+  }
+  const float own = reduce_scatter<N>(P, lane);
+  constexpr int S = 32 / N;
+  const float sq = __shfl_sync(0xffffffffu, own, rr * S);
+  const float sk = __shfl_sync(0xffffffffu, own, (R + rr) * S);
+  const float kq = __shfl_sync(0xffffffffu, own, 2 * R * S);
+  const float u = p.rule == KVR_GDN_RULE_DELTA ? bt * (vt - sk) : bt * vt;
+  const float y = sq + kq * u;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float ur = __shfl_sync(0xffffffffu, u, r);
+#pragma unroll
+    for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if constexpr (!IsSame<SD, float>::value) {
+#pragma unroll
+      for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
+    }
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) st_vec<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  }
+  if (writer) stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+  if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
+}
+
 }  // namespace gdn
 }  // namespace kvr
 
@@ -809,6 +920,20 @@ using FdM2Bf16 = FdFixM2<KVR_DT_BF16>;
 KVR_GDN_WDECODE_DK(64, 8)
 KVR_GDN_WDECODE_DK(128, 6)
 KVR_GDN_WDECODE_DK(256, 2)
+// Recurrent pools without a prep kernel (wrec_body): 8 CTAs per SM up to dk 128 (64 registers,
+// no spills with nvcc 13.0 at sm_90a), 2 at dk 256.
+#define KVR_GDN_WREC(SD, SN, DK)                                                              \
+  extern "C" __global__ void __launch_bounds__(128, (DK) > 128 ? 2 : KVR_GDN_WREC_MINB)      \
+      kvr_gdn_wrec_##SN##_v_d##DK(const __grid_constant__ kvr::gdn::StepParams p) {          \
+    kvr::gdn::wrec_body<SD, DK, KVR_GDN_WREC_ROWS>(p);                                        \
+  }
+KVR_GDN_WREC(float, f32, 64)
+KVR_GDN_WREC(float, f32, 128)
+KVR_GDN_WREC(float, f32, 256)
+KVR_GDN_WREC(__nv_bfloat16, bf16, 64)
+KVR_GDN_WREC(__nv_bfloat16, bf16, 128)
+KVR_GDN_WREC(__nv_bfloat16, bf16, 256)
+#undef KVR_GDN_WREC
 KVR_GDN_FDECODE_SPECS(float, f32, 16)
 KVR_GDN_FDECODE_SPECS(float, f32, 32)
 KVR_GDN_FDECODE_SPECS(__nv_bfloat16, bf16, 16)

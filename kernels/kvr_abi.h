@@ -318,6 +318,8 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_STREAM_THREADS 256     /* kvr_gdn_sdecode_*, kvr_gdn_sverify_*, kvr_gdn_vprep_* */
 #define KVR_GDN_WDECODE_ROWS 8         /* kvr_gdn_wdecode_*: value rows per warp */
 #define KVR_GDN_WDECODE_MAX_RING 32    /* ... ring lengths up to this */
+#define KVR_GDN_WREC_ROWS 8            /* kvr_gdn_wrec_*: value rows per warp (4 warps a CTA) */
+#define KVR_GDN_WREC_MINB 8            /* ... resident CTAs per SM the registers aim for (dk <= 128) */
 #define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64..512 per key head) */
 #define KVR_GDN_KVONLY_THREADS 128     /* gdn_kvonly.cuh: one CTA per KV-only (batch row, value head) */
 #define KVR_GDN_KVONLY_MAX 256         /* ... entries and value rows at most */

@@ -109,6 +109,10 @@ if [ -x bin/gpu_gdn ]; then
   job gpu_gdn-fused-generic test "KVR_GDN_DECODE=fused KVR_GDN_FDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   # The stateless recurrent step with one-token calls on the general kernel too.
   job gpu_gdn-recur-general test "KVR_GDN_RECUR1=0" bin/gpu_gdn recurrent --test-threads=1 --nocapture
+  # Recurrent pools without a conv window on the recurrent kind of kvr_gdn_wdecode instead of
+  # kvr_gdn_wrec (GDN, Mamba-2 and linear-attention pools).
+  job gpu_gdn-wrec-off test "KVR_GDN_WREC=0" bin/gpu_gdn --test-threads=1 --nocapture
+  [ -x bin/gpu_ssm ] && job gpu_ssm-wrec-off test "KVR_GDN_WREC=0" bin/gpu_ssm --test-threads=1 --nocapture
 fi
 # The paged decode tests with each decode kernel forced (the library picks the cluster,
 # split, batch or stream-K kernel by batch and context; every one must match the CPU backend),

@@ -140,6 +140,10 @@ abi_consts! {
     /// and the most threads of its prep kernel (a CTA per batch row, or per key head of it).
     KVR_GDN_WDECODE_ROWS: usize = 8;
     KVR_GDN_WDECODE_MAX_RING: usize = 32;
+    /// Value rows per warp of the recurrent pools' state kernel without a prep kernel
+    /// (`kvr_gdn_wrec_*`, 4 warps a CTA), and the CTAs per SM its registers aim for (dk <= 128).
+    KVR_GDN_WREC_ROWS: usize = 8;
+    KVR_GDN_WREC_MINB: usize = 8;
     KVR_GDN_DPREP_THREADS: u32 = 512;
     /// Threads of the KV-only decode kernel (a CTA per batch row and value head), and the
     /// most entries and value rows it takes.

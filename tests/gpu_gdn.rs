@@ -499,6 +499,9 @@ fn gpu_decode_matches_cpu_across_flushes() {
         (16, 32, 128, 16, 127, V, F32, BF16, BF16),
         (1, 2, 128, 0, 0, K, F32, F32, F32), // recurrent
         (1, 1, 64, 0, 0, V, BF16, F32, F32), // recurrent, bf16 state
+        // Recurrent V-major pools on kvr_gdn_wrec: Qwen3-Next's layer, dk 256.
+        (16, 32, 128, 0, 0, V, F32, F32, BF16),
+        (1, 2, 256, 0, 0, V, F32, F32, F32),
     ];
     let mut report = Vec::new();
     for (i, &(hk, hv, d, ring, tau, layout, state, entry, input)) in cases.iter().enumerate() {

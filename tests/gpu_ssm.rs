@@ -127,6 +127,7 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
             (16, 0, StateLayout::KMajor, 0),
             (4, 0, StateLayout::VMajor, 0),
             (0, 0, StateLayout::VMajor, 12),
+            (0, 0, StateLayout::VMajor, 0), // recurrent without a prep kernel: kvr_gdn_wrec
             (16, 5, StateLayout::KMajor, 12),
         ]
         .into_iter()
@@ -148,6 +149,7 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
             (16usize, StateLayout::VMajor, 12usize),
             (16, StateLayout::KMajor, 0),
             (0, StateLayout::VMajor, 12),
+            (0, StateLayout::VMajor, 0),
         ]
         .into_iter()
         .enumerate()
@@ -167,6 +169,13 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
     let e = pair_session(&g, c, MAMBA2, sanitizer_scaled(24, 8), 9);
     assert!(e < 2e-4, "Nemotron-H shape: {e:e}");
     worst = worst.max(e);
+    // The same in recurrent mode without a conv window (kvr_gdn_wrec, 64-row heads).
+    let mut c = config(0, 0, StateLayout::VMajor, 0);
+    (c.k_heads, c.v_heads, c.dk, c.dv, c.layers) = (8, 128, 128, 64, 1);
+    let e = pair_session(&g, c, MAMBA2, sanitizer_scaled(24, 8), 10);
+    assert!(e < 2e-4, "Nemotron-H shape, recurrent: {e:e}");
+    worst = worst.max(e);
+    cases += 1;
     println!(
         "{} configurations: GPU vs CPU max relative error {worst:.2e}",
         cases + 1

@@ -118,6 +118,10 @@ pub(crate) enum Kernel {
     },
     /// `kvr_wgkv_scatter` (kernels/wgkv.cu): row copies of the write-gated KV mode.
     WgKvScatter,
+    /// `kvr_gdn_wrec_<state>_v_d<dk>` (kernels/gdn_wdecode.cu): the recurrent pools' state
+    /// kernel where no prep kernel runs (ring 0, no conv window), `KVR_GDN_WREC_ROWS` value
+    /// rows per warp; dk in [`GDN_DECODE_DKS`].
+    GdnWRec { state: DType, dk: usize },
     /// `kvr_wgkv_step` (kernels/wgkv.cu): one decode step of write-gated rows on the device.
     WgKvStep,
     /// `kvr_gdn_fdecode_<state>_v_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the warp-streaming
@@ -199,7 +203,8 @@ const GDN_RECUR1_BASE: usize = 146;
 const GDN_FDECODE_X_BASE: usize = 170;
 const KV_SPLIT_DECODE_BASE: usize = 182;
 const WGKV_STEP: usize = 212;
-const KERNEL_COUNT: usize = 213;
+const GDN_WREC_BASE: usize = 213;
+const KERNEL_COUNT: usize = 219;
 
 /// The builds of the split decode body (kernels/kv_decode.cu `sdecode_body`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -348,6 +353,11 @@ impl Kernel {
             }
         }
         v.push(Kernel::WgKvStep);
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                v.push(Kernel::GdnWRec { state, dk });
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -423,6 +433,9 @@ impl Kernel {
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
             Kernel::WgKvStep => WGKV_STEP,
+            Kernel::GdnWRec { state, dk } => {
+                GDN_WREC_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
+            }
             Kernel::GdnFDecode { state, dk, ring32 } => {
                 GDN_FDECODE_BASE
                     + 4 * dk_slot(dk)
@@ -510,6 +523,7 @@ impl Kernel {
                 format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
             }
             Kernel::WgKvScatter => "kvr_wgkv_scatter".into(),
+            Kernel::GdnWRec { state, dk } => format!("kvr_gdn_wrec_{}_v_d{dk}", state.name()),
             Kernel::WgKvStep => "kvr_wgkv_step".into(),
             Kernel::GdnFDecode { state, dk, ring32 } => format!(
                 "kvr_gdn_fdecode_{}_v_d{dk}_r{}",

@@ -22,7 +22,7 @@ use crate::abi::{
 };
 use crate::abi::{
     gdn_dscratch_floats, KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVONLY_MAX,
-    KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS,
+    KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS, KVR_GDN_WREC_ROWS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{FdSpec, Kernel, GDN_DECODE_DKS};
@@ -232,6 +232,10 @@ struct WDecode {
     fused_pdl: bool,
     /// Shared memory of a prep CTA of one key head (batches below `PREP_SPLIT_ROWS`).
     prep_smem_split: u32,
+    /// Recurrent pools without a conv window: the state kernel of `KVR_GDN_WREC_ROWS` rows a
+    /// warp (`kvr_gdn_wrec`) instead of the recurrent kind of `kvr_gdn_wdecode`
+    /// (KVR_GDN_WREC=0: the latter, for benchmarking).
+    wrec: bool,
 }
 
 /// Batch rows below which the prep kernel runs a CTA per (row, key head) instead of per row
@@ -614,6 +618,17 @@ impl ReplayCuda {
                         fused_rows_one_wave(row_ctas, waves * wave)
                     }),
             };
+            let wrec = cfg.ring_len == 0
+                && cfg.conv_dim == 0
+                && std::env::var("KVR_GDN_WREC").as_deref() != Ok("0")
+                && cuda.prepare_kernel(
+                    Kernel::GdnWRec {
+                        state: cfg.state_dtype,
+                        dk: cfg.dk,
+                    },
+                    0,
+                    (32 * WDECODE_WARPS) as u32,
+                )? > 0;
             let fused_rows = rows_below(fused_occ, 1);
             let fused_rows_x = rows_below(x_occ, FDECODE_SPEC_WAVES);
             (prep > 0 && main > 0).then_some(WDecode {
@@ -634,6 +649,7 @@ impl ReplayCuda {
                 fused_smem,
                 fused_rows_x,
                 fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
+                wrec,
             })
         } else {
             None
@@ -1001,6 +1017,28 @@ impl ReplayCuda {
         }
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
         let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
+        if w.wrec && !prep {
+            // Grid (tiles of 4 warps x KVR_GDN_WREC_ROWS rows, value heads, rows), a
+            // programmatic dependent of the stream's previous kernel.
+            let tv = WDECODE_WARPS * KVR_GDN_WREC_ROWS;
+            p.tv = tv as i32;
+            p.tiles = (cfg.dv / tv) as i32;
+            let kernel = Kernel::GdnWRec {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+            };
+            let mut args = [p as *mut StepParams as *mut c_void];
+            return self.cuda.launch_ex(
+                kernel,
+                (p.tiles as u32, cfg.v_heads as u32, rows as u32),
+                ((32 * WDECODE_WARPS) as u32, 1, 1),
+                0,
+                stream,
+                &mut args,
+                w.fused_pdl,
+                0,
+            );
+        }
         if prep {
             let kernel = Kernel::GdnDPrep {
                 dk: cfg.dk,
