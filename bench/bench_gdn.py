@@ -466,6 +466,11 @@ def summary(v, k=None):
         r = dec[256]
         out["gdn_decode_replay16_floor_frac_b256"] = round(r["replay16_bytes"] / ceil / r["replay16_us"], 3)
         out["gdn_recurrent_vs_fla_b256"] = ratio(r.get("fla_us"), r["recurrent_us"])
+    # issue 14 target 2: recurrent mode at >= 80 % of the copy ceiling from B = 64
+    for B in (64, 128):
+        if B in dec:
+            r = dec[B]
+            out[f"gdn_recurrent_floor_frac_b{B}"] = round(r["recurrent_bytes"] / ceil / r["recurrent_us"], 3)
     ver = {(r["B"], r["T"]): r for r in v.get("verify", [])}
     for T in (4, 8):
         if (128, T) in ver:
