@@ -114,6 +114,22 @@ __device__ __forceinline__ void ld_state(const SD* p, float* d) {
   }
 }
 
+// A warp's RL state rows back to hs (rounded to the state dtype first), by the key map.
+template <typename SD, int DK, int RL>
+__device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int lane) {
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+#pragma unroll
+  for (int r = 0; r < RL; ++r) {
+    if constexpr (!IsSame<SD, float>::value) {
+#pragma unroll
+      for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
+    }
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) st_vec<SD, VW>(hs + r * DK + wkey<DK>(lane, c), &s[r][c]);
+  }
+}
+
 // Ring entries are addressed by physical slot p < L here: the coefficients of slots that hold
 // no buffered entry are 0 and their u values are masked, so that the state kernel can load
 // every slot's u rows before it knows the metadata.
@@ -548,17 +564,7 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     sk = d.y;
   };
   auto scale_state = [&](float f) { scale_rows<RL, KL>(s, f); };
-  auto store_state = [&]() {
-#pragma unroll
-    for (int r = 0; r < RL; ++r) {
-      if constexpr (!IsSame<SD, float>::value) {
-#pragma unroll
-        for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
-      }
-#pragma unroll
-      for (int c = 0; c < KL; c += VW) st_vec<SD, VW>(hs + r * DK + key(c), &s[r][c]);
-    }
-  };
+  auto store_state = [&]() { store_rows<SD, DK, RL>(hs, s, lane); };
 
   float y;
   if constexpr (REC) {
@@ -851,15 +857,7 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
 #pragma unroll
     for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if constexpr (!IsSame<SD, float>::value) {
-#pragma unroll
-      for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
-    }
-#pragma unroll
-    for (int c = 0; c < KL; c += VW) st_vec<SD, VW>(hs + r * DK + key(c), &s[r][c]);
-  }
+  store_rows<SD, DK, R>(hs, s, lane);
   if (writer) stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
   if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
 }

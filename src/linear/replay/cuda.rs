@@ -1001,19 +1001,7 @@ impl ReplayCuda {
                     ring32: w.ring32,
                 },
             };
-            // Grid (tiles, value heads, rows), a programmatic dependent of the stream's
-            // previous kernel (the kernel waits for it before its first read).
-            let mut args = [p as *mut StepParams as *mut c_void];
-            return self.cuda.launch_ex(
-                kernel,
-                (p.tiles as u32, cfg.v_heads as u32, rows as u32),
-                ((32 * WDECODE_WARPS) as u32, 1, 1),
-                w.fused_smem,
-                stream,
-                &mut args,
-                w.fused_pdl,
-                0,
-            );
+            return self.launch_rows_grid(kernel, p, rows, w.fused_smem, w.fused_pdl, stream);
         }
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
         let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
@@ -1027,17 +1015,7 @@ impl ReplayCuda {
                 state: cfg.state_dtype,
                 dk: cfg.dk,
             };
-            let mut args = [p as *mut StepParams as *mut c_void];
-            return self.cuda.launch_ex(
-                kernel,
-                (p.tiles as u32, cfg.v_heads as u32, rows as u32),
-                ((32 * WDECODE_WARPS) as u32, 1, 1),
-                0,
-                stream,
-                &mut args,
-                w.fused_pdl,
-                0,
-            );
+            return self.launch_rows_grid(kernel, p, rows, 0, w.fused_pdl, stream);
         }
         if prep {
             let kernel = Kernel::GdnDPrep {
@@ -1068,6 +1046,32 @@ impl ReplayCuda {
         // A dependent of the prep kernel, or (recurrent pools without one: the kernel waits
         // at entry) of the stream's previous kernel.
         self.run_ex(kernel, shape, p, stream, prep || w.fused_pdl)
+    }
+
+    /// A warp-streaming kernel of 4 warps a CTA on the grid (`p.tiles`, value heads, `rows`),
+    /// as a programmatic dependent of the stream's previous kernel where `pdl` (the kernel
+    /// waits for it before its first read).
+    fn launch_rows_grid(
+        &self,
+        kernel: Kernel,
+        p: &mut StepParams,
+        rows: usize,
+        smem: u32,
+        pdl: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        let grid = (p.tiles as u32, self.lay.cfg.v_heads as u32, rows as u32);
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch_ex(
+            kernel,
+            grid,
+            ((32 * WDECODE_WARPS) as u32, 1, 1),
+            smem,
+            stream,
+            &mut args,
+            pdl,
+            0,
+        )
     }
 
     /// The single-token decode kernel (`p.tv` value rows per CTA, 8 per warp), then the
