@@ -56,6 +56,7 @@
 // engines' calls made constants (FdFix, FdFixM2 below): a step that is a chain of latencies
 // loses the run-time dispatch in front of its first arithmetic (H200: 1.2-1.5x at B <= 8,
 // BENCHMARKS.md).
+#pragma once
 #include "gdn_common.cuh"
 
 

@@ -320,6 +320,10 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_WDECODE_MAX_RING 32    /* ... ring lengths up to this */
 #define KVR_GDN_WREC_ROWS 8            /* kvr_gdn_wrec_*: value rows per warp (4 warps a CTA) */
 #define KVR_GDN_WREC_MINB 8            /* ... resident CTAs per SM the registers aim for (dk <= 128) */
+#define KVR_GDN_WVERIFY_MAX_RING 64    /* kvr_gdn_wverify_*: ring lengths up to this (8 value rows a warp, 4 warps a CTA) */
+#define KVR_GDN_WVERIFY_MINB4 6        /* ... resident CTAs per SM the registers aim for, up to 4 drafts (_t4) */
+#define KVR_GDN_WVERIFY_MINB8 5        /* ... up to 8 drafts (_t8) */
+#define KVR_GDN_WVPREP_THREADS 256     /* kvr_gdn_wvprep_*: one CTA per (batch row, key head) */
 #define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64..512 per key head) */
 #define KVR_GDN_KVONLY_THREADS 128     /* gdn_kvonly.cuh: one CTA per KV-only (batch row, value head) */
 #define KVR_GDN_KVONLY_MAX 256         /* ... entries and value rows at most */
@@ -549,6 +553,51 @@ KVR_ABI_FN struct kvr_gdn_vprep_record kvr_gdn_vprep_record_layout(int32_t dk, i
   struct kvr_gdn_vprep_record s = {0};
   const int32_t lc = l > 0 ? l : 1;
   s.floats = kvr_round4(2 * tm * (dk + lc + tm));
+  return s;
+}
+
+/* The warp-streaming verify's scratch (gdn_wverify.cu, kvr_gdn_step_args.scratch), floats,
+ * for `b` batch rows, written by kvr_gdn_wvprep_* and read by kvr_gdn_wverify_*: per (row, key
+ * head) the drafts' q and k normalized [2][tm][dk] at qk and the ring keys a flush's drafts
+ * displace [tm][dk] at moved; per (row, value head) a record of rec_floats at rec
+ * (kvr_gdn_wvrec_layout; tm: the pool's max_drafts). */
+struct kvr_gdn_wvscratch {
+  int32_t qk, moved, rec, rec_floats, total;
+};
+
+/* One (row, value head) record of that scratch, float offsets: 4 int32 (start, buffered
+ * entries, flush, base), e^G at eg, per draft e^{gam_s} at egam and beta at beta [tm], the
+ * drafts' coefficients ca (beta_s e^{gam_s - gam_s'} k_s . k_s', s' < s) and cb
+ * (e^{gam_s - gam_s'} k_s' . q_s, s' <= s) [tm][tm], the entries' coefficients by ring slot
+ * a (w_j k_j . q_s) and b (w_j k_j . k_s) [tm][KVR_GDN_WVERIFY_MAX_RING], slot p at
+ * (p % 4) * 16 + p / 4, and the weights w_j by slot [KVR_GDN_WVERIFY_MAX_RING] at w (0 where a
+ * slot holds no buffered entry). */
+struct kvr_gdn_wvrec {
+  int32_t eg, egam, beta, ca, cb, a, b, w, floats;
+};
+
+KVR_ABI_FN struct kvr_gdn_wvrec kvr_gdn_wvrec_layout(int32_t tm) {
+  struct kvr_gdn_wvrec s = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+  s.eg = 4;
+  s.egam = 8;
+  s.beta = s.egam + tm;
+  s.ca = s.beta + tm;
+  s.cb = s.ca + tm * tm;
+  s.a = kvr_round4(s.cb + tm * tm);
+  s.b = s.a + KVR_GDN_WVERIFY_MAX_RING * tm;
+  s.w = s.b + KVR_GDN_WVERIFY_MAX_RING * tm;
+  s.floats = s.w + KVR_GDN_WVERIFY_MAX_RING;
+  return s;
+}
+
+KVR_ABI_FN struct kvr_gdn_wvscratch kvr_gdn_wvscratch_layout(int32_t b, int32_t hv, int32_t hk, int32_t dk,
+                                                             int32_t tm) {
+  struct kvr_gdn_wvscratch s = {0, 0, 0, 0, 0};
+  s.qk = 0;
+  s.moved = 2 * b * hk * tm * dk;
+  s.rec = s.moved + b * hk * tm * dk;
+  s.rec_floats = kvr_gdn_wvrec_layout(tm).floats;
+  s.total = s.rec + b * hv * s.rec_floats;
   return s;
 }
 

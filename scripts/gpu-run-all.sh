@@ -105,6 +105,9 @@ if [ -x bin/gpu_gdn ]; then
   job gpu_gdn-stream-persistent test "KVR_GDN_DECODE=stream KVR_GDN_STREAM_PERSIST=1" \
     bin/gpu_gdn --test-threads=1 --nocapture
   job gpu_gdn-verify-general test "KVR_GDN_VERIFY=general" bin/gpu_gdn --test-threads=1 --nocapture
+  # Verify on the streaming kernel (gdn_sverify.cu) where the warp-streaming one applies.
+  job gpu_gdn-verify-stream test "KVR_GDN_VERIFY=stream" bin/gpu_gdn --test-threads=1 --nocapture
+  [ -x bin/gpu_ssm ] && job gpu_ssm-verify-stream test "KVR_GDN_VERIFY=stream" bin/gpu_ssm --test-threads=1 --nocapture
   # The one-launch kernel at every batch without its specialized builds (kvr_gdn_fdecode_*_x*).
   job gpu_gdn-fused-generic test "KVR_GDN_DECODE=fused KVR_GDN_FDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   # The stateless recurrent step with one-token calls on the general kernel too.

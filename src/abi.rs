@@ -144,6 +144,12 @@ abi_consts! {
     /// (`kvr_gdn_wrec_*`, 4 warps a CTA), and the CTAs per SM its registers aim for (dk <= 128).
     KVR_GDN_WREC_ROWS: usize = 8;
     KVR_GDN_WREC_MINB: usize = 8;
+    /// Ring lengths of the warp-streaming verify (gdn_wverify.cu), the CTAs per SM its
+    /// registers aim for up to 4 and 8 drafts, and the threads of its prep kernel.
+    KVR_GDN_WVERIFY_MAX_RING: usize = 64;
+    KVR_GDN_WVERIFY_MINB4: usize = 6;
+    KVR_GDN_WVERIFY_MINB8: usize = 5;
+    KVR_GDN_WVPREP_THREADS: u32 = 256;
     KVR_GDN_DPREP_THREADS: u32 = 512;
     /// Threads of the KV-only decode kernel (a CTA per batch row and value head), and the
     /// most entries and value rows it takes.
@@ -724,6 +730,24 @@ pub(crate) fn gdn_dscratch_floats(
     4 * b + b * hv * rec + 3 * b * hk * dk + b * hv * dv
 }
 
+/// `kvr_gdn_wvrec_layout(tm).floats`: floats of one (row, value head) record of the
+/// warp-streaming verify's scratch.
+pub(crate) fn gdn_wvrec_floats(max_drafts: usize) -> usize {
+    let tm = max_drafts;
+    (8 + 2 * tm + 2 * tm * tm).div_ceil(4) * 4 + (2 * tm + 1) * KVR_GDN_WVERIFY_MAX_RING
+}
+
+/// `kvr_gdn_wvscratch_layout(b, hv, hk, dk, tm).total`: floats of the warp-streaming verify's
+/// scratch for `b` batch rows.
+pub(crate) fn gdn_wvscratch_floats(
+    b: usize,
+    (hv, hk): (usize, usize),
+    dk: usize,
+    max_drafts: usize,
+) -> usize {
+    3 * b * hk * max_drafts * dk + b * hv * gdn_wvrec_floats(max_drafts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -989,6 +1013,32 @@ mod tests {
                     &[1, 2, 3, 5, 8],
                 ]),
                 rust: |a| vec![gdn_vprep_floats(u(a[0]), u(a[1]), u(a[2])) as i64],
+            },
+            Formula {
+                c_fn: "kvr_gdn_wvrec_layout",
+                c_type: "kvr_gdn_wvrec",
+                c_fields: &["floats"],
+                grid: grid(&[&[1, 2, 3, 4, 5, 8]]),
+                rust: |a| vec![gdn_wvrec_floats(u(a[0])) as i64],
+            },
+            Formula {
+                c_fn: "kvr_gdn_wvscratch_layout",
+                c_type: "kvr_gdn_wvscratch",
+                c_fields: &["rec_floats", "total"],
+                grid: grid(&[
+                    &[1, 7, 128],
+                    &[4, 32, 128],
+                    &[1, 8, 16],
+                    &[64, 128],
+                    &[1, 4, 8],
+                ]),
+                rust: |a| {
+                    let (heads, dk, tm) = ((u(a[1]), u(a[2])), u(a[3]), u(a[4]));
+                    vec![
+                        gdn_wvrec_floats(tm) as i64,
+                        gdn_wvscratch_floats(u(a[0]), heads, dk, tm) as i64,
+                    ]
+                },
             },
             Formula {
                 c_fn: "kvr_gdn_dscratch_layout",

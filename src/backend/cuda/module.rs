@@ -143,6 +143,18 @@ pub(crate) enum Kernel {
         ring32: bool,
         spec: FdSpec,
     },
+    /// `kvr_gdn_wvprep_d<dk>` (kernels/gdn_wverify.cu): the per-(row, key head) part of the
+    /// warp-streaming verify; dk in [`GDN_WVERIFY_DKS`].
+    GdnWVprep { dk: usize },
+    /// `kvr_gdn_wverify_<state>_v_d<dk>_t<4|8>[_add]` (kernels/gdn_wverify.cu): the
+    /// warp-streaming verify of V-major states, up to 4 or 8 drafts (`t8`), the additive rule
+    /// or the delta rule; dk in [`GDN_WVERIFY_DKS`].
+    GdnWVerify {
+        state: DType,
+        dk: usize,
+        t8: bool,
+        additive: bool,
+    },
 }
 
 /// What a specialized one-launch decode kernel ([`Kernel::GdnFDecodeX`]) fixes besides its
@@ -204,7 +216,12 @@ const GDN_FDECODE_X_BASE: usize = 170;
 const KV_SPLIT_DECODE_BASE: usize = 182;
 const WGKV_STEP: usize = 212;
 const GDN_WREC_BASE: usize = 213;
-const KERNEL_COUNT: usize = 219;
+const GDN_WVPREP_BASE: usize = 219;
+const GDN_WVERIFY_BASE: usize = 221;
+const KERNEL_COUNT: usize = 237;
+
+/// Key dims the warp-streaming verify is compiled for.
+pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
 
 /// The builds of the split decode body (kernels/kv_decode.cu `sdecode_body`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -358,6 +375,23 @@ impl Kernel {
                 v.push(Kernel::GdnWRec { state, dk });
             }
         }
+        for dk in GDN_WVERIFY_DKS {
+            v.push(Kernel::GdnWVprep { dk });
+        }
+        for dk in GDN_WVERIFY_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for t8 in [false, true] {
+                    for additive in [false, true] {
+                        v.push(Kernel::GdnWVerify {
+                            state,
+                            dk,
+                            t8,
+                            additive,
+                        });
+                    }
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -433,6 +467,19 @@ impl Kernel {
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
             Kernel::WgKvStep => WGKV_STEP,
+            Kernel::GdnWVprep { dk } => GDN_WVPREP_BASE + wv_dk_slot(dk),
+            Kernel::GdnWVerify {
+                state,
+                dk,
+                t8,
+                additive,
+            } => {
+                GDN_WVERIFY_BASE
+                    + 8 * wv_dk_slot(dk)
+                    + if state == DType::BF16 { 4 } else { 0 }
+                    + 2 * t8 as usize
+                    + additive as usize
+            }
             Kernel::GdnWRec { state, dk } => {
                 GDN_WREC_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
             }
@@ -531,6 +578,18 @@ impl Kernel {
                 if ring32 { 32 } else { 16 }
             ),
             Kernel::GdnKvOnly { state, dk } => format!("kvr_gdn_kvonly_{}_d{dk}", state.name()),
+            Kernel::GdnWVprep { dk } => format!("kvr_gdn_wvprep_d{dk}"),
+            Kernel::GdnWVerify {
+                state,
+                dk,
+                t8,
+                additive,
+            } => format!(
+                "kvr_gdn_wverify_{}_v_d{dk}_t{}{}",
+                state.name(),
+                if t8 { 8 } else { 4 },
+                if additive { "_add" } else { "" }
+            ),
             Kernel::GdnFDecodeX {
                 state,
                 ring32,
@@ -552,6 +611,14 @@ fn dk_slot(dk: usize) -> usize {
         .iter()
         .position(|&x| x == dk)
         .expect("a compiled dk")
+}
+
+/// Position of `dk` in [`GDN_WVERIFY_DKS`].
+fn wv_dk_slot(dk: usize) -> usize {
+    GDN_WVERIFY_DKS
+        .iter()
+        .position(|&x| x == dk)
+        .expect("a compiled warp-streaming verify dk")
 }
 
 fn gdn_decode_slot(state: DType, vmajor: bool, dk: usize) -> usize {

@@ -21,11 +21,13 @@ use crate::abi::{
     KVR_GDN_THREADS as THREADS,
 };
 use crate::abi::{
-    gdn_dscratch_floats, KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVONLY_MAX,
-    KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS, KVR_GDN_WREC_ROWS,
+    gdn_dscratch_floats, gdn_wvrec_floats, gdn_wvscratch_floats,
+    KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVONLY_MAX, KVR_GDN_KVONLY_THREADS,
+    KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS, KVR_GDN_WREC_ROWS, KVR_GDN_WVERIFY_MAX_RING,
+    KVR_GDN_WVPREP_THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
-use crate::backend::cuda::module::{FdSpec, Kernel, GDN_DECODE_DKS};
+use crate::backend::cuda::module::{FdSpec, Kernel, GDN_DECODE_DKS, GDN_WVERIFY_DKS};
 use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
@@ -174,7 +176,11 @@ pub(crate) struct ReplayCuda {
     /// kernel (kernels/gdn_sverify.cu) may use, widest first; empty where it does not apply
     /// (recurrent or KV-only pools, other dk, unaligned states, KVR_GDN_VERIFY=general).
     verify_rows: [Vec<(usize, [usize; MAX_DRAFTS + 1])>; 2],
-    /// The verify kernels' per-(row, key head) records, for `verify_chunk` rows a launch.
+    /// The warp-streaming verify (kernels/gdn_wverify.cu), where it applies; else
+    /// `verify_rows` picks the streaming verify.
+    wverify: Option<WVerify>,
+    /// The verify kernels' records (per (row, key head), and per (row, value head) for the
+    /// warp-streaming verify), for `verify_chunk` rows a launch.
     scratch: Option<DeviceBuffer>,
     verify_chunk: usize,
     /// KVR_GDN_VERIFY_ROWS: forced rows per CTA of the verify kernel (benchmarking).
@@ -236,6 +242,16 @@ struct WDecode {
     /// warp (`kvr_gdn_wrec`) instead of the recurrent kind of `kvr_gdn_wdecode`
     /// (KVR_GDN_WREC=0: the latter, for benchmarking).
     wrec: bool,
+}
+
+/// The warp-streaming verify of a pool: V-major states, no KV-only mode, dk in
+/// `GDN_WVERIFY_DKS`, rings of 1..=`KVR_GDN_WVERIFY_MAX_RING` entries.
+#[derive(Clone, Copy)]
+struct WVerify {
+    /// Dynamic shared memory of the prep kernel (the group's ring decays and drafts' scalars).
+    prep_smem: u32,
+    /// Dynamic shared memory of the state kernel (a record and the drafts' q and k).
+    smem: u32,
 }
 
 /// Batch rows below which the prep kernel runs a CTA per (row, key head) instead of per row
@@ -505,17 +521,57 @@ impl ReplayCuda {
                 }
             }
         }
-        let record = crate::abi::gdn_vprep_floats(cfg.dk, cfg.ring_len, cfg.max_drafts) * 4;
-        let verify_chunk = (VERIFY_SCRATCH_MAX / (record * cfg.k_heads))
+        // The warp-streaming verify: V-major replay pools without KV-only mode, rings of up
+        // to 64 entries (KVR_GDN_VERIFY=stream or general: the older kernels).
+        let group = cfg.v_heads / cfg.k_heads.max(1);
+        let wverify = if cfg.layout == StateLayout::VMajor
+            && GDN_WVERIFY_DKS.contains(&cfg.dk)
+            && (1..=KVR_GDN_WVERIFY_MAX_RING).contains(&cfg.ring_len)
+            && cfg.kv_only_threshold == 0
+            && cfg.v_heads % cfg.k_heads == 0
+            && cfg.dv % (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS) == 0
+            && aligned
+            && !matches!(
+                std::env::var("KVR_GDN_VERIFY").as_deref(),
+                Ok("general" | "stream")
+            ) {
+            let prep_smem = (group * (cfg.ring_len + 2 * cfg.max_drafts) * 4) as u32;
+            let smem =
+                ((gdn_wvrec_floats(cfg.max_drafts) + 2 * cfg.max_drafts * cfg.dk) * 4) as u32;
+            let mut fits = cuda.prepare_kernel(
+                Kernel::GdnWVprep { dk: cfg.dk },
+                prep_smem,
+                KVR_GDN_WVPREP_THREADS,
+            )? > 0;
+            for (t8, additive) in [(false, false), (false, true), (true, false), (true, true)] {
+                let k = Kernel::GdnWVerify {
+                    state: cfg.state_dtype,
+                    dk: cfg.dk,
+                    t8,
+                    additive,
+                };
+                fits &= cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
+            }
+            fits.then_some(WVerify { prep_smem, smem })
+        } else {
+            None
+        };
+        let row_bytes = if wverify.is_some() {
+            gdn_wvscratch_floats(1, (cfg.v_heads, cfg.k_heads), cfg.dk, cfg.max_drafts) * 4
+        } else {
+            crate::abi::gdn_vprep_floats(cfg.dk, cfg.ring_len, cfg.max_drafts) * 4 * cfg.k_heads
+        };
+        let verify_chunk = (VERIFY_SCRATCH_MAX / row_bytes)
             .clamp(1, MAX_INLINE)
             .min(cfg.max_seqs);
-        let scratch = if verify_rows.iter().all(|t| t.is_empty()) {
+        let scratch = if wverify.is_none() && verify_rows.iter().all(|t| t.is_empty()) {
             None
         } else {
-            Some(DeviceBuffer::new(
-                cuda,
-                verify_chunk * cfg.k_heads * record,
-            )?)
+            // Zeroed: the state kernels copy whole records, also the rows of drafts a launch
+            // does not have.
+            let buf = DeviceBuffer::new(cuda, verify_chunk * row_bytes)?;
+            buf.fill_async(cuda, 0, Stream::DEFAULT)?;
+            Some(buf)
         };
         // The warp-streaming decode: V-major pools without KV-only mode whose states take
         // 16-byte loads. KVR_GDN_DECODE=stream (or warp, general) selects the older kernels.
@@ -523,7 +579,6 @@ impl ReplayCuda {
         // The prep kernel's shared memory for a CTA of `nkh` key heads: key products,
         // normalized keys, k . q; the new token's (g, beta), ring decays and v of their
         // value heads.
-        let group = cfg.v_heads / cfg.k_heads.max(1);
         let prep_bytes =
             |nkh: usize| (2 * lc + cfg.dk + 1) * nkh * 4 + nkh * group * (lc + cfg.dv + 2) * 4 + 16;
         let prep_smem = prep_bytes(cfg.k_heads);
@@ -705,6 +760,7 @@ impl ReplayCuda {
             stream_persistent,
             stream_batches,
             verify_rows: verify_rows.clone(),
+            wverify,
             scratch,
             verify_chunk,
             verify_pdl: std::env::var("KVR_GDN_VERIFY_PDL").as_deref() != Ok("0"),
@@ -808,6 +864,36 @@ impl ReplayCuda {
         // after issuing its state tile); KVR_GDN_VERIFY_PDL=0 launches it after the prep ends.
         let shape = (grid, STREAM_THREADS, smem);
         self.run_ex(kernel, shape, p, stream, self.verify_pdl)
+    }
+
+    /// The warp-streaming verify: the prep kernel (a CTA per row and key head), then the
+    /// state kernel on the grid (`p.tiles`, value heads, rows) as its programmatic dependent
+    /// (KVR_GDN_VERIFY_PDL=0: after the prep ends).
+    fn launch_wverify(
+        &self,
+        p: &mut StepParams,
+        w: WVerify,
+        rows: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
+        let prep = Kernel::GdnWVprep { dk: cfg.dk };
+        self.run(
+            prep,
+            rows * cfg.k_heads,
+            KVR_GDN_WVPREP_THREADS,
+            w.prep_smem,
+            p,
+            stream,
+        )?;
+        let kernel = Kernel::GdnWVerify {
+            state: cfg.state_dtype,
+            dk: cfg.dk,
+            t8: p.t > 4,
+            additive: p.rule == KVR_GDN_RULE_ADDITIVE,
+        };
+        self.launch_rows_grid(kernel, p, rows, w.smem, self.verify_pdl, stream)
     }
 
     /// The streaming decode launch for a batch of `rows` sequences, or `None` where the
@@ -1349,14 +1435,18 @@ impl Executor for ReplayCuda {
             .wdecode
             .as_ref()
             .filter(|_| step.t == 1 && step.auto_commit);
+        // The warp-streaming verify takes both rules and every T.
+        let wverify = self.wverify.filter(|_| !step.auto_commit);
+        // Launches of at most `verify_chunk` rows where a verify writes the scratch (host
+        // ids also travel inline), in equal shares.
+        let verify_scratch = !step.auto_commit && self.scratch.is_some();
         let chunk_rows = match step.ids {
-            BatchIds::Host(_) if !step.auto_commit && !self.verify_rows[0].is_empty() => {
-                self.verify_chunk
-            }
+            _ if verify_scratch => self.verify_chunk,
             BatchIds::Host(_) => MAX_INLINE,
             BatchIds::Device(_) => usize::MAX,
         }
         .min(wd.map_or(usize::MAX, |w| w.rows));
+        let chunk_rows = step.b.div_ceil(step.b.div_ceil(chunk_rows));
         let mut b0 = 0;
         while b0 < step.b {
             let rows = (step.b - b0).min(chunk_rows);
@@ -1367,7 +1457,7 @@ impl Executor for ReplayCuda {
                 None
             };
             // The streaming verify takes both rules.
-            let verified = if step.auto_commit {
+            let verified = if step.auto_commit || wverify.is_some() {
                 None
             } else {
                 self.verify_launch(cfg, rows, step.t, plan.rule == Rule::Additive)
@@ -1375,6 +1465,7 @@ impl Executor for ReplayCuda {
             let tv = wdecoded
                 .map(|_| WDECODE_WARPS * KVR_GDN_WDECODE_ROWS)
                 .or(streamed.map(|s| s.rows))
+                .or(wverify.map(|_| WDECODE_WARPS * KVR_GDN_WDECODE_ROWS))
                 .or(verified)
                 .or(decode)
                 .unwrap_or_else(|| self.tile(cfg, rows));
@@ -1399,6 +1490,8 @@ impl Executor for ReplayCuda {
                 self.launch_wdecode(&mut p, (w, step.layer), rows, stream)?;
             } else if let Some(launch) = streamed {
                 self.launch_stream(&mut p, launch, stream)?;
+            } else if let Some(w) = wverify {
+                self.launch_wverify(&mut p, w, rows, stream)?;
             } else if verified.is_some() {
                 self.launch_verify(&mut p, rows, stream)?;
             } else if decode.is_some() {

@@ -1,0 +1,447 @@
+// Gated DeltaNet (and additive-rule: Mamba-2, linear attention) speculative verify of T = 1..8
+// drafts, warp-streaming form, in two launches:
+//   kvr_gdn_wvprep_d<dk>                     one CTA per (batch row, key head): the bookkeeping
+//   kvr_gdn_wverify_<state>_v_d<dk>_t<4|8>   one warp per 8 value rows of a (row, value head):
+//   kvr_gdn_wverify_..._add                  the state stream and everything per value row
+// for V-major states in pools without KV-only mode, rings of up to KVR_GDN_WVERIFY_MAX_RING
+// entries (src/linear/replay/cuda.rs picks it; other pools verify on gdn_sverify.cu).
+//
+// gdn_sverify.cu's verify stages each state tile in shared memory and runs a chain of
+// dependent phases per CTA behind barriers (metadata, records, tile, readouts, sums, rows):
+// 2-3 CTAs per SM kept a fifth of the state bandwidth busy (H200, BENCHMARKS.md). This is
+// the decode's split (gdn_wdecode.cu) for T drafts: everything that depends on the metadata
+// is done by a small kernel first, and the state kernel, its programmatic dependent, issues
+// its state rows and every ring slot's u values before it waits for anything.
+//
+// Math (math::verify_head; gdn_sverify.cu): per value row v, with the history
+// H(x) = e^G (S x)[v] + sum_j w_j (k_j . x) u_j[v] (checkpoint S, ring entries j < h, w_j the
+// decays of the entries newer than j) and gam_s = g_0 + ... + g_s,
+//   u_s = beta_s (v_s - e^{gam_s} H(k_s)) - sum_{s' < s} beta_s e^{gam_s - gam_s'} (k_s . k_s') u_s'
+//   y_s = e^{gam_s} H(q_s) + sum_{s' <= s} e^{gam_s - gam_s'} (k_s' . q_s) u_s'
+// (additive rule: u_s = beta_s v_s, no H(k_s)). The u_s go into the ring after the committed
+// entries and the metadata records T pending drafts (kvr_gdn_commit keeps the accepted
+// prefix). When h + 2T > L the ring flushes first: e^G S + sum_j w_j u_j k_j^T is written back
+// and the drafts start a new ring.
+//
+// kvr_gdn_wvprep (per row and key head; lets the state kernel launch at once): the metadata;
+// every ring slot's key (by physical slot: no wait for the metadata) and decays; the drafts'
+// q and k normalized (into the scratch for the state kernel); their products with each other
+// and with every slot's key; per value head of the group the weights w_j, e^G, e^{gam_s},
+// beta_s and both coefficient sets (kvr_gdn_wvrec_layout, entries' by slot, 0 where a slot
+// holds no buffered entry); then the drafts' keys and decays into their ring slots (in a
+// flush, a slot that still holds an entry the state kernel folds has its key moved to the
+// scratch first) and the drafts' conv inputs. The state kernel writes the new metadata (one
+// thread per row, once its griddepcontrol.wait has seen every prep CTA end).
+//
+// kvr_gdn_wverify (per warp: 8 value rows with the whole key dimension in registers; lane
+// 8 x + r serves row r and ring slots x, x + 4, ..): state rows, the u values of its slots and
+// the drafts' v (and gate) first; then the wait, the record and the drafts' q, k copied to
+// shared memory; per draft the two state dot products of every row (one reduce-scatter), the
+// ring's part from the lane's slots (summed over the 4 lanes of a row), the row's forward
+// substitution, its output and ring entry; a flush folds the ring into the rows and stores them.
+#include "gdn_wdecode.cu"
+#include "gdn_stream.cuh"
+
+namespace kvr {
+namespace gdn {
+
+constexpr int kWvSlots = KVR_GDN_WVERIFY_MAX_RING;
+constexpr int kWvPrepWarps = KVR_GDN_WVPREP_THREADS / 32;
+static_assert(kWvSlots == 64, "lane x of a row holds ring slots x + 4 i, i < 16");
+
+// A slot's position in the record's coefficient rows: the 16 slots of a lane contiguous.
+__device__ __forceinline__ int wv_slot_at(int p) { return (p & 3) * 16 + (p >> 2); }
+
+// Suffix sums over a warp (lane j: x_{j+1} + ... + x_31) and the warp's total.
+__device__ __forceinline__ float2 warp_suffix(float x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float t = __shfl_down_sync(0xffffffffu, x, o);
+    if (lane + o < 32) x += t;
+  }
+  float excl = __shfl_down_sync(0xffffffffu, x, 1);
+  if (lane == 31) excl = 0.f;
+  return make_float2(excl, __shfl_sync(0xffffffffu, x, 0));
+}
+
+template <int DK>
+__device__ void wvprep_body(const StepParams& p) {
+  pdl_launch_dependents();
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  constexpr int NW = kWvPrepWarps, SPW = kWvSlots / NW;
+  __shared__ float qs[kMaxT * DK], ks[kMaxT * DK];
+  __shared__ float prq[kMaxT * kWvSlots], prk[kMaxT * kWvSlots];
+  __shared__ float cc[2 * kMaxT * kMaxT];
+  __shared__ int mi[4];
+  extern __shared__ float wvdyn[];  // ring decays [group][L], the drafts' (g, beta) [group][2][T]
+  const int T = p.t, Tm = p.max_drafts, L = p.l;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.x / p.hk, kh = blockIdx.x - b * p.hk;
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  if (seq < 0) return;
+  const int group = p.hv / p.hk, h0 = kh * group;
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
+  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout(Tm);
+  auto key = [&](int c) { return wkey<DK>(lane, c); };
+  // Every slot's key of this key head (warp w: slots w + 8 e), before the metadata.
+  const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+  const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
+  float kj[SPW][KL];
+#pragma unroll
+  for (int e = 0; e < SPW; ++e) {
+    const int sl = warp + NW * e;
+#pragma unroll
+    for (int c = 0; c < KL; c += VW)
+      if (sl < L) ld_entry<VW>(kbase + sl * kstride, p.entry_dtype, key(c), &kj[e][c]);
+  }
+  const int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  if (tid == 0) {
+    const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+    mi[0] = m.y;
+    mi[1] = m.z;
+    mi[2] = __ldcg(meta + kMetaConvEnd);
+  }
+  float* gsm = wvdyn;
+  float* tgb = wvdyn + group * L;
+  for (int i = tid; i < group * L; i += blockDim.x) {
+    const int hh = i / L, sl = i - hh * L;
+    gsm[i] = __ldcg(p.ring_g + (static_cast<int64_t>(seq) * L + sl) * p.hv + h0 + hh);
+  }
+  for (int i = tid; i < group * T; i += blockDim.x) {
+    const int hh = i / T, s = i - hh * T;
+    const float2 gb = token_gb(p, b, s, h0 + hh);
+    tgb[hh * 2 * T + s] = gb.x;
+    tgb[hh * 2 * T + T + s] = gb.y;
+  }
+  // The drafts' q and k normalized (k rounded to the entry dtype, as buffered): a warp each.
+  float* gqk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * Tm * DK;
+  for (int s = warp; s < T; s += NW) {
+    float q[KL], k[KL];
+    load_row<DK>(p.q, b * p.q.s[0] + s * p.q.s[1] + kh * p.q.s[2], lane, q);
+    load_row<DK>(p.k, b * p.k.s[0] + s * p.k.s[1] + kh * p.k.s[2], lane, k);
+    normalize_qk<KL>(p, q, k, true);
+#pragma unroll
+    for (int c = 0; c < KL; ++c) {
+      qs[s * DK + key(c)] = q[c];
+      ks[s * DK + key(c)] = k[c];
+      gqk[s * DK + key(c)] = q[c];
+      gqk[(Tm + s) * DK + key(c)] = k[c];
+    }
+  }
+  __syncthreads();  // q, k, metadata, decays, (g, beta)
+  // Every slot's products with the drafts (k_p . q_s, k_p . k_s), and the drafts' with each
+  // other: k_s . k_s' (s' < s) and k_s' . q_s (s' <= s), a warp per pair.
+#pragma unroll
+  for (int e = 0; e < SPW; ++e) {
+    const int sl = warp + NW * e;
+    if (sl < L) dots_2t<KL, VW, DK>(kj[e], qs, ks, T, lane, prq, prk, kWvSlots, sl);
+  }
+  for (int x = warp; x < 2 * T * T; x += NW) {
+    const bool isq = x >= T * T;
+    const int s = (x % (T * T)) / T, s2 = x % T;
+    if (isq ? s2 > s : s2 >= s) continue;
+    const float* a = (isq ? qs : ks) + s * DK;
+    const float* c = ks + s2 * DK;
+    float d = 0.f;
+    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
+    d = warp_sum(d);
+    if (lane == 0) cc[(isq ? kMaxT * kMaxT : 0) + s * kMaxT + s2] = d;
+  }
+  __syncthreads();  // products
+  const int start = mi[0], hcnt = mi[1], conv_end = mi[2];
+  const bool flush = hcnt + 2 * T > L;
+  const int base = (start + hcnt) % L;
+  // Per value head: the weights of the buffered entries in ring order (lane j: entries j and
+  // j + 32), then by slot (lane p: slots p and p + 32); the drafts' scalars and coefficients.
+  for (int hh = warp; hh < group; hh += NW) {
+    const int h = h0 + hh;
+    float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+    const float* gh = gsm + hh * L;
+    const float2 s0 = warp_suffix(lane < hcnt ? gh[(start + lane) % L] : 0.f, lane);
+    const float2 s1 = warp_suffix(lane + 32 < hcnt ? gh[(start + lane + 32) % L] : 0.f, lane);
+    const float w0 = expf(s0.x + s1.y), w1 = expf(s1.x);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int sl = lane + 32 * half;
+      const int j = (sl - start + kWvSlots * L) % L;
+      const float wa = __shfl_sync(0xffffffffu, w0, j & 31), wb = __shfl_sync(0xffffffffu, w1, j & 31);
+      const bool live = sl < L && j < hcnt;
+      const float w = live ? (j < 32 ? wa : wb) : 0.f;
+      rec[rl.w + sl] = w;
+      const int at = wv_slot_at(sl);
+      for (int s = 0; s < T; ++s) {
+        rec[rl.a + s * kWvSlots + at] = live ? w * prq[s * kWvSlots + sl] : 0.f;
+        rec[rl.b + s * kWvSlots + at] = live ? w * prk[s * kWvSlots + sl] : 0.f;
+      }
+    }
+    const float* tg = tgb + hh * 2 * T;
+    auto gam = [&](int s) {
+      float a = 0.f;
+      for (int i = 0; i <= s; ++i) a += tg[i];
+      return a;
+    };
+    if (lane == 0) {
+      int* hi = reinterpret_cast<int*>(rec);
+      hi[0] = start;
+      hi[1] = hcnt;
+      hi[2] = flush;
+      hi[3] = base;
+      rec[rl.eg] = expf(s0.y + s1.y);
+    }
+    if (lane < T) {
+      rec[rl.egam + lane] = expf(gam(lane));
+      rec[rl.beta + lane] = tg[T + lane];
+    }
+    for (int i = lane; i < T * T; i += 32) {
+      const int s = i / T, s2 = i - s * T;
+      const float e = expf(gam(s) - gam(s2));
+      rec[rl.ca + s * Tm + s2] = s2 < s ? tg[T + s] * e * cc[s * kMaxT + s2] : 0.f;
+      rec[rl.cb + s * Tm + s2] = s2 <= s ? e * cc[kMaxT * kMaxT + s * kMaxT + s2] : 0.f;
+    }
+    // The drafts' decays into their slots (the old ones were read above).
+    if (lane < T) p.ring_g[(static_cast<int64_t>(seq) * L + (base + lane) % L) * p.hv + h] = tg[lane];
+  }
+  // The drafts' keys into their slots; in a flush, a slot that still holds an entry (the
+  // oldest ones, h + s >= L) has its key moved to the scratch first: the state kernel folds it.
+  for (int s = warp; s < T; s += NW) {
+    char* kd = p.ring_k + ((static_cast<int64_t>(seq) * L + (base + s) % L) * p.hk + kh) * DK * ee;
+    if (flush && hcnt + s >= L) {
+      float old[KL];
+#pragma unroll
+      for (int c = 0; c < KL; c += VW) ld_entry<VW>(kd, p.entry_dtype, key(c), &old[c]);
+      float* mv = p.scratch + lay.moved + ((static_cast<int64_t>(b) * p.hk + kh) * Tm + s) * DK;
+#pragma unroll
+      for (int c = 0; c < KL; ++c) mv[key(c)] = old[c];
+    }
+#pragma unroll
+    for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), ks[s * DK + key(c)]);
+  }
+  // This key head's share of the drafts' conv inputs.
+  if (p.conv_dim > 0) {
+    const int lo = static_cast<int>(static_cast<int64_t>(kh) * p.conv_dim / p.hk);
+    const int hi = static_cast<int>(static_cast<int64_t>(kh + 1) * p.conv_dim / p.hk);
+    const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
+    for (int s = 0; s < T; ++s) {
+      char* cw = p.conv + (static_cast<int64_t>(seq) * p.conv_slots + (conv_end + s) % p.conv_slots) * p.conv_dim * ce;
+      for (int c = lo + tid; c < hi; c += blockDim.x)
+        stx(cw, p.conv_dtype, c,
+            ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + s * p.conv_in.s[1] + c * p.conv_in.s[2]));
+    }
+  }
+}
+
+// (S x)[row lane & 7] in every lane, for a warp's 8 state rows (rows8_dots with one vector).
+template <int KL>
+__device__ __forceinline__ float rows8_dot(const float (&s)[8][KL], const float (&x)[KL], int lane) {
+  float P[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    float a = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) a += s[r][c] * x[c];
+    P[r] = a;
+  }
+  const float own = reduce_scatter<8>(P, lane);  // P[lane / 4]
+  return __shfl_sync(0xffffffffu, own, 4 * (lane & 7));
+}
+
+// TM: drafts at most (registers); ADD: the additive rule.
+template <typename SD, int DK, int TM, bool ADD>
+__device__ void wverify_body(const StepParams& p) {
+  constexpr int RL = 8, KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+  constexpr int NS = kWvSlots / 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int T = p.t, Tm = p.max_drafts, L = p.l, dv = p.dv;
+  const int kh = h / (p.hv / p.hk);
+  const int row0 = tile * p.tv + warp * RL;
+  const int rr = lane & 7, qtr = lane >> 3, row = row0 + rr;
+  const bool writer = lane < RL;
+  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const Tensor& out = p.out;
+  auto out_at = [&](int s) { return b * out.s[0] + s * out.s[1] + h * out.s[2] + row * out.s[3]; };
+  if (seq < 0) {
+    if (writer)
+      for (int s = 0; s < T; ++s) stx(out.p, out.dtype, out_at(s), 0.f);
+    return;
+  }
+  auto key = [&](int c) { return wkey<DK>(lane, c); };
+  char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * DK * dv) *
+                             static_cast<int64_t>(sizeof(SD));
+  SD* hs = reinterpret_cast<SD*>(head) + static_cast<int64_t>(row0) * DK;
+  float s[RL][KL];
+#pragma unroll
+  for (int r = 0; r < RL; ++r)
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  // The u values of this lane's slots (qtr + 4 i) in its row, the drafts' v and gate inputs.
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
+  const int64_t ustride = static_cast<int64_t>(p.hv) * dv * ee;
+  float u[NS];
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    const int sl = qtr + 4 * i;
+    u[i] = sl < L ? ldx(ubase + sl * ustride, p.entry_dtype, row) : 0.f;
+  }
+  float vt[TM], zt[TM];
+#pragma unroll
+  for (int x = 0; x < TM; ++x) {
+    vt[x] = x < T ? ldx(p.v.p, p.v.dtype, b * p.v.s[0] + x * p.v.s[1] + h * p.v.s[2] + row * p.v.s[3]) : 0.f;
+    zt[x] = x < T && writer ? epilogue_in(p, b, x, h, row).z : 0.f;
+  }
+  const float skip = p.skip.p ? ldx(p.skip.p, p.skip.dtype, h * p.skip.s[0]) : 0.f;
+  pdl_wait();
+  // The prep kernel's record of this (row, value head) and the drafts' q, k of the key head.
+  extern __shared__ __align__(16) float wvsm[];
+  const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
+  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout(Tm);
+  const float* grec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+  const float* gqk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * Tm * DK;
+  float* rec = wvsm;
+  float* sqk = wvsm + lay.rec_floats;
+  for (int i = threadIdx.x; i < lay.rec_floats / 4; i += blockDim.x) cp_async_16(rec + 4 * i, grec + 4 * i, 16);
+  const int per = T * DK / 4;
+  for (int i = threadIdx.x; i < 2 * per; i += blockDim.x) {
+    const int x = i >= per, o = 4 * (i - x * per);
+    cp_async_16(sqk + x * Tm * DK + o, gqk + x * Tm * DK + o, 16);
+  }
+  cp_async_commit();
+  // One thread a row ends the step (every prep CTA has read the metadata).
+  if (h == 0 && tile == 0 && threadIdx.x == 0) {
+    int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+    const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+    const Place pl{m.z + 2 * T > L, false, (m.y + m.z) % L};
+    finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), pl);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int* hdr = reinterpret_cast<const int*>(rec);
+  const int start = hdr[0], nbuf = hdr[1], base = hdr[3];
+  const bool flush = hdr[2] != 0;
+  const float eG = rec[rl.eg];
+  // Slots that hold no buffered entry: 0 (a select: a stale value may be anything).
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    const int sl = qtr + 4 * i;
+    const int j = sl - start + (sl < start ? L : 0);
+    u[i] = pick(sl < L && j < nbuf, u[i], 0.f);
+  }
+  float ut[TM];
+#pragma unroll
+  for (int x = 0; x < TM; ++x) {
+    ut[x] = 0.f;
+    if (x >= T) continue;
+    // (S q_x), (S k_x) of the row, then the ring's part from this lane's slots.
+    float q[KL], k[KL];
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) {
+      ld_vec<float, VW>(sqk + x * DK + key(c), &q[c]);
+      if constexpr (!ADD) ld_vec<float, VW>(sqk + (Tm + x) * DK + key(c), &k[c]);
+    }
+    float sq, sk = 0.f;
+    if constexpr (ADD) {
+      sq = rows8_dot<KL>(s, q, lane);
+    } else {
+      const float2 d = rows8_dots<KL>(s, q, k, lane);
+      sq = d.x;
+      sk = d.y;
+    }
+    float hq = 0.f, hk = 0.f;
+    const float* A = rec + rl.a + x * kWvSlots + qtr * NS;
+    const float* B = rec + rl.b + x * kWvSlots + qtr * NS;
+#pragma unroll
+    for (int i = 0; i < NS; i += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(A + i);
+      hq += a.x * u[i] + a.y * u[i + 1] + a.z * u[i + 2] + a.w * u[i + 3];
+      if constexpr (!ADD) {
+        const float4 c = *reinterpret_cast<const float4*>(B + i);
+        hk += c.x * u[i] + c.y * u[i + 1] + c.z * u[i + 2] + c.w * u[i + 3];
+      }
+    }
+    hq += __shfl_xor_sync(0xffffffffu, hq, 8);
+    hq += __shfl_xor_sync(0xffffffffu, hq, 16);
+    if constexpr (!ADD) {
+      hk += __shfl_xor_sync(0xffffffffu, hk, 8);
+      hk += __shfl_xor_sync(0xffffffffu, hk, 16);
+    }
+    // The row's forward substitution over the earlier drafts, its output and ring entry.
+    const float eg = rec[rl.egam + x], bt = rec[rl.beta + x];
+    float uu = ADD ? bt * vt[x] : bt * (vt[x] - eg * (eG * sk + hk));
+    if constexpr (!ADD) {
+#pragma unroll
+      for (int y = 0; y < x; ++y) uu -= rec[rl.ca + x * Tm + y] * ut[y];
+    }
+    ut[x] = uu;
+    float yv = eg * (eG * sq + hq);
+#pragma unroll
+    for (int y = 0; y <= x; ++y) yv += rec[rl.cb + x * Tm + y] * ut[y];
+    if (writer) {
+      stx(out.p, out.dtype, out_at(x), epilogue(p, EpilogueIn{skip, zt[x]}, vt[x], yv));
+      char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + (base + x) % L) * p.hv + h) * dv * ee;
+      stx(dst, p.entry_dtype, row, uu);
+    }
+  }
+  if (flush) {
+    // e^G S + sum_j w_j u_j k_j^T into the warp's rows; a slot a draft took holds its old key
+    // in the scratch (the prep kernel moved it). Every lane's u values were read above.
+    scale_rows<RL, KL>(s, eG);
+    const float* W = rec + rl.w;
+    const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+    const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
+    const float* moved = p.scratch + lay.moved + (static_cast<int64_t>(b) * p.hk + kh) * Tm * DK;
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int sl = x + 4 * i;
+        const float w = sl < L ? W[sl] : 0.f;
+        if (w == 0.f) continue;
+        const int sd = (sl - base + L) % L;
+        float kv[KL];
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) {
+          if (sd < T)
+            ld_vec<float, VW>(moved + sd * DK + key(c), &kv[c]);
+          else
+            ld_entry<VW>(kbase + sl * kstride, p.entry_dtype, key(c), &kv[c]);
+        }
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          const float wu = w * __shfl_sync(0xffffffffu, u[i], 8 * x + r);
+#pragma unroll
+          for (int c = 0; c < KL; ++c) s[r][c] += wu * kv[c];
+        }
+      }
+    store_rows<SD, DK, RL>(hs, s, lane);
+  }
+}
+
+}  // namespace gdn
+}  // namespace kvr
+
+#define KVR_GDN_WVERIFY(SD, SN, DK, TM, MB)                                                      \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                          \
+      kvr_gdn_wverify_##SN##_v_d##DK##_t##TM(const __grid_constant__ kvr::gdn::StepParams p) {   \
+    kvr::gdn::wverify_body<SD, DK, TM, false>(p);                                                \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                          \
+      kvr_gdn_wverify_##SN##_v_d##DK##_t##TM##_add(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::wverify_body<SD, DK, TM, true>(p);                                                 \
+  }
+#define KVR_GDN_WVERIFY_DK(DK)                                        \
+  extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS) \
+      kvr_gdn_wvprep_d##DK(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::wvprep_body<DK>(p);                                     \
+  }                                                                   \
+  KVR_GDN_WVERIFY(float, f32, DK, 4, KVR_GDN_WVERIFY_MINB4)           \
+  KVR_GDN_WVERIFY(float, f32, DK, 8, KVR_GDN_WVERIFY_MINB8)           \
+  KVR_GDN_WVERIFY(__nv_bfloat16, bf16, DK, 4, KVR_GDN_WVERIFY_MINB4)  \
+  KVR_GDN_WVERIFY(__nv_bfloat16, bf16, DK, 8, KVR_GDN_WVERIFY_MINB8)
+KVR_GDN_WVERIFY_DK(64)
+KVR_GDN_WVERIFY_DK(128)
+#undef KVR_GDN_WVERIFY_DK
+#undef KVR_GDN_WVERIFY
