@@ -131,12 +131,16 @@ __device__ void wvprep_body(const StepParams& p) {
     }
   }
   __syncthreads();  // q, k, metadata, decays, (g, beta)
-  // Every slot's products with the drafts (k_p . q_s, k_p . k_s), and the drafts' with each
-  // other: k_s . k_s' (s' < s) and k_s' . q_s (s' <= s), a warp per pair.
+  const int start = mi[0], hcnt = mi[1], conv_end = mi[2];
+  const bool flush = hcnt + 2 * T > L;
+  const int base = (start + hcnt) % L;
+  auto live = [&](int sl) { return sl < L && (sl - start + L) % L < hcnt; };
+  // The buffered entries' products with the drafts (k_p . q_s, k_p . k_s), and the drafts'
+  // with each other: k_s . k_s' (s' < s) and k_s' . q_s (s' <= s), a warp per pair.
 #pragma unroll
   for (int e = 0; e < SPW; ++e) {
     const int sl = warp + NW * e;
-    if (sl < L) dots_2t<KL, VW, DK>(kj[e], qs, ks, T, lane, prq, prk, kWvSlots, sl);
+    if (live(sl)) dots_2t<KL, VW, DK>(kj[e], qs, ks, T, lane, prq, prk, kWvSlots, sl);
   }
   for (int x = warp; x < 2 * T * T; x += NW) {
     const bool isq = x >= T * T;
@@ -150,9 +154,6 @@ __device__ void wvprep_body(const StepParams& p) {
     if (lane == 0) cc[(isq ? kMaxT * kMaxT : 0) + s * kMaxT + s2] = d;
   }
   __syncthreads();  // products
-  const int start = mi[0], hcnt = mi[1], conv_end = mi[2];
-  const bool flush = hcnt + 2 * T > L;
-  const int base = (start + hcnt) % L;
   // Per value head: the weights of the buffered entries in ring order (lane j: entries j and
   // j + 32), then by slot (lane p: slots p and p + 32); the drafts' scalars and coefficients.
   for (int hh = warp; hh < group; hh += NW) {
@@ -167,13 +168,13 @@ __device__ void wvprep_body(const StepParams& p) {
       const int sl = lane + 32 * half;
       const int j = (sl - start + kWvSlots * L) % L;
       const float wa = __shfl_sync(0xffffffffu, w0, j & 31), wb = __shfl_sync(0xffffffffu, w1, j & 31);
-      const bool live = sl < L && j < hcnt;
-      const float w = live ? (j < 32 ? wa : wb) : 0.f;
+      const bool lv = live(sl);
+      const float w = lv ? (j < 32 ? wa : wb) : 0.f;
       rec[rl.w + sl] = w;
       const int at = wv_slot_at(sl);
       for (int s = 0; s < T; ++s) {
-        rec[rl.a + s * kWvSlots + at] = live ? w * prq[s * kWvSlots + sl] : 0.f;
-        rec[rl.b + s * kWvSlots + at] = live ? w * prk[s * kWvSlots + sl] : 0.f;
+        rec[rl.a + s * kWvSlots + at] = lv ? w * prq[s * kWvSlots + sl] : 0.f;
+        rec[rl.b + s * kWvSlots + at] = lv ? w * prk[s * kWvSlots + sl] : 0.f;
       }
     }
     const float* tg = tgb + hh * 2 * T;
@@ -387,35 +388,39 @@ __device__ void wverify_body(const StepParams& p) {
   }
   if (flush) {
     // e^G S + sum_j w_j u_j k_j^T into the warp's rows; a slot a draft took holds its old key
-    // in the scratch (the prep kernel moved it). Every lane's u values were read above.
+    // in the scratch (the prep kernel moved it). The u values go through shared memory (the
+    // drafts' q and k space, free once every warp is past its readouts), so that the loop
+    // over the slots stays a loop (unrolled, it made the kernel 40,000 instructions long).
+    __syncthreads();
+    float* uf = sqk + warp * kWvSlots * RL;
+#pragma unroll
+    for (int i = 0; i < NS; ++i) uf[(qtr + 4 * i) * RL + rr] = u[i];
+    __syncwarp();
     scale_rows<RL, KL>(s, eG);
     const float* W = rec + rl.w;
     const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
     const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
     const float* moved = p.scratch + lay.moved + (static_cast<int64_t>(b) * p.hk + kh) * Tm * DK;
+#pragma unroll 1
+    for (int sl = 0; sl < L; ++sl) {
+      const float w = W[sl];
+      if (w == 0.f) continue;
+      const int sd = (sl - base + L) % L;
+      float kv[KL];
 #pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int sl = x + 4 * i;
-        const float w = sl < L ? W[sl] : 0.f;
-        if (w == 0.f) continue;
-        const int sd = (sl - base + L) % L;
-        float kv[KL];
-#pragma unroll
-        for (int c = 0; c < KL; c += VW) {
-          if (sd < T)
-            ld_vec<float, VW>(moved + sd * DK + key(c), &kv[c]);
-          else
-            ld_entry<VW>(kbase + sl * kstride, p.entry_dtype, key(c), &kv[c]);
-        }
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          const float wu = w * __shfl_sync(0xffffffffu, u[i], 8 * x + r);
-#pragma unroll
-          for (int c = 0; c < KL; ++c) s[r][c] += wu * kv[c];
-        }
+      for (int c = 0; c < KL; c += VW) {
+        if (sd < T)
+          ld_vec<float, VW>(moved + sd * DK + key(c), &kv[c]);
+        else
+          ld_entry<VW>(kbase + sl * kstride, p.entry_dtype, key(c), &kv[c]);
       }
+      float wu[RL];
+      ld_vec<float, RL>(uf + sl * RL, wu);
+#pragma unroll
+      for (int r = 0; r < RL; ++r)
+#pragma unroll
+        for (int c = 0; c < KL; ++c) s[r][c] += w * wu[r] * kv[c];
+    }
     store_rows<SD, DK, RL>(hs, s, lane);
   }
 }

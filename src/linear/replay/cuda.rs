@@ -536,8 +536,11 @@ impl ReplayCuda {
                 Ok("general" | "stream")
             ) {
             let prep_smem = (group * (cfg.ring_len + 2 * cfg.max_drafts) * 4) as u32;
-            let smem =
-                ((gdn_wvrec_floats(cfg.max_drafts) + 2 * cfg.max_drafts * cfg.dk) * 4) as u32;
+            // The state kernel: a record and the drafts' q and k (or a flush's u values: 4 warps
+            // x 64 slots x 8 rows).
+            let qk_floats = (2 * cfg.max_drafts * cfg.dk)
+                .max(WDECODE_WARPS * KVR_GDN_WDECODE_ROWS * KVR_GDN_WVERIFY_MAX_RING);
+            let smem = ((gdn_wvrec_floats(cfg.max_drafts) + qk_floats) * 4) as u32;
             let mut fits = cuda.prepare_kernel(
                 Kernel::GdnWVprep { dk: cfg.dk },
                 prep_smem,
