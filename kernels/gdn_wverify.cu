@@ -250,7 +250,7 @@ __device__ __forceinline__ float rows8_dot(const float (&s)[8][KL], const float 
 
 // TM: drafts at most (registers); ADD: the additive rule.
 template <typename SD, int DK, int TM, bool ADD>
-__device__ void wverify_body(const StepParams& p) {
+__device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr int RL = 8, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   constexpr int NS = kWvSlots / 4;
@@ -261,7 +261,7 @@ __device__ void wverify_body(const StepParams& p) {
   const int row0 = tile * p.tv + warp * RL;
   const int rr = lane & 7, qtr = lane >> 3, row = row0 + rr;
   const bool writer = lane < RL;
-  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const int seq = p.ids ? p.ids[b] : ids_inline[b];
   const Tensor& out = p.out;
   auto out_at = [&](int s) { return b * out.s[0] + s * out.s[1] + h * out.s[2] + row * out.s[3]; };
   if (seq < 0) {
@@ -431,11 +431,11 @@ __device__ void wverify_body(const StepParams& p) {
 #define KVR_GDN_WVERIFY(SD, SN, DK, TM, MB)                                                      \
   extern "C" __global__ void __launch_bounds__(128, MB)                                          \
       kvr_gdn_wverify_##SN##_v_d##DK##_t##TM(const __grid_constant__ kvr::gdn::StepParams p) {   \
-    kvr::gdn::wverify_body<SD, DK, TM, false>(p);                                                \
+    kvr::gdn::wverify_body<SD, DK, TM, false>(p, p.ids_inline);                                                \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(128, MB)                                          \
       kvr_gdn_wverify_##SN##_v_d##DK##_t##TM##_add(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::wverify_body<SD, DK, TM, true>(p);                                                 \
+    kvr::gdn::wverify_body<SD, DK, TM, true>(p, p.ids_inline);                                                 \
   }
 #define KVR_GDN_WVERIFY_DK(DK)                                        \
   extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS) \
@@ -448,5 +448,26 @@ __device__ void wverify_body(const StepParams& p) {
   KVR_GDN_WVERIFY(__nv_bfloat16, bf16, DK, 8, KVR_GDN_WVERIFY_MINB8)
 KVR_GDN_WVERIFY_DK(64)
 KVR_GDN_WVERIFY_DK(128)
+// Specialized builds (kvr_gdn_wverify_<state>_v_d128_t<TM>_<FN>): a copy of the parameters with
+// the fields of the engines' calls made constants (gdn_wdecode.cu FdFix, FdFixM2; the host
+// checks a call against them: src/linear/replay/cuda.rs fdecode_spec), so that the per-row
+// work loses its run-time dtype dispatch. The ring length stays a run-time value.
+#define KVR_GDN_WVERIFY_FIX(SD, SN, TM, MB, FIX, ADD, FN)                                        \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                          \
+      kvr_gdn_wverify_##SN##_v_d128_t##TM##_##FN(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::StepParams c = p;                                                                  \
+    FIX::apply(c, p.l);                                                                          \
+    kvr::gdn::wverify_body<SD, 128, TM, ADD>(c, p.ids_inline);                                   \
+  }
+#define KVR_GDN_WVERIFY_SPECS(SD, SN, TM, MB)                                      \
+  KVR_GDN_WVERIFY_FIX(SD, SN, TM, MB, kvr::gdn::FdBf16, false, xbf16)              \
+  KVR_GDN_WVERIFY_FIX(SD, SN, TM, MB, kvr::gdn::FdF32, false, xf32)                \
+  KVR_GDN_WVERIFY_FIX(SD, SN, TM, MB, kvr::gdn::FdM2Bf16, true, m2bf16)
+KVR_GDN_WVERIFY_SPECS(float, f32, 4, KVR_GDN_WVERIFY_MINB4)
+KVR_GDN_WVERIFY_SPECS(float, f32, 8, KVR_GDN_WVERIFY_MINB8)
+KVR_GDN_WVERIFY_SPECS(__nv_bfloat16, bf16, 4, KVR_GDN_WVERIFY_MINB4)
+KVR_GDN_WVERIFY_SPECS(__nv_bfloat16, bf16, 8, KVR_GDN_WVERIFY_MINB8)
+#undef KVR_GDN_WVERIFY_SPECS
+#undef KVR_GDN_WVERIFY_FIX
 #undef KVR_GDN_WVERIFY_DK
 #undef KVR_GDN_WVERIFY

@@ -108,6 +108,9 @@ if [ -x bin/gpu_gdn ]; then
   # Verify on the streaming kernel (gdn_sverify.cu) where the warp-streaming one applies.
   job gpu_gdn-verify-stream test "KVR_GDN_VERIFY=stream" bin/gpu_gdn --test-threads=1 --nocapture
   [ -x bin/gpu_ssm ] && job gpu_ssm-verify-stream test "KVR_GDN_VERIFY=stream" bin/gpu_ssm --test-threads=1 --nocapture
+  # ... and on its general build where a specialized one applies (kvr_gdn_wverify_*_<spec>).
+  job gpu_gdn-wverify-generic test "KVR_GDN_WVERIFY_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
+  [ -x bin/gpu_ssm ] && job gpu_ssm-wverify-generic test "KVR_GDN_WVERIFY_SPEC=0" bin/gpu_ssm --test-threads=1 --nocapture
   # The one-launch kernel at every batch without its specialized builds (kvr_gdn_fdecode_*_x*).
   job gpu_gdn-fused-generic test "KVR_GDN_DECODE=fused KVR_GDN_FDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   # The stateless recurrent step with one-token calls on the general kernel too.

@@ -235,6 +235,25 @@ fn gpu_mamba2_engine_dtypes_match_cpu() {
             };
             assert!(e < tol, "ring {ring} {state}/{entry} round {round}: {e:e}");
             worst = worst.max(e);
+            // Verify rounds with these dtypes (f32 entries: the specialized warp-streaming verify
+            // kernels), then a commit of some of the drafts.
+            if round % 3 == 2 {
+                let t = 1 + round % 8;
+                let xv = random_tokens(&mut rng, &c, MAMBA2, ids.len(), t);
+                let a = cpu.run_as(0, MAMBA2, &prm, &ids, &xv, true, BF16).unwrap();
+                let b = gpu.run_as(0, MAMBA2, &prm, &ids, &xv, true, BF16).unwrap();
+                let e = err(&a, &b, c.dv);
+                assert!(
+                    e < tol,
+                    "ring {ring} {state}/{entry} verify round {round} T {t}: {e:e}"
+                );
+                worst = worst.max(e);
+                let acc: Vec<i32> = (0..ids.len())
+                    .map(|r| ((round + r) % (t + 1)) as i32)
+                    .collect();
+                cpu.commit(&ids, &acc).unwrap();
+                gpu.commit(&ids, &acc).unwrap();
+            }
             for &id in &ids {
                 assert_eq!(cpu.meta(0, id)[..5], gpu.meta(0, id)[..5], "round {round}");
             }

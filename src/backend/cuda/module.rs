@@ -155,6 +155,14 @@ pub(crate) enum Kernel {
         t8: bool,
         additive: bool,
     },
+    /// `kvr_gdn_wverify_<state>_v_d128_t<4|8>_<spec>` (kernels/gdn_wverify.cu): the
+    /// warp-streaming verify specialized like [`Kernel::GdnFDecodeX`] (dk 128, f32 entries, no
+    /// conv window, the dtypes and rule of `spec`; any ring length).
+    GdnWVerifyX {
+        state: DType,
+        t8: bool,
+        spec: FdSpec,
+    },
 }
 
 /// What a specialized one-launch decode kernel ([`Kernel::GdnFDecodeX`]) fixes besides its
@@ -218,7 +226,8 @@ const WGKV_STEP: usize = 212;
 const GDN_WREC_BASE: usize = 213;
 const GDN_WVPREP_BASE: usize = 219;
 const GDN_WVERIFY_BASE: usize = 221;
-const KERNEL_COUNT: usize = 237;
+const GDN_WVERIFY_X_BASE: usize = 237;
+const KERNEL_COUNT: usize = 249;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -392,6 +401,13 @@ impl Kernel {
                 }
             }
         }
+        for state in [DType::F32, DType::BF16] {
+            for t8 in [false, true] {
+                for spec in FdSpec::ALL {
+                    v.push(Kernel::GdnWVerifyX { state, t8, spec });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -479,6 +495,13 @@ impl Kernel {
                     + if state == DType::BF16 { 4 } else { 0 }
                     + 2 * t8 as usize
                     + additive as usize
+            }
+            Kernel::GdnWVerifyX { state, t8, spec } => {
+                let sp = FdSpec::ALL.iter().position(|&x| x == spec).expect("a spec");
+                GDN_WVERIFY_X_BASE
+                    + 6 * if state == DType::BF16 { 1 } else { 0 }
+                    + 3 * t8 as usize
+                    + sp
             }
             Kernel::GdnWRec { state, dk } => {
                 GDN_WREC_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
@@ -589,6 +612,12 @@ impl Kernel {
                 state.name(),
                 if t8 { 8 } else { 4 },
                 if additive { "_add" } else { "" }
+            ),
+            Kernel::GdnWVerifyX { state, t8, spec } => format!(
+                "kvr_gdn_wverify_{}_v_d128_t{}_{}",
+                state.name(),
+                if t8 { 8 } else { 4 },
+                spec.name()
             ),
             Kernel::GdnFDecodeX {
                 state,

@@ -252,6 +252,9 @@ struct WVerify {
     prep_smem: u32,
     /// Dynamic shared memory of the state kernel (a record and the drafts' q and k).
     smem: u32,
+    /// The specialized state kernels apply where a call fits one (`fdecode_spec`): dk 128,
+    /// f32 entries (KVR_GDN_WVERIFY_SPEC=0: never).
+    spec: bool,
 }
 
 /// Batch rows below which the prep kernel runs a CTA per (row, key head) instead of per row
@@ -555,7 +558,24 @@ impl ReplayCuda {
                 };
                 fits &= cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
             }
-            fits.then_some(WVerify { prep_smem, smem })
+            let mut spec = cfg.dk == 128
+                && cfg.entry_dtype == DType::F32
+                && std::env::var("KVR_GDN_WVERIFY_SPEC").as_deref() != Ok("0");
+            for t8 in [false, true] {
+                for s in FdSpec::ALL {
+                    let k = Kernel::GdnWVerifyX {
+                        state: cfg.state_dtype,
+                        t8,
+                        spec: s,
+                    };
+                    spec = spec && cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
+                }
+            }
+            fits.then_some(WVerify {
+                prep_smem,
+                smem,
+                spec,
+            })
         } else {
             None
         };
@@ -890,11 +910,19 @@ impl ReplayCuda {
             p,
             stream,
         )?;
-        let kernel = Kernel::GdnWVerify {
-            state: cfg.state_dtype,
-            dk: cfg.dk,
-            t8: p.t > 4,
-            additive: p.rule == KVR_GDN_RULE_ADDITIVE,
+        let t8 = p.t > 4;
+        let kernel = match fdecode_spec(p).filter(|_| w.spec) {
+            Some(spec) => Kernel::GdnWVerifyX {
+                state: cfg.state_dtype,
+                t8,
+                spec,
+            },
+            None => Kernel::GdnWVerify {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+                t8,
+                additive: p.rule == KVR_GDN_RULE_ADDITIVE,
+            },
         };
         self.launch_rows_grid(kernel, p, rows, w.smem, self.verify_pdl, stream)
     }
