@@ -66,6 +66,19 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// Suffix sums over a warp, lane j's value x_j: (x_{j+1} + ... + x_31, the warp's total) in lane
+// j. The ring weights' scan (w_j = e^{g_{j+1} + ... + g_{h-1}}).
+__device__ __forceinline__ float2 warp_suffix(float x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float t = __shfl_down_sync(0xffffffffu, x, o);
+    if (lane + o < 32) x += t;
+  }
+  float excl = __shfl_down_sync(0xffffffffu, x, 1);
+  if (lane == 31) excl = 0.f;
+  return make_float2(excl, __shfl_sync(0xffffffffu, x, 0));
+}
+
 template <typename SD> struct StateIO;
 template <> struct StateIO<float> {
   static __device__ __forceinline__ float4 load(const char* base, int64_t e) {

@@ -315,17 +315,10 @@ __device__ void decode_body(const StepParams& p) {
       float carry = 0.f;
       for (int blk = blk0; blk >= 0; blk -= 32) {
         const int jl = blk + lane;
-        float x = jl < nbuf ? gs[jl] : 0.f;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const float t = __shfl_down_sync(0xffffffffu, x, o);
-          if (lane + o < 32) x += t;
-        }
-        float excl = __shfl_down_sync(0xffffffffu, x, 1);
-        if (lane == 31) excl = 0.f;
-        const float wj = jl < nbuf ? expf(carry + excl) : 0.f;
+        const float2 sc = warp_suffix(jl < nbuf ? gs[jl] : 0.f, lane);
+        const float wj = jl < nbuf ? expf(carry + sc.x) : 0.f;
         const float cqw = jl < nbuf ? wj * cq[jl] : 0.f, ckw = jl < nbuf ? wj * ck[jl] : 0.f;
-        carry += __shfl_sync(0xffffffffu, x, 0);
+        carry += sc.y;
         if (blk != blk0) {
 #pragma unroll
           for (int i = 0; i < 8; ++i)

@@ -95,6 +95,25 @@ __device__ __forceinline__ void store_kmajor_tile(const unsigned char* src, char
   }
 }
 
+// The drafts' products with each other, a warp per pair (warps w0, w0 + nw, ..): k_s . k_s'
+// (s' < s) at cc[s * st + s'] and k_s' . q_s (s' <= s) at cc[st * st + s * st + s'], from
+// q and k rows of DK floats (natural key order).
+template <int DK>
+__device__ __forceinline__ void draft_pairs(const float* qs, const float* ks, int T, int w0, int nw, int lane,
+                                            float* cc, int st) {
+  for (int x = w0; x < 2 * T * T; x += nw) {
+    const bool isq = x >= T * T;
+    const int s = (x % (T * T)) / T, s2 = x % T;
+    if (isq ? s2 > s : s2 >= s) continue;
+    const float* a = (isq ? qs : ks) + s * DK;
+    const float* c = ks + s2 * DK;
+    float d = 0.f;
+    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
+    d = warp_sum(d);
+    if (lane == 0) cc[(isq ? st * st : 0) + s * st + s2] = d;
+  }
+}
+
 // Weights of a ring's entries by a suffix scan over their decays gs[0..nbuf) (one warp, blocks
 // of 32 entries, last block first): f(j, w_j) for every entry, w_j = e^{g_{j+1} + ... +
 // g_{nbuf-1}}; returns e^G, G the sum of all decays (every lane).
@@ -103,16 +122,9 @@ __device__ __forceinline__ float suffix_weights(const float* gs, int nbuf, int l
   float carry = 0.f;
   for (int blk = nbuf > 0 ? ((nbuf - 1) / 32) * 32 : -32; blk >= 0; blk -= 32) {
     const int jl = blk + lane;
-    float x = jl < nbuf ? gs[jl] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_down_sync(0xffffffffu, x, o);
-      if (lane + o < 32) x += t;
-    }
-    float excl = __shfl_down_sync(0xffffffffu, x, 1);
-    if (lane == 31) excl = 0.f;
-    if (jl < nbuf) f(jl, expf(carry + excl));
-    carry += __shfl_sync(0xffffffffu, x, 0);
+    const float2 sc = warp_suffix(jl < nbuf ? gs[jl] : 0.f, lane);
+    if (jl < nbuf) f(jl, expf(carry + sc.x));
+    carry += sc.y;
   }
   return expf(carry);
 }

@@ -87,17 +87,7 @@ __device__ void vprep_body(const StepParams& p) {
   }
   __syncthreads();
   // Draft pairs: k_s . k_s' (s' < s) and k_s' . q_s (s' <= s), a warp per pair.
-  for (int x = warp; x < 2 * T * T; x += kStreamWarps) {
-    const bool isq = x >= T * T;
-    const int s = (x % (T * T)) / T, s2 = x % T;
-    if (isq ? s2 > s : s2 >= s) continue;
-    const float* a = (isq ? qs : ks) + s * DK;
-    const float* c = ks + s2 * DK;
-    float d = 0.f;
-    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
-    d = warp_sum(d);
-    if (lane == 0) cc[(isq ? Tm * Tm : 0) + s * Tm + s2] = d;
-  }
+  draft_pairs<DK>(qs, ks, T, warp, kStreamWarps, lane, cc, Tm);
   // Entry products: a warp per entry, the next entry's key loaded ahead, four sums per reduce4.
   for (int j = warp; j < nbuf; j += kStreamWarps) {
     float kj[KL];

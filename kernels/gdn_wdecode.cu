@@ -115,6 +115,17 @@ __device__ __forceinline__ void ld_state(const SD* p, float* d) {
   }
 }
 
+// A warp's RL state rows from hs, by the key map (evict-first loads).
+template <typename SD, int DK, int RL>
+__device__ __forceinline__ void load_rows(const SD* hs, float (&s)[RL][DK / 32], int lane) {
+  constexpr int KL = DK / 32;
+  constexpr int VW = KL < 4 ? KL : 4;
+#pragma unroll
+  for (int r = 0; r < RL; ++r)
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + wkey<DK>(lane, c), &s[r][c]);
+}
+
 // A warp's RL state rows back to hs (rounded to the state dtype first), by the key map.
 template <typename SD, int DK, int RL>
 __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int lane) {
@@ -307,15 +318,8 @@ __device__ void dprep_body(const StepParams& p) {
       const int slot = (start + lane) % L;
       const bool live = lane < nbuf;
       const float x0 = lane < L ? gsm[hh * Lc + slot] : 0.f;
-      float x = live ? x0 : 0.f;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const float t = __shfl_down_sync(0xffffffffu, x, o);
-        if (lane + o < 32) x += t;
-      }
-      float excl = __shfl_down_sync(0xffffffffu, x, 1);
-      if (lane == 31) excl = 0.f;
-      const float total = __shfl_sync(0xffffffffu, x, 0);
+      const float2 sc = warp_suffix(live ? x0 : 0.f, lane);
+      const float excl = sc.x, total = sc.y;
       float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
       if (lane < L) {
         const float w = live ? expf(excl) : 0.f;
@@ -393,10 +397,7 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
                              static_cast<int64_t>(sizeof(SD));
   SD* hs = reinterpret_cast<SD*>(head) + static_cast<int64_t>(row0) * DK;
   float s[RL][KL];
-#pragma unroll
-  for (int r = 0; r < RL; ++r)
-#pragma unroll
-    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  load_rows<SD, DK, RL>(hs, s, lane);
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   // Recurrent pools: the thread that counts the step reads the metadata now, so that its
@@ -502,15 +503,8 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     const int start = m0.y, hcnt = m0.z;
     const int slot_j = (start + lane) % L;
     const bool live_j = lane < hcnt;
-    float x = pick(live_j, __shfl_sync(0xffffffffu, gsl, slot_j), 0.f);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_down_sync(0xffffffffu, x, o);
-      if (lane + o < 32) x += t;
-    }
-    float excl = __shfl_down_sync(0xffffffffu, x, 1);
-    if (lane == 31) excl = 0.f;
-    const float total = __shfl_sync(0xffffffffu, x, 0);
+    const float2 sc = warp_suffix(pick(live_j, __shfl_sync(0xffffffffu, gsl, slot_j), 0.f), lane);
+    const float excl = sc.x, total = sc.y;
     const float w_j = live_j ? expf(excl) : 0.f;
     const int j_s = (lane - start + 32 * L) % L;
     const float w_s = __shfl_sync(0xffffffffu, w_j, j_s);
@@ -776,7 +770,6 @@ using FdM2Bf16 = FdFixM2<KVR_DT_BF16>;
 template <typename SD, int DK, int R>
 __device__ __forceinline__ void wrec_body(const StepParams& p) {
   constexpr int KL = DK / 32;
-  constexpr int VW = KL < 4 ? KL : 4;
   static_assert(R == 4 || R == 8, "rows per warp");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -799,10 +792,7 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
                                                static_cast<int64_t>(sizeof(SD))) +
            static_cast<int64_t>(row0) * DK;
   float s[R][KL];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  load_rows<SD, DK, R>(hs, s, lane);
   pdl_launch_dependents();
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   const bool counter = h == 0 && tile == 0 && threadIdx.x == 0;

@@ -52,18 +52,6 @@ static_assert(kWvSlots == 64, "lane x of a row holds ring slots x + 4 i, i < 16"
 // A slot's position in the record's coefficient rows: the 16 slots of a lane contiguous.
 __device__ __forceinline__ int wv_slot_at(int p) { return (p & 3) * 16 + (p >> 2); }
 
-// Suffix sums over a warp (lane j: x_{j+1} + ... + x_31) and the warp's total.
-__device__ __forceinline__ float2 warp_suffix(float x, int lane) {
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float t = __shfl_down_sync(0xffffffffu, x, o);
-    if (lane + o < 32) x += t;
-  }
-  float excl = __shfl_down_sync(0xffffffffu, x, 1);
-  if (lane == 31) excl = 0.f;
-  return make_float2(excl, __shfl_sync(0xffffffffu, x, 0));
-}
-
 template <int DK>
 __device__ void wvprep_body(const StepParams& p) {
   pdl_launch_dependents();
@@ -142,17 +130,7 @@ __device__ void wvprep_body(const StepParams& p) {
     const int sl = warp + NW * e;
     if (live(sl)) dots_2t<KL, VW, DK>(kj[e], qs, ks, T, lane, prq, prk, kWvSlots, sl);
   }
-  for (int x = warp; x < 2 * T * T; x += NW) {
-    const bool isq = x >= T * T;
-    const int s = (x % (T * T)) / T, s2 = x % T;
-    if (isq ? s2 > s : s2 >= s) continue;
-    const float* a = (isq ? qs : ks) + s * DK;
-    const float* c = ks + s2 * DK;
-    float d = 0.f;
-    for (int i = lane; i < DK; i += 32) d += a[i] * c[i];
-    d = warp_sum(d);
-    if (lane == 0) cc[(isq ? kMaxT * kMaxT : 0) + s * kMaxT + s2] = d;
-  }
+  draft_pairs<DK>(qs, ks, T, warp, NW, lane, cc, kMaxT);
   __syncthreads();  // products
   // Per value head: the weights of the buffered entries in ring order (lane j: entries j and
   // j + 32), then by slot (lane p: slots p and p + 32); the drafts' scalars and coefficients.
@@ -274,10 +252,7 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
                              static_cast<int64_t>(sizeof(SD));
   SD* hs = reinterpret_cast<SD*>(head) + static_cast<int64_t>(row0) * DK;
   float s[RL][KL];
-#pragma unroll
-  for (int r = 0; r < RL; ++r)
-#pragma unroll
-    for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + key(c), &s[r][c]);
+  load_rows<SD, DK, RL>(hs, s, lane);
   // The u values of this lane's slots (qtr + 4 i) in its row, the drafts' v and gate inputs.
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
   const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
