@@ -3,7 +3,9 @@
 // (kernels/gdn_stream.cu) on the same pool contents (Qwen3-Next layer: 16/32 heads, d 128, f32
 // state V-major, f32 ring): outputs, states, ring and metadata compared after 40 steps; then µs
 // per step under graph replay (16-step cycles, so one flush per sequence), the prep and state
-// kernels alone, and the state kernel in recurrent mode; and the one-launch form
+// kernels alone, and the state kernel in recurrent mode; every step of two flush cycles
+// timed on its own (eager, events between steps: the flush step stands out), then again with
+// an event between the prep and the state kernel (prep | state, no overlap); and the one-launch form
 // (kvr_gdn_fdecode, small batches, and its specialized form) on a third and fourth copy of
 // the pool, checked the same way. The
 // device has nvcc, so a kernel edit
@@ -310,6 +312,47 @@ int main(int argc, char** argv) {
       kvr_gdn_wdecode_f32_v_d128_r0<<<MAIN_GRID(B), 128, 0, st>>>(prec);
     });
     printf("      prep alone %.2f us, main alone %.2f us, main recurrent (L=0) %.2f us\n", tprep, tmain, trec);
+    {
+      // per-step times over one flush cycle (eager, events between steps; the flush step is
+      // the slow one), then the same with an event between prep and state kernel (no PDL
+      // overlap): prep / state kernel per step
+      const int NS = 2 * (L > 0 ? L : 1);
+      std::vector<cudaEvent_t> ev(2 * NS + 1);
+      for (size_t i = 0; i < ev.size(); ++i) CK(cudaEventCreate(&ev[i]));
+      for (int i = 0; i < NS; ++i) launch_w(i % NSETS, out[1]);
+      CK(cudaEventRecord(ev[0], st));
+      for (int i = 0; i < NS; ++i) {
+        launch_w(i % NSETS, out[1]);
+        CK(cudaEventRecord(ev[i + 1], st));
+      }
+      CK(cudaStreamSynchronize(st));
+      printf("      per step (PDL):");
+      for (int i = 0; i < NS; ++i) {
+        float ms;
+        cudaEventElapsedTime(&ms, ev[i], ev[i + 1]);
+        printf(" %.1f", ms * 1e3);
+      }
+      printf("\n      per step prep | state (no overlap):");
+      CK(cudaEventRecord(ev[0], st));
+      for (int i = 0; i < NS; ++i) {
+        StepParams p = params(1, i % NSETS, out[1]);
+        p.tv = 32; p.tiles = D / 32; p.stages = B < 128 ? HK : 1;
+        if (B < 128) PREP<<<B * HK, 64, PREP_SMEM(1), st>>>(p); else PREP<<<B, KVR_GDN_DPREP_THREADS, PREP_SMEM(HK), st>>>(p);
+        CK(cudaEventRecord(ev[2 * i + 1], st));
+        MAIN<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
+        CK(cudaEventRecord(ev[2 * i + 2], st));
+      }
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGetLastError());
+      for (int i = 0; i < NS; ++i) {
+        float a, b;
+        cudaEventElapsedTime(&a, ev[2 * i], ev[2 * i + 1]);
+        cudaEventElapsedTime(&b, ev[2 * i + 1], ev[2 * i + 2]);
+        printf(" %.1f|%.1f", a * 1e3, b * 1e3);
+      }
+      printf("\n");
+      for (auto& e : ev) cudaEventDestroy(e);
+    }
     const double tf = time(launch_f);
     printf("      one launch (fdecode) %.2f us (%.2fx stream, %.2fx wdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
            tf, ts / tf, tw / tf, e_fout, e_fstate, e_fring, fmeta_ok ? "meta ok" : "META MISMATCH");
