@@ -12,6 +12,13 @@
 //! Targets: sm_80, sm_86, sm_89 and sm_90a machine code plus compute_80 PTX
 //! (`KVR_CUDA_ARCHS=90a` narrows the machine-code list for quick local builds).
 //! With the `header` feature and `KVR_HEADER_OUT` set, it also writes the C header there.
+//!
+//! Kernel cache: compiling the fatbin for every target takes many minutes, and cargo runs
+//! this script once per profile and target directory (check, test, release, the C examples'
+//! CMake build). The fatbin is therefore kept under a key made of everything that goes into
+//! it (the bytes of every file in `kernels/`, the nvcc path and release, every nvcc
+//! argument) in `kvr-kernel-cache/` of the outermost cargo target directory, and reused when
+//! the key matches. `KVR_KERNEL_CACHE` names another directory, or `none` to always compile.
 
 use std::env;
 use std::fs;
@@ -36,6 +43,7 @@ fn main() {
         "KVR_NVCC_FLAGS",
         "KVR_PTXAS_VERBOSE",
         "KVR_HEADER_OUT",
+        "KVR_KERNEL_CACHE",
     ] {
         println!("cargo::rerun-if-env-changed={var}");
     }
@@ -146,7 +154,8 @@ fn build_kernels(manifest: &Path, out_dir: &Path) {
         "-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
     ));
     arch_list.push(format!("compute_{PTX_ARCH} PTX"));
-    if matches!(env::var("KVR_PTXAS_VERBOSE").as_deref(), Ok("1")) {
+    let verbose = matches!(env::var("KVR_PTXAS_VERBOSE").as_deref(), Ok("1"));
+    if verbose {
         cmd.arg("-Xptxas=-v");
     }
     // nvcc 12.8+ can compress the machine code hard: ~10x smaller fatbin, decompressed
@@ -157,11 +166,28 @@ fn build_kernels(manifest: &Path, out_dir: &Path) {
     if let Ok(extra) = env::var("KVR_NVCC_FLAGS") {
         cmd.args(extra.split_whitespace());
     }
+    let cache = if verbose {
+        None
+    } else {
+        kernel_cache(out_dir, manifest, &kernel_dir, &nvcc, &version, &cmd)
+    };
+    let description = format!(
+        "nvcc {version} ({}), targets {}",
+        nvcc.display(),
+        arch_list.join(", ")
+    );
+    if let Some(cached) = cache.as_ref().filter(|c| c.is_file()) {
+        if fs::copy(cached, &fatbin).is_ok() {
+            println!("cargo::rustc-cfg=kvr_kernels");
+            write_kernel_module(out_dir, Some(&fatbin), &description);
+            return;
+        }
+    }
     let output = cmd
         .output()
         .unwrap_or_else(|e| panic!("failed to run {}: {e}", nvcc.display()));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    if matches!(env::var("KVR_PTXAS_VERBOSE").as_deref(), Ok("1")) {
+    if verbose {
         fs::write(out_dir.join("ptxas.log"), stderr.as_bytes()).ok();
         println!(
             "cargo::warning=kvreplay: ptxas report in {}",
@@ -175,13 +201,107 @@ fn build_kernels(manifest: &Path, out_dir: &Path) {
             nvcc.display()
         );
     }
-    let description = format!(
-        "nvcc {version} ({}), targets {}",
-        nvcc.display(),
-        arch_list.join(", ")
-    );
+    if let Some(cached) = cache {
+        store_in_cache(&fatbin, &cached);
+    }
     println!("cargo::rustc-cfg=kvr_kernels");
     write_kernel_module(out_dir, Some(&fatbin), &description);
+}
+
+/// The cache file for this build's fatbin, or `None` when caching is off or no cache
+/// directory can be found. The key hashes every file in `kernels/` (name and bytes), the
+/// source tree's path (line info names the sources), the nvcc path and release, and every
+/// nvcc argument except the output and umbrella paths (which differ per profile).
+fn kernel_cache(
+    out_dir: &Path,
+    manifest: &Path,
+    kernel_dir: &Path,
+    nvcc: &Path,
+    version: &str,
+    cmd: &Command,
+) -> Option<PathBuf> {
+    let dir = match env::var_os("KVR_KERNEL_CACHE") {
+        Some(v) if matches!(v.to_str(), Some("none" | "off" | "0")) => return None,
+        Some(v) if !v.is_empty() => PathBuf::from(v),
+        // The outermost ancestor of OUT_DIR that cargo marked as a target directory, so
+        // that nested target directories (`--target-dir target/x`) share one cache.
+        _ => out_dir
+            .ancestors()
+            .filter(|d| d.join("CACHEDIR.TAG").is_file())
+            .last()?
+            .join("kvr-kernel-cache"),
+    };
+    let mut files: Vec<PathBuf> = fs::read_dir(kernel_dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    let mut key = Fnv64::new();
+    key.add(b"kvreplay kernel cache v1");
+    key.add(manifest.as_os_str().as_encoded_bytes());
+    key.add(nvcc.as_os_str().as_encoded_bytes());
+    key.add(version.as_bytes());
+    for arg in cmd.get_args() {
+        let arg = Path::new(arg);
+        if arg.starts_with(out_dir) {
+            continue;
+        }
+        key.add(arg.as_os_str().as_encoded_bytes());
+    }
+    for file in &files {
+        key.add(file.file_name()?.as_encoded_bytes());
+        key.add(&fs::read(file).ok()?);
+    }
+    Some(dir.join(format!("{:016x}.fatbin", key.finish())))
+}
+
+/// Copies a freshly compiled fatbin into the cache (write, then rename: a concurrent build
+/// never reads half a file) and keeps the 4 newest entries. Failures only cost the cache.
+fn store_in_cache(fatbin: &Path, cached: &Path) {
+    let Some(dir) = cached.parent() else { return };
+    if fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = cached.with_extension(format!("tmp{}", std::process::id()));
+    if fs::copy(fatbin, &tmp).is_err() || fs::rename(&tmp, cached).is_err() {
+        fs::remove_file(&tmp).ok();
+        return;
+    }
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "fatbin"))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    entries.sort();
+    let excess = entries.len().saturating_sub(4);
+    for (_, old) in entries.into_iter().take(excess) {
+        fs::remove_file(old).ok();
+    }
+}
+
+/// 64-bit FNV-1a over length-prefixed fields (stable across Rust releases, unlike
+/// `DefaultHasher`).
+struct Fnv64(u64);
+
+impl Fnv64 {
+    fn new() -> Self {
+        Fnv64(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn add(&mut self, bytes: &[u8]) {
+        for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 enum NvccSearch {

@@ -109,23 +109,23 @@ make -C examples SHARED=1
 ./examples/build/gguf_plan tests/data/tiny-nemotron_h.gguf >/dev/null
 
 step "examples (cmake)"
+# The PyPI CMake's own binary, called by its path: PATH stays as it was, so the cargo build
+# inside CMake matches the release build above and does not run build.rs again.
+cmake_bin=cmake
 if ! command -v cmake >/dev/null 2>&1; then
-  if [ ! -x .tools/cmake/bin/cmake ]; then
+  cmake_bin="$root/.tools/cmake-py/cmake/data/bin/cmake"
+  if [ ! -x "$cmake_bin" ]; then
     python3 -m pip install --quiet --disable-pip-version-check --target .tools/cmake-py "cmake==4.1.2"
-    mkdir -p .tools/cmake/bin
-    ln -sf "$root/.tools/cmake-py/bin/cmake" .tools/cmake/bin/cmake
   fi
-  export PATH="$root/.tools/cmake/bin:$PATH"
-  export PYTHONPATH="$root/.tools/cmake-py${PYTHONPATH:+:$PYTHONPATH}"
 fi
 rm -rf target/cmake-examples
-cmake -S examples -B target/cmake-examples -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build target/cmake-examples -j 2 >/dev/null
+"$cmake_bin" -S examples -B target/cmake-examples -DCMAKE_BUILD_TYPE=Release >/dev/null
+"$cmake_bin" --build target/cmake-examples -j 2 >/dev/null
 target/cmake-examples/info >/dev/null
 target/cmake-examples/demo cpu >/dev/null
 target/cmake-examples/gguf_plan tests/data/tiny-mamba2.gguf >/dev/null
-cmake -S examples -B target/cmake-examples-shared -DKVREPLAY_SHARED=ON >/dev/null
-cmake --build target/cmake-examples-shared -j 2 >/dev/null
+"$cmake_bin" -S examples -B target/cmake-examples-shared -DKVREPLAY_SHARED=ON >/dev/null
+"$cmake_bin" --build target/cmake-examples-shared -j 2 >/dev/null
 target/cmake-examples-shared/info >/dev/null
 echo "cmake examples: ok"
 
