@@ -7,7 +7,8 @@
 // timed on its own (eager, events between steps: the flush step stands out), then again with
 // an event between the prep and the state kernel (prep | state, no overlap); and the one-launch form
 // (kvr_gdn_fdecode, small batches, and its specialized form) on a third and fourth copy of
-// the pool, checked the same way. The
+// the pool, checked the same way; and with KVR_AB_PIPE the ready-slot experiment
+// (gdn_wdecode.cu's READY / kWReady), each configuration on a pool of its own. The
 // device has nvcc, so a kernel edit
 // is measured in one call (about a minute) without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
@@ -51,6 +52,24 @@ struct AbFix {
 AB_SPEC(16)
 AB_SPEC(32)
 
+// The ready-slot experiment (gdn_wdecode.cu, READY / kWReady): the prep grid of any size taking
+// its items row by row, the state warps waiting for their row's slot (one poller a CTA, or
+// every warp) instead of the whole prep grid. No library kernel.
+#define AB_READY(LU)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS) ab_dprep_pipe_r##LU(const __grid_constant__ StepParams p) { \
+    kvr::gdn::dprep_body<128, LU, true>(p);                                                          \
+  }                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(128, 6) ab_wdecode_ready_r##LU(const __grid_constant__ StepParams p) { \
+    kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWReady>(p, p.ids_inline);                 \
+  }                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(128, 6) ab_wdecode_readyw_r##LU(const __grid_constant__ StepParams p) { \
+    kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWReadyWarp>(p, p.ids_inline);             \
+  }
+AB_READY(16)
+AB_READY(32)
+#define PIPE_PREP (L > 16 ? ab_dprep_pipe_r32 : ab_dprep_pipe_r16)
+#define READY_MAIN(W) (W ? (L > 16 ? ab_wdecode_readyw_r32 : ab_wdecode_readyw_r16) : (L > 16 ? ab_wdecode_ready_r32 : ab_wdecode_ready_r16))
+
 struct Pool {
   float *state, *ru, *rk, *rg, *scr;
   int* meta;
@@ -92,7 +111,20 @@ int main(int argc, char** argv) {
   for (int B : Bs) {
     if (only && B != only) continue;
     const int NSETS = 8;
-    Pool P[4];
+    // ready-slot configurations: KVR_AB_PIPE="shares:grid:threads:poll,..." (grid 0: a CTA
+    // per item; poll 0: one poller a CTA, 1: every warp), each on a pool of its own
+    std::vector<int4> pipe;
+    if (const char* e = getenv("KVR_AB_PIPE")) {
+      for (const char* c = e; *c;) {
+        int4 x;
+        int n = 0;
+        if (sscanf(c, "%d:%d:%d:%d%n", &x.x, &x.y, &x.z, &x.w, &n) != 4) break;
+        pipe.push_back(x);
+        c += n;
+        if (*c == ',') ++c;
+      }
+    }
+    std::vector<Pool> P(4 + pipe.size());
     for (auto& pl : P) {
       pl.n_state = (size_t)B * HV * D * D;
       pl.n_ru = (size_t)B * L * HV * D;
@@ -207,6 +239,28 @@ int main(int argc, char** argv) {
       cfg.numAttrs = 1;
       CK(cudaLaunchKernelEx(&cfg, MAIN, p));
     };
+    auto launch_pipe = [&](int which, int set, float* o) {
+      const int4 c = pipe[which];
+      StepParams p = params(4 + which, set, o);
+      p.tv = 32;
+      p.tiles = D / 32;
+      p.stages = c.x;
+      const int grid = c.y > 0 ? std::min(c.y, B * c.x) : B * c.x;
+      PIPE_PREP<<<grid, c.z, PREP_SMEM(HK / c.x), st>>>(p);
+      cudaLaunchConfig_t cfg;
+      memset(&cfg, 0, sizeof cfg);
+      cfg.gridDim = dim3(MAIN_GRID(B));
+      cfg.dynamicSmemBytes = MAIN_SMEM;
+      cfg.blockDim = dim3(128);
+      cfg.stream = st;
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      at[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = at;
+      cfg.numAttrs = 1;
+      CK(cudaLaunchKernelEx(&cfg, READY_MAIN(c.w), p));
+    };
+    std::vector<double> e_pout(pipe.size(), 0.0);
     auto launch_f = [&](int set, float* o) {
       StepParams p = params(2, set, o);
       p.tv = 32;
@@ -246,6 +300,15 @@ int main(int argc, char** argv) {
       md = 0;
       for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
       e_sout = fmax(e_sout, md / (mx + 1e-30));
+      for (size_t w = 0; w < pipe.size(); ++w) {
+        launch_pipe((int)w, step % NSETS, out[1]);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(o1.data(), out[1], o1.size() * 4, cudaMemcpyDeviceToHost));
+        md = 0;
+        for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
+        e_pout[w] = fmax(e_pout[w], md / (mx + 1e-30));
+      }
     }
     auto cmp = [&](float* a, float* b, size_t n) {
       std::vector<float> x(n), y(n);
@@ -255,6 +318,22 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < n; ++i) { mx = fmax(mx, fabs(x[i])); md = fmax(md, fabs(x[i] - y[i])); }
       return md / (mx + 1e-30);
     };
+    // ready-slot pools against the stream kernel's, before any timing advances them
+    std::vector<double> e_pstate(pipe.size()), e_pring(pipe.size());
+    std::vector<bool> pmeta_ok(pipe.size(), true);
+    for (size_t w = 0; w < pipe.size(); ++w) {
+      Pool& pp = P[4 + w];
+      e_pstate[w] = cmp(P[0].state, pp.state, P[0].n_state);
+      e_pring[w] = fmax(fmax(cmp(P[0].ru, pp.ru, P[0].n_ru), cmp(P[0].rk, pp.rk, P[0].n_rk)),
+                        cmp(P[0].rg, pp.rg, P[0].n_rg));
+      std::vector<int> m0w((size_t)B * 8), mp((size_t)B * 8);
+      CK(cudaMemcpy(m0w.data(), P[0].meta, mp.size() * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(mp.data(), pp.meta, mp.size() * 4, cudaMemcpyDeviceToHost));
+      for (int b = 0; b < B; ++b) {
+        for (int i = 0; i < 5; ++i) pmeta_ok[w] = pmeta_ok[w] && m0w[b * 8 + i] == mp[b * 8 + i];
+        pmeta_ok[w] = pmeta_ok[w] && mp[b * 8 + KVR_GDN_META_ARRIVE] == 0;
+      }
+    }
     const double e_state = cmp(P[0].state, P[1].state, P[0].n_state);
     const double e_ring = fmax(fmax(cmp(P[0].ru, P[1].ru, P[0].n_ru), cmp(P[0].rk, P[1].rk, P[0].n_rk)),
                                cmp(P[0].rg, P[1].rg, P[0].n_rg));
@@ -367,6 +446,12 @@ int main(int argc, char** argv) {
     const double tsp = time(launch_s);
     printf("      one launch specialized (FdFix) %.2f us (%.2fx fdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
            tsp, tf / tsp, e_sout, e_sstate, e_sring, smeta_ok ? "meta ok" : "META MISMATCH");
+    for (size_t w = 0; w < pipe.size(); ++w) {
+      const double tp = time([&](int set, float* o) { launch_pipe((int)w, set, o); });
+      printf("      ready slots %d:%d:%d:%d %.2f us (%.3fx wdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
+             pipe[w].x, pipe[w].y, pipe[w].z, pipe[w].w, tp, tw / tp, e_pout[w], e_pstate[w], e_pring[w],
+             pmeta_ok[w] ? "meta ok" : "META MISMATCH");
+    }
     // floor: state read once, (L-1)/2 ring u + k rows read on average, one entry written, the state written every L steps
     const double per_head = D * D * 4.0 + (L - 1) / 2.0 * (D * 4.0 + D * 4.0 * HK / HV) + D * 4.0 + D * D * 4.0 / L;
     const double floor_us = B * HV * per_head / 4.25e12 * 1e6;

@@ -155,13 +155,18 @@ __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int 
 // window. `p.stages` is the number of shares. With one, the CTA writes the row's new metadata
 // at its end; with more, the state kernel does (one thread, once its griddepcontrol.wait has
 // seen every prep CTA end: they all read it).
-template <int DK, int LU>
-__device__ void dprep_body(const StepParams& p) {
-  pdl_launch_dependents();
+//
+// READY (an experiment, bench/gdn_kernel_ab.cu's KVR_AB_PIPE; no library kernel uses it): the
+// item (row b, share) = (item / shares, item % shares) as a CTA of a smaller grid that takes items row by row (dprep_body's
+// PIPE form). Every share writes the row's header, and the row's last share to end (the
+// metadata's arrival counter) writes its metadata and sets its KVR_GDN_META_READY slot, which
+// that row's state warps wait for (kWReady) instead of the whole prep grid.
+template <int DK, int LU, bool READY>
+__device__ __forceinline__ void dprep_item(const StepParams& p, const unsigned item) {
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int shares = p.stages > 1 ? p.stages : 1, nkh = p.hk / shares;
-  const int b = blockIdx.x / shares, share = blockIdx.x - b * shares, kh0 = share * nkh;
+  const int b = item / shares, share = item - b * shares, kh0 = share * nkh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
   if (seq < 0) return;
@@ -286,7 +291,7 @@ __device__ void dprep_body(const StepParams& p) {
   }
   if (!recurrent) {
     const int nbuf = hcnt;
-    if (share == 0 && tid == 0) {
+    if ((READY || share == 0) && tid == 0) {
       int* hdr = reinterpret_cast<int*>(p.scratch + lay.hdr) + 4 * b;
       hdr[0] = start;
       hdr[1] = nbuf;
@@ -345,9 +350,49 @@ __device__ void dprep_body(const StepParams& p) {
     for (int c = lo + tid; c < hi; c += blockDim.x)
       stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
   }
-  if (ring && shares == 1) {
+  if constexpr (READY) {
+    if (ring) {
+      // Every share's records before the row's last share sets the ready slot: the CTA's
+      // writes, a barrier, then one thread's fences (cumulative) around its arrival.
+      __syncthreads();
+      if (tid == 0) __threadfence();
+      if (tid == 0 && (shares == 1 || atomicAdd(meta + kMetaArrive, 1) == shares - 1)) {
+        __threadfence();  // after the other shares' records and clears of the slot
+        if (shares > 1) meta[kMetaArrive] = 0;
+        finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+        __threadfence();
+        st_release_gpu(meta + kMetaReady, 1);
+      }
+    }
+  } else if (ring && shares == 1) {
     __syncthreads();
     if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+  }
+}
+
+// The prep kernel: a CTA per item (row, share); PIPE (the READY experiment above): a grid of
+// any size, CTA c taking items c, c + gridDim.x, ... (rows in order). Every CTA first clears
+// the ready slots of its items' rows, then lets the state kernel launch: a row's last
+// arrival, which sets its slot, comes after every clear of it.
+template <int DK, int LU, bool PIPE = false>
+__device__ void dprep_body(const StepParams& p) {
+  const int shares = p.stages > 1 ? p.stages : 1;
+  if constexpr (!PIPE) {
+    pdl_launch_dependents();
+    dprep_item<DK, LU, false>(p, blockIdx.x);
+  } else {
+    const int items = p.b * shares;
+    for (int it = blockIdx.x + threadIdx.x * gridDim.x; it < items; it += blockDim.x * gridDim.x) {
+      const int seq = p.ids ? p.ids[it / shares] : p.ids_inline[it / shares];
+      if (seq >= 0) p.meta[static_cast<int64_t>(seq) * kMetaInts + kMetaReady] = 0;
+    }
+    __threadfence();
+    __syncthreads();
+    pdl_launch_dependents();
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+      dprep_item<DK, LU, true>(p, static_cast<unsigned>(it));
+      __syncthreads();  // the shared memory is the next item's
+    }
   }
 }
 
@@ -355,7 +400,10 @@ __device__ void dprep_body(const StepParams& p) {
 // What a state kernel serves: replay pools after the prep kernel, recurrent pools (ring 0;
 // kernels of their own so that the replay kernels carry none of their code), or replay pools
 // in one launch (small batches).
-enum WKind : int { kWPrep = 0, kWRec = 1, kWFused = 2 };
+// kWReady, kWReadyWarp: kWPrep waiting for the row's ready slot (dprep_body's PIPE form)
+// instead of the prep grid, polled by one thread a CTA or by every warp (an experiment:
+// bench/gdn_kernel_ab.cu; no library kernel).
+enum WKind : int { kWPrep = 0, kWRec = 1, kWFused = 2, kWReady = 3, kWReadyWarp = 4 };
 
 // NU: ring slots per lane, 16 each (ring length <= 16 NU).
 // `ids_inline`: the launch's inline sequence ids (p.ids_inline, or the kernel parameter's where
@@ -515,9 +563,22 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     eG = expf(total);
     hdr = make_int4(start, hcnt, hcnt + 1 > L, (start + hcnt) % L);
   } else if constexpr (!REC) {
-    pdl_wait();
+    // Relaxed polls, then one acquire fence: an acquire load compiles to a strong load and an
+    // L1 invalidation (CCTL.IVALL) on every poll.
+    if constexpr (KIND == kWReady) {
+      if (threadIdx.x == 0) {
+        while (ld_relaxed_gpu(meta + kMetaReady) == 0) __nanosleep(256);
+        fence_acquire_gpu();
+      }
+      __syncthreads();
+    } else if constexpr (KIND == kWReadyWarp) {
+      while (!__all_sync(0xffffffffu, ld_relaxed_gpu(meta + kMetaReady) != 0)) __nanosleep(128);
+      fence_acquire_gpu();
+    } else {
+      pdl_wait();
+    }
     // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
-    if (p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
+    if (KIND == kWPrep && p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
       const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
       finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
     }
