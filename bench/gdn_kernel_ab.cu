@@ -221,11 +221,8 @@ int main(int argc, char** argv) {
       else
         PREP<<<B, KVR_GDN_DPREP_THREADS, PREP_SMEM(HK), st>>>(p);
     };
-    auto launch_w = [&](int set, float* o) {
-      StepParams p = params(1, set, o);
-      p.tv = 32;
-      p.tiles = D / 32;
-      launch_prep(p);
+    // a state kernel as the prep kernel's programmatic dependent
+    auto launch_state = [&](void (*kernel)(StepParams), const StepParams& p) {
       cudaLaunchConfig_t cfg;
       memset(&cfg, 0, sizeof cfg);
       cfg.gridDim = dim3(MAIN_GRID(B));
@@ -237,7 +234,14 @@ int main(int argc, char** argv) {
       at[0].val.programmaticStreamSerializationAllowed = 1;
       cfg.attrs = at;
       cfg.numAttrs = 1;
-      CK(cudaLaunchKernelEx(&cfg, MAIN, p));
+      CK(cudaLaunchKernelEx(&cfg, kernel, p));
+    };
+    auto launch_w = [&](int set, float* o) {
+      StepParams p = params(1, set, o);
+      p.tv = 32;
+      p.tiles = D / 32;
+      launch_prep(p);
+      launch_state(MAIN, p);
     };
     auto launch_pipe = [&](int which, int set, float* o) {
       const int4 c = pipe[which];
@@ -247,18 +251,7 @@ int main(int argc, char** argv) {
       p.stages = c.x;
       const int grid = c.y > 0 ? std::min(c.y, B * c.x) : B * c.x;
       PIPE_PREP<<<grid, c.z, PREP_SMEM(HK / c.x), st>>>(p);
-      cudaLaunchConfig_t cfg;
-      memset(&cfg, 0, sizeof cfg);
-      cfg.gridDim = dim3(MAIN_GRID(B));
-      cfg.dynamicSmemBytes = MAIN_SMEM;
-      cfg.blockDim = dim3(128);
-      cfg.stream = st;
-      cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      at[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = at;
-      cfg.numAttrs = 1;
-      CK(cudaLaunchKernelEx(&cfg, READY_MAIN(c.w), p));
+      launch_state(READY_MAIN(c.w), p);
     };
     std::vector<double> e_pout(pipe.size(), 0.0);
     auto launch_f = [&](int set, float* o) {
