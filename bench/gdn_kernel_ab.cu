@@ -1,28 +1,29 @@
 // Kernel-level A/B of the GDN decode kernels without the Rust library: the warp-streaming
 // decode (kernels/gdn_wdecode.cu, prep + state kernel under PDL) against the streaming kernel
-// (kernels/gdn_stream.cu) on the same pool contents (Qwen3-Next layer: 16/32 heads, d 128, f32
-// state V-major, f32 ring): outputs, states, ring and metadata compared after 40 steps; then µs
-// per step under graph replay (16-step cycles, so one flush per sequence), the prep and state
-// kernels alone, and the state kernel in recurrent mode; every step of two flush cycles
-// timed on its own (eager, events between steps: the flush step stands out), then again with
-// an event between the prep and the state kernel (prep | state, no overlap); and the one-launch form
-// (kvr_gdn_fdecode, small batches, and its specialized form) on a third and fourth copy of
-// the pool, checked the same way; and with KVR_AB_PIPE the ready-slot experiment
-// (gdn_wdecode.cu's READY / kWReady), each configuration on a pool of its own. The
-// device has nvcc, so a kernel edit
-// is measured in one call (about a minute) without a GPU bundle:
+// (kernels/gdn_stream.cu; for Mamba-2, whose rule it lacks, the one-launch kernel) on the same
+// pool contents (f32 state V-major, f32 ring): outputs, states, ring and metadata compared
+// after 40 steps; then µs per step under graph replay (16-step cycles, so one flush per
+// sequence), the prep and state kernels alone, and the state kernel in recurrent mode; every
+// step of two flush cycles timed on its own (eager, events between steps: the flush step
+// stands out), then again with an event between the prep and the state kernel (prep | state,
+// no overlap); the one-launch form (kvr_gdn_fdecode, small batches, and its specialized form)
+// on a third and fourth copy of the pool, checked the same way; and with KVR_AB_PIPE the
+// ready-slot experiment (gdn_wdecode.cu's READY / kWReady), each configuration on a pool of
+// its own. The device has nvcc, so a kernel edit is measured in one call (about a minute)
+// without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
-//     gdn_kernel_ab.cu -o ab && ./ab 16 [B]        # ring length, optional single batch size
+//     gdn_kernel_ab.cu -o ab && ./ab 16 [B] [m2]   # ring length, optional single batch size,
+//                                                  # m2: Nemotron-H's Mamba-2 layer instead
 #include "../kernels/gdn_stream.cu"
 #include "../kernels/gdn_wdecode.cu"
 #include <cstdio>
 #define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
 #define MAIN (L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16)
 #define MAIN_SMEM 0
-#define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + D + 2)) * 4 + 16)
+#define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + DV + 2)) * 4 + 16)
 #define FUSED (L > 16 ? kvr_gdn_fdecode_f32_v_d128_r32 : kvr_gdn_fdecode_f32_v_d128_r16)
-#define MAIN_GRID(B) (B * HV * 4)
-#define SPEC (L > 16 ? ab_fdecode_spec_r32 : ab_fdecode_spec_r16)
+#define MAIN_GRID(B) (B * HV * (DV / 32))
+#define SPEC (M2 ? (L > 16 ? ab_fdecode_m2spec_r32 : ab_fdecode_m2spec_r16) : (L > 16 ? ab_fdecode_spec_r32 : ab_fdecode_spec_r16))
 #include <algorithm>
 #include <vector>
 #include <cmath>
@@ -31,7 +32,13 @@
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 
-constexpr int HK = 16, HV = 32, D = 128;
+// The layer: Qwen3-Next's GDN layer (16 key heads, 32 value heads, dk = dv = 128), or with
+// "m2" as the third argument Nemotron-H's Mamba-2 layer (8 groups as key heads, 128 heads of
+// dv = P = 64, dk = N = 128; the additive rule, dt softplus with dt_bias, A, D skip and z gate,
+// bf16 x / B / C / z, f32 dt / A / dt_bias / D, as bench/bench_mamba2.py).
+constexpr int D = 128;
+static int HK = 16, HV = 32, DV = 128;
+static bool M2 = false;
 using kvr::gdn::StepParams;
 
 // The one-launch kernel specialized as the library's kvr_gdn_fdecode_*_xbf16, with this
@@ -42,15 +49,24 @@ struct AbFix {
     c.out.dtype = KVR_DT_F32;
   }
 };
-#define AB_SPEC(LU)                                                                                   \
+// Mamba-2 as the library's kvr_gdn_fdecode_*_m2bf16, with this program's f32 output.
+struct AbFixM2 {
+  static __device__ __forceinline__ void apply(StepParams& c, int ring) {
+    kvr::gdn::FdFixM2<KVR_DT_BF16>::apply(c, ring);
+    c.out.dtype = KVR_DT_F32;
+  }
+};
+#define AB_SPEC(LU, FIX, NAME)                                                                        \
   extern "C" __global__ void __launch_bounds__(128, KVR_FDECODE_MINB)                               \
-      ab_fdecode_spec_r##LU(const __grid_constant__ StepParams p) {                                  \
+      ab_fdecode_##NAME##_r##LU(const __grid_constant__ StepParams p) {                              \
     StepParams c = p;                                                                                \
-    AbFix::apply(c, LU);                                                                             \
+    FIX::apply(c, LU);                                                                               \
     kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWFused>(c, p.ids_inline);                 \
   }
-AB_SPEC(16)
-AB_SPEC(32)
+AB_SPEC(16, AbFix, spec)
+AB_SPEC(32, AbFix, spec)
+AB_SPEC(16, AbFixM2, m2spec)
+AB_SPEC(32, AbFixM2, m2spec)
 
 // The ready-slot experiment (gdn_wdecode.cu, READY / kWReady): the prep grid of any size taking
 // its items row by row, the state warps waiting for their row's slot (one poller a CTA, or
@@ -92,6 +108,14 @@ static kvr_gdn_tensor tens(void* p, int dt, int64_t s0, int64_t s1, int64_t s2, 
 
 int main(int argc, char** argv) {
   const int L = argc > 1 ? atoi(argv[1]) : 16;
+  if (argc > 3 && strcmp(argv[3], "m2") == 0) {
+    M2 = true;
+    HK = 8;
+    HV = 128;
+    DV = 64;
+  }
+  printf("%s layer: %d key heads, %d value heads, dk %d, dv %d%s\n", M2 ? "Mamba-2 (Nemotron-H)" : "GDN (Qwen3-Next)", HK, HV, D, DV,
+         M2 ? " (the \"stream\" column and reference: the one-launch kernel)" : "");
   const int Bs[] = {1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256};
   const int sdk = KVR_DT_F32;
   (void)sdk;
@@ -119,15 +143,18 @@ int main(int argc, char** argv) {
         int4 x;
         int n = 0;
         if (sscanf(c, "%d:%d:%d:%d%n", &x.x, &x.y, &x.z, &x.w, &n) != 4) break;
-        pipe.push_back(x);
+        if (x.x >= 1 && HK % x.x == 0)
+          pipe.push_back(x);
+        else
+          printf("KVR_AB_PIPE: %d shares do not divide %d key heads, skipped\n", x.x, HK);
         c += n;
         if (*c == ',') ++c;
       }
     }
     std::vector<Pool> P(4 + pipe.size());
     for (auto& pl : P) {
-      pl.n_state = (size_t)B * HV * D * D;
-      pl.n_ru = (size_t)B * L * HV * D;
+      pl.n_state = (size_t)B * HV * D * DV;
+      pl.n_ru = (size_t)B * L * HV * DV;
       pl.n_rk = (size_t)B * L * HK * D;
       pl.n_rg = (size_t)B * L * HV;
       CK(cudaMalloc(&pl.state, pl.n_state * 4));
@@ -135,7 +162,7 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&pl.rk, pl.n_rk * 4));
       CK(cudaMalloc(&pl.rg, pl.n_rg * 4));
       CK(cudaMalloc(&pl.meta, (size_t)B * 8 * 4));
-      const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(B, HV, HK, D, D, L);
+      const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(B, HV, HK, D, DV, L);
       CK(cudaMalloc(&pl.scr, (size_t)lay.total * 4));
     }
     // initial contents
@@ -153,16 +180,23 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(pl.meta, m.data(), m.size() * 4, cudaMemcpyHostToDevice));
       }
     }
-    // input sets: q, k [B][HK][D] bf16, v [B][HV][D] bf16, g [B][HV] f32, beta [B][HV] bf16
+    // input sets: q, k [B][HK][D] bf16, v [B][HV][DV] bf16, g [B][HV] f32, beta [B][HV] bf16
+    // (Mamba-2: beta is dt, f32; z [B][HV][DV] bf16; A, dt_bias, D [HV] f32)
     __nv_bfloat16 *q, *k, *v, *beta;
     float *g, *out[2];
     CK(cudaMalloc(&q, (size_t)NSETS * B * HK * D * 2));
     CK(cudaMalloc(&k, (size_t)NSETS * B * HK * D * 2));
-    CK(cudaMalloc(&v, (size_t)NSETS * B * HV * D * 2));
-    CK(cudaMalloc(&beta, (size_t)NSETS * B * HV * 2));
+    CK(cudaMalloc(&v, (size_t)NSETS * B * HV * DV * 2));
+    CK(cudaMalloc(&beta, (size_t)NSETS * B * HV * 4));
     CK(cudaMalloc(&g, (size_t)NSETS * B * HV * 4));
-    CK(cudaMalloc(&out[0], (size_t)B * HV * D * 4));
-    CK(cudaMalloc(&out[1], (size_t)B * HV * D * 4));
+    CK(cudaMalloc(&out[0], (size_t)B * HV * DV * 4));
+    CK(cudaMalloc(&out[1], (size_t)B * HV * DV * 4));
+    __nv_bfloat16* z = nullptr;
+    float* hw = nullptr;  // Mamba-2: A, dt_bias, D [3][HV]
+    if (M2) {
+      CK(cudaMalloc(&z, (size_t)NSETS * B * HV * DV * 2));
+      CK(cudaMalloc(&hw, (size_t)3 * HV * 4));
+    }
     {
       uint64_t s = 7;
       auto fill = [&](__nv_bfloat16* d, size_t n, float lo, float hi) {
@@ -172,11 +206,23 @@ int main(int argc, char** argv) {
       };
       fill(q, (size_t)NSETS * B * HK * D, -1, 1);
       fill(k, (size_t)NSETS * B * HK * D, -1, 1);
-      fill(v, (size_t)NSETS * B * HV * D, -1, 1);
-      fill(beta, (size_t)NSETS * B * HV, 0.1f, 0.9f);
+      fill(v, (size_t)NSETS * B * HV * DV, -1, 1);
+      if (!M2) fill(beta, (size_t)NSETS * B * HV, 0.1f, 0.9f);
       std::vector<float> hg((size_t)NSETS * B * HV);
       for (auto& x : hg) x = -0.4f + 0.39f * frand(s);
       CK(cudaMemcpy(g, hg.data(), hg.size() * 4, cudaMemcpyHostToDevice));
+      if (M2) {
+        fill(z, (size_t)NSETS * B * HV * DV, -2, 2);
+        std::vector<float> dt((size_t)NSETS * B * HV), w((size_t)3 * HV);
+        for (auto& x : dt) x = -3.f + 2.5f * frand(s);  // softplus(dt + bias) ~ 0.02 .. 0.9
+        for (int h = 0; h < HV; ++h) {
+          w[h] = -(0.5f + 4.f * frand(s));  // A
+          w[HV + h] = -1.f + frand(s);      // dt_bias
+          w[2 * HV + h] = 0.5f + frand(s);  // D
+        }
+        CK(cudaMemcpy(beta, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(hw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+      }
     }
     auto params = [&](int which, int set, float* o) {
       StepParams p;
@@ -188,36 +234,58 @@ int main(int argc, char** argv) {
       p.ring_g = pl.rg;
       p.meta = pl.meta;
       p.scratch = pl.scr;
-      p.seq_stride = (int64_t)HV * D * D;
+      p.seq_stride = (int64_t)HV * D * DV;
       p.q = tens(q + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
       p.k = tens(k + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
-      p.v = tens(v + (size_t)set * B * HV * D, KVR_DT_BF16, HV * D, HV * D, D, 1);
+      p.v = tens(v + (size_t)set * B * HV * DV, KVR_DT_BF16, HV * DV, HV * DV, DV, 1);
       p.g = tens(g + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);
       p.beta = tens(beta + (size_t)set * B * HV, KVR_DT_BF16, HV, HV, 1, 1);
-      p.out = tens(o, KVR_DT_F32, HV * D, HV * D, D, 1);
+      p.out = tens(o, KVR_DT_F32, HV * DV, HV * DV, DV, 1);
       p.op = KVR_GDN_OP_STEP;
-      p.b = B; p.t = 1; p.hk = HK; p.hv = HV; p.dk = D; p.dv = D; p.l = L;
+      p.b = B; p.t = 1; p.hk = HK; p.hv = HV; p.dk = D; p.dv = DV; p.l = L;
       p.entry_dtype = KVR_DT_F32; p.conv_dtype = KVR_DT_F32;
       p.auto_commit = 1; p.l2norm = 1; p.hmax = L; p.stages = 1;
       p.scale = 1.f / sqrtf((float)D);
       p.rule = KVR_GDN_RULE_DELTA; p.dt_mode = KVR_GDN_DT_NONE; p.export_prefix = -1;
       p.dt_min = 0.f; p.dt_max = 1e30f;
+      if (M2) {
+        p.g = tens(nullptr, KVR_DT_F32, 0, 0, 0, 0);
+        p.beta = tens((float*)beta + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);  // dt
+        p.a = tens(hw, KVR_DT_F32, 1, 0, 0, 0);
+        p.dt_bias = tens(hw + HV, KVR_DT_F32, 1, 0, 0, 0);
+        p.skip = tens(hw + 2 * HV, KVR_DT_F32, 1, 0, 0, 0);
+        p.gate = tens(z + (size_t)set * B * HV * DV, KVR_DT_BF16, HV * DV, HV * DV, DV, 1);
+        p.rule = KVR_GDN_RULE_ADDITIVE;
+        p.dt_mode = KVR_GDN_DT_SOFTPLUS;
+        p.l2norm = 0;
+        p.scale = 1.f;
+      }
       for (int b = 0; b < B; ++b) p.ids_inline[b] = b;
       return p;
     };
-    const int R = B >= 32 ? 128 : (B >= 8 ? 32 : 16);
+    const int R = std::min(DV, B >= 32 ? 128 : (B >= 8 ? 32 : 16));
+    // the reference: the streaming kernel (delta rule only), or for Mamba-2 the one-launch
+    // kernel (the library's GPU tests check it against the CPU backend)
     auto launch_stream = [&](int set, float* o) {
       StepParams p = params(0, set, o);
+      if (M2) {
+        p.tv = 32;
+        p.tiles = DV / 32;
+        FUSED<<<dim3(DV / 32, HV, B), 128, L * D * 4, st>>>(p);
+        return;
+      }
       p.tv = R;
-      p.tiles = D / R;
+      p.tiles = DV / R;
       const kvr_gdn_stream_smem lay = kvr_gdn_stream_smem_layout(1, D, R, 4, L, 4, 1);
       kvr_gdn_sdecode_f32_v_d128<<<B * HV * p.tiles, KVR_GDN_STREAM_THREADS, lay.total, st>>>(p);
     };
-    // the prep kernel of one step: a CTA per (row, key head) below B = 128, else per row
+    // the prep kernel of one step: a CTA per (row, key head) below B = 128 (a warp per two
+    // of its value heads, 2..16), else per row (as src/linear/replay/cuda.rs)
+    const int prep_threads = 32 * std::min(std::max((HV / HK + 1) / 2, 2), KVR_GDN_DPREP_THREADS / 32);
     auto launch_prep = [&](StepParams& p) {
       p.stages = B < 128 ? HK : 1;
       if (B < 128)
-        PREP<<<B * HK, 64, PREP_SMEM(1), st>>>(p);
+        PREP<<<B * HK, prep_threads, PREP_SMEM(1), st>>>(p);
       else
         PREP<<<B, KVR_GDN_DPREP_THREADS, PREP_SMEM(HK), st>>>(p);
     };
@@ -239,7 +307,7 @@ int main(int argc, char** argv) {
     auto launch_w = [&](int set, float* o) {
       StepParams p = params(1, set, o);
       p.tv = 32;
-      p.tiles = D / 32;
+      p.tiles = DV / 32;
       launch_prep(p);
       launch_state(MAIN, p);
     };
@@ -247,7 +315,7 @@ int main(int argc, char** argv) {
       const int4 c = pipe[which];
       StepParams p = params(4 + which, set, o);
       p.tv = 32;
-      p.tiles = D / 32;
+      p.tiles = DV / 32;
       p.stages = c.x;
       const int grid = c.y > 0 ? std::min(c.y, B * c.x) : B * c.x;
       PIPE_PREP<<<grid, c.z, PREP_SMEM(HK / c.x), st>>>(p);
@@ -257,18 +325,18 @@ int main(int argc, char** argv) {
     auto launch_f = [&](int set, float* o) {
       StepParams p = params(2, set, o);
       p.tv = 32;
-      p.tiles = D / 32;
-      FUSED<<<dim3(4, HV, B), 128, L * D * 4, st>>>(p);
+      p.tiles = DV / 32;
+      FUSED<<<dim3(DV / 32, HV, B), 128, L * D * 4, st>>>(p);
     };
     auto launch_s = [&](int set, float* o) {
       StepParams p = params(3, set, o);
       p.tv = 32;
-      p.tiles = D / 32;
-      SPEC<<<dim3(4, HV, B), 128, L * D * 4, st>>>(p);
+      p.tiles = DV / 32;
+      SPEC<<<dim3(DV / 32, HV, B), 128, L * D * 4, st>>>(p);
     };
     // correctness: 40 steps
     double e_out = 0, e_fout = 0, e_sout = 0;
-    std::vector<float> o0((size_t)B * HV * D), o1(o0.size());
+    std::vector<float> o0((size_t)B * HV * DV), o1(o0.size());
     for (int step = 0; step < 40; ++step) {
       launch_stream(step % NSETS, out[0]);
       launch_w(step % NSETS, out[1]);
@@ -378,16 +446,16 @@ int main(int argc, char** argv) {
     const double tw = time(launch_w);
     const double tprep = time([&](int set, float* o) {
       StepParams p = params(1, set, o);
-      p.tv = 32; p.tiles = D / 32;
+      p.tv = 32; p.tiles = DV / 32;
       launch_prep(p);
     });
     const double tmain = time([&](int set, float* o) {
       StepParams p = params(1, set, o);
-      p.tv = 32; p.tiles = D / 32; p.stages = B < 128 ? HK : 1;
+      p.tv = 32; p.tiles = DV / 32; p.stages = B < 128 ? HK : 1;
       MAIN<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
     });
     StepParams prec = params(1, 0, out[0]);
-    prec.l = 0; prec.tv = 32; prec.tiles = D / 32;
+    prec.l = 0; prec.tv = 32; prec.tiles = DV / 32;
     const double trec = time([&](int set, float* o) {
       kvr_gdn_wdecode_f32_v_d128_r0<<<MAIN_GRID(B), 128, 0, st>>>(prec);
     });
@@ -416,7 +484,7 @@ int main(int argc, char** argv) {
       CK(cudaEventRecord(ev[0], st));
       for (int i = 0; i < NS; ++i) {
         StepParams p = params(1, i % NSETS, out[1]);
-        p.tv = 32; p.tiles = D / 32;
+        p.tv = 32; p.tiles = DV / 32;
         launch_prep(p);
         CK(cudaEventRecord(ev[2 * i + 1], st));
         MAIN<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
@@ -446,7 +514,7 @@ int main(int argc, char** argv) {
              pmeta_ok[w] ? "meta ok" : "META MISMATCH");
     }
     // floor: state read once, (L-1)/2 ring u + k rows read on average, one entry written, the state written every L steps
-    const double per_head = D * D * 4.0 + (L - 1) / 2.0 * (D * 4.0 + D * 4.0 * HK / HV) + D * 4.0 + D * D * 4.0 / L;
+    const double per_head = D * DV * 4.0 + (L - 1) / 2.0 * (DV * 4.0 + D * 4.0 * HK / HV) + DV * 4.0 + D * DV * 4.0 / L;
     const double floor_us = B * HV * per_head / 4.25e12 * 1e6;
     printf("%4d | %9.2f | %10.2f | %6.2fx | %8.2f | %5.1f %% | %.1e / %.1e / %.1e %s\n", B, ts, tw, ts / tw, floor_us,
            100 * floor_us / tw, e_out, e_state, e_ring, meta_ok ? "meta ok" : "META MISMATCH");
@@ -454,6 +522,7 @@ int main(int argc, char** argv) {
       cudaFree(pl.state); cudaFree(pl.ru); cudaFree(pl.rk); cudaFree(pl.rg); cudaFree(pl.meta); cudaFree(pl.scr);
     }
     cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(beta); cudaFree(g); cudaFree(out[0]); cudaFree(out[1]);
+    cudaFree(z); cudaFree(hw);
   }
   return 0;
 }
