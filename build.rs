@@ -210,8 +210,9 @@ fn build_kernels(manifest: &Path, out_dir: &Path) {
 
 /// The cache file for this build's fatbin, or `None` when caching is off or no cache
 /// directory can be found. The key hashes every file in `kernels/` (name and bytes), the
-/// source tree's path (line info names the sources), the nvcc path and release, and every
-/// nvcc argument except the output and umbrella paths (which differ per profile).
+/// source tree's path (line info names the sources), the nvcc path, release, size and
+/// modification time, and every nvcc argument except the output and umbrella paths (which
+/// differ per profile).
 fn kernel_cache(
     out_dir: &Path,
     manifest: &Path,
@@ -243,6 +244,16 @@ fn kernel_cache(
     key.add(manifest.as_os_str().as_encoded_bytes());
     key.add(nvcc.as_os_str().as_encoded_bytes());
     key.add(version.as_bytes());
+    // The release names no patch level: the binary's size and time stand for it.
+    if let Ok(meta) = fs::metadata(nvcc) {
+        key.add(&meta.len().to_le_bytes());
+        if let Ok(d) = meta
+            .modified()
+            .map(|t| t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default())
+        {
+            key.add(&d.as_nanos().to_le_bytes());
+        }
+    }
     for arg in cmd.get_args() {
         let arg = Path::new(arg);
         if arg.starts_with(out_dir) {
