@@ -157,10 +157,11 @@ __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int 
 // seen every prep CTA end: they all read it).
 //
 // READY (an experiment, bench/gdn_kernel_ab.cu's KVR_AB_PIPE; no library kernel uses it): the
-// item (row b, share) = (item / shares, item % shares) as a CTA of a smaller grid that takes items row by row (dprep_body's
-// PIPE form). Every share writes the row's header, and the row's last share to end (the
-// metadata's arrival counter) writes its metadata and sets its KVR_GDN_META_READY slot, which
-// that row's state warps wait for (kWReady) instead of the whole prep grid.
+// item (row b, share) = (item / shares, item % shares) done by a CTA of a smaller grid that
+// takes items row by row (dprep_body's PIPE form). Every share writes the row's header, and
+// the row's last share to end (the metadata's arrival counter) writes its metadata and sets
+// its KVR_GDN_META_READY slot, which that row's state warps wait for (kWReady) instead of the
+// whole prep grid.
 template <int DK, int LU, bool READY>
 __device__ __forceinline__ void dprep_item(const StepParams& p, const unsigned item) {
   constexpr int KL = DK / 32;
