@@ -16,9 +16,9 @@
 //! Kernel cache: compiling the fatbin for every target takes many minutes, and cargo runs
 //! this script once per profile and target directory (check, test, release, the C examples'
 //! CMake build). The fatbin is therefore kept under a key made of everything that goes into
-//! it (the bytes of every file in `kernels/`, the nvcc path and release, every nvcc
-//! argument) in `kvr-kernel-cache/` of the outermost cargo target directory, and reused when
-//! the key matches. `KVR_KERNEL_CACHE` names another directory, or `none` to always compile.
+//! it (the bytes of every file in `kernels/`, the nvcc path, release, size and time, every
+//! nvcc argument) in `kvr-kernel-cache/` of the outermost cargo target directory, and reused
+//! when the key matches. `KVR_KERNEL_CACHE` names another directory, or `none` to always compile.
 
 use std::env;
 use std::fs;

@@ -356,13 +356,15 @@ __device__ __forceinline__ void dprep_item(const StepParams& p, const unsigned i
       // Every share's records before the row's last share sets the ready slot: the CTA's
       // writes, a barrier, then one thread's fences (cumulative) around its arrival.
       __syncthreads();
-      if (tid == 0) __threadfence();
-      if (tid == 0 && (shares == 1 || atomicAdd(meta + kMetaArrive, 1) == shares - 1)) {
-        __threadfence();  // after the other shares' records and clears of the slot
-        if (shares > 1) meta[kMetaArrive] = 0;
-        finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+      if (tid == 0) {
         __threadfence();
-        st_release_gpu(meta + kMetaReady, 1);
+        if (shares == 1 || atomicAdd(meta + kMetaArrive, 1) == shares - 1) {
+          __threadfence();  // after the other shares' records and clears of the slot
+          if (shares > 1) meta[kMetaArrive] = 0;
+          finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
+          __threadfence();
+          st_release_gpu(meta + kMetaReady, 1);
+        }
       }
     }
   } else if (ring && shares == 1) {
