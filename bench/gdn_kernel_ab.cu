@@ -17,8 +17,8 @@
 #include "../kernels/gdn_stream.cu"
 #include "../kernels/gdn_wdecode.cu"
 #include <cstdio>
-#define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
-#define MAIN (L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16)
+#define PREP (split_main(L) ? ab_dprep_nofin_r16 : L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
+#define MAIN main_kernel(L)
 #define MAIN_SMEM 0
 #define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + DV + 2)) * 4 + 16)
 #define FUSED (L > 16 ? kvr_gdn_fdecode_f32_v_d128_r32 : kvr_gdn_fdecode_f32_v_d128_r16)
@@ -83,8 +83,48 @@ AB_SPEC(32, AbFixM2, m2spec)
   }
 AB_READY(16)
 AB_READY(32)
+// Plain steps only (the flush compiled out: wrong at a flush step, timed on plain steps
+// alone), at 6 and 8 resident CTAs an SM, and the library's body at 8.
+#define AB_PLAIN(LU, KIND, MB, NAME)                                                                 \
+  extern "C" __global__ void __launch_bounds__(128, MB) ab_wdecode_##NAME##_r##LU(const __grid_constant__ StepParams p) { \
+    kvr::gdn::wdecode_body<float, 128, LU / 16, KIND>(p, p.ids_inline);                             \
+  }
+AB_PLAIN(16, kvr::gdn::kWPlain, 6, plain6)
+AB_PLAIN(16, kvr::gdn::kWPlain, 8, plain8)
+AB_PLAIN(16, kvr::gdn::kWPrep, 8, full8)
+AB_PLAIN(16, kvr::gdn::kWPlain, 7, plain7)
+AB_PLAIN(16, kvr::gdn::kWPrep, 7, full7)
+// The split experiment: the prep that leaves the metadata to the state kernel, and the state
+// kernel that reads it before the wait (gdn_wdecode.cu wsplit_body).
+extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS, 2) ab_dprep_nofin_r16(const __grid_constant__ StepParams p) {
+  kvr::gdn::dprep_body<128, 16, false, false>(p);
+}
+AB_PLAIN(16, kvr::gdn::kWSplit, 6, s6)
+AB_PLAIN(16, kvr::gdn::kWSplit, 7, s7)
+AB_PLAIN(16, kvr::gdn::kWSplitAll, 7, sa7)
+AB_PLAIN(16, kvr::gdn::kWSplitAll, 6, sa6)
 #define PIPE_PREP (L > 16 ? ab_dprep_pipe_r32 : ab_dprep_pipe_r16)
 #define READY_MAIN(W) (W ? (L > 16 ? ab_wdecode_readyw_r32 : ab_wdecode_readyw_r16) : (L > 16 ? ab_wdecode_ready_r32 : ab_wdecode_ready_r16))
+
+// The state kernel of the "wdecode" column: the library's, or with KVR_AB_MAIN=<name> (ring 16)
+// one of the variants above (full7: the library's body at 7 resident CTAs an SM).
+static void (*main_kernel(int L))(StepParams) {
+  const char* e = getenv("KVR_AB_MAIN");
+  if (e && L == 16) {
+    if (!strcmp(e, "full7")) return ab_wdecode_full7_r16;
+    if (!strcmp(e, "full8")) return ab_wdecode_full8_r16;
+    if (!strcmp(e, "s6")) return ab_wdecode_s6_r16;
+    if (!strcmp(e, "s7")) return ab_wdecode_s7_r16;
+    if (!strcmp(e, "sa7")) return ab_wdecode_sa7_r16;
+    if (!strcmp(e, "sa6")) return ab_wdecode_sa6_r16;
+  }
+  return L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16;
+}
+
+static bool split_main(int L) {
+  const char* e = getenv("KVR_AB_MAIN");
+  return e && L == 16 && e[0] == 's';
+}
 
 struct Pool {
   float *state, *ru, *rk, *rg, *scr;
@@ -454,6 +494,18 @@ int main(int argc, char** argv) {
       p.tv = 32; p.tiles = DV / 32; p.stages = B < 128 ? HK : 1;
       MAIN<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
     });
+    if (L == 16) {
+      auto alone = [&](auto k) {
+        return time([&](int set, float* o) {
+          StepParams p = params(1, set, o);
+          p.tv = 32; p.tiles = DV / 32; p.stages = B < 128 ? HK : 1;
+          k<<<MAIN_GRID(B), 128, MAIN_SMEM, st>>>(p);
+        });
+      };
+      printf("      alone: plain-only 6/SM %.2f, 7/SM %.2f, 8/SM %.2f, library body at 7/SM %.2f, 8/SM %.2f, wdecode column's %.2f us\n",
+             alone(ab_wdecode_plain6_r16), alone(ab_wdecode_plain7_r16), alone(ab_wdecode_plain8_r16),
+             alone(ab_wdecode_full7_r16), alone(ab_wdecode_full8_r16), alone(MAIN));
+    }
     StepParams prec = params(1, 0, out[0]);
     prec.l = 0; prec.tv = 32; prec.tiles = DV / 32;
     const double trec = time([&](int set, float* o) {
