@@ -7,17 +7,18 @@
 // step of two flush cycles timed on its own (eager, events between steps: the flush step
 // stands out), then again with an event between the prep and the state kernel (prep | state,
 // no overlap); the one-launch form (kvr_gdn_fdecode, small batches, and its specialized form)
-// on a third and fourth copy of the pool, checked the same way; and with KVR_AB_PIPE the
-// ready-slot experiment (gdn_wdecode.cu's READY / kWReady), each configuration on a pool of
-// its own. The device has nvcc, so a kernel edit is measured in one call (about a minute)
-// without a GPU bundle:
+// on a third and fourth copy of the pool, checked the same way; at ring 16, state kernels
+// built from the library's body with other register bounds (full7, full8), also with the fold
+// compiled out (kWPlain: plain steps only), timed alone, and with KVR_AB_MAIN=full7|full8 one
+// of them in the "wdecode" column. The device has nvcc, so a kernel edit is measured in one
+// call (about a minute) without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
 //     gdn_kernel_ab.cu -o ab && ./ab 16 [B] [m2]   # ring length, optional single batch size,
 //                                                  # m2: Nemotron-H's Mamba-2 layer instead
 #include "../kernels/gdn_stream.cu"
 #include "../kernels/gdn_wdecode.cu"
 #include <cstdio>
-#define PREP (split_main(L) ? ab_dprep_nofin_r16 : L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
+#define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
 #define MAIN main_kernel(L)
 #define MAIN_SMEM 0
 #define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + DV + 2)) * 4 + 16)
@@ -68,23 +69,8 @@ AB_SPEC(32, AbFix, spec)
 AB_SPEC(16, AbFixM2, m2spec)
 AB_SPEC(32, AbFixM2, m2spec)
 
-// The ready-slot experiment (gdn_wdecode.cu, READY / kWReady): the prep grid of any size taking
-// its items row by row, the state warps waiting for their row's slot (one poller a CTA, or
-// every warp) instead of the whole prep grid. No library kernel.
-#define AB_READY(LU)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS) ab_dprep_pipe_r##LU(const __grid_constant__ StepParams p) { \
-    kvr::gdn::dprep_body<128, LU, true>(p);                                                          \
-  }                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128, 6) ab_wdecode_ready_r##LU(const __grid_constant__ StepParams p) { \
-    kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWReady>(p, p.ids_inline);                 \
-  }                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128, 6) ab_wdecode_readyw_r##LU(const __grid_constant__ StepParams p) { \
-    kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWReadyWarp>(p, p.ids_inline);             \
-  }
-AB_READY(16)
-AB_READY(32)
-// Plain steps only (the flush compiled out: wrong at a flush step, timed on plain steps
-// alone), at 6 and 8 resident CTAs an SM, and the library's body at 8.
+// The library's state kernel body under other register bounds (resident CTAs an SM), and with
+// the fold compiled out (kWPlain: wrong at a flush step, timed on plain steps alone).
 #define AB_PLAIN(LU, KIND, MB, NAME)                                                                 \
   extern "C" __global__ void __launch_bounds__(128, MB) ab_wdecode_##NAME##_r##LU(const __grid_constant__ StepParams p) { \
     kvr::gdn::wdecode_body<float, 128, LU / 16, KIND>(p, p.ids_inline);                             \
@@ -94,17 +80,6 @@ AB_PLAIN(16, kvr::gdn::kWPlain, 8, plain8)
 AB_PLAIN(16, kvr::gdn::kWPrep, 8, full8)
 AB_PLAIN(16, kvr::gdn::kWPlain, 7, plain7)
 AB_PLAIN(16, kvr::gdn::kWPrep, 7, full7)
-// The split experiment: the prep that leaves the metadata to the state kernel, and the state
-// kernel that reads it before the wait (gdn_wdecode.cu wsplit_body).
-extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS, 2) ab_dprep_nofin_r16(const __grid_constant__ StepParams p) {
-  kvr::gdn::dprep_body<128, 16, false, false>(p);
-}
-AB_PLAIN(16, kvr::gdn::kWSplit, 6, s6)
-AB_PLAIN(16, kvr::gdn::kWSplit, 7, s7)
-AB_PLAIN(16, kvr::gdn::kWSplitAll, 7, sa7)
-AB_PLAIN(16, kvr::gdn::kWSplitAll, 6, sa6)
-#define PIPE_PREP (L > 16 ? ab_dprep_pipe_r32 : ab_dprep_pipe_r16)
-#define READY_MAIN(W) (W ? (L > 16 ? ab_wdecode_readyw_r32 : ab_wdecode_readyw_r16) : (L > 16 ? ab_wdecode_ready_r32 : ab_wdecode_ready_r16))
 
 // The state kernel of the "wdecode" column: the library's, or with KVR_AB_MAIN=<name> (ring 16)
 // one of the variants above (full7: the library's body at 7 resident CTAs an SM).
@@ -113,17 +88,8 @@ static void (*main_kernel(int L))(StepParams) {
   if (e && L == 16) {
     if (!strcmp(e, "full7")) return ab_wdecode_full7_r16;
     if (!strcmp(e, "full8")) return ab_wdecode_full8_r16;
-    if (!strcmp(e, "s6")) return ab_wdecode_s6_r16;
-    if (!strcmp(e, "s7")) return ab_wdecode_s7_r16;
-    if (!strcmp(e, "sa7")) return ab_wdecode_sa7_r16;
-    if (!strcmp(e, "sa6")) return ab_wdecode_sa6_r16;
   }
   return L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16;
-}
-
-static bool split_main(int L) {
-  const char* e = getenv("KVR_AB_MAIN");
-  return e && L == 16 && e[0] == 's';
 }
 
 struct Pool {
@@ -175,23 +141,7 @@ int main(int argc, char** argv) {
   for (int B : Bs) {
     if (only && B != only) continue;
     const int NSETS = 8;
-    // ready-slot configurations: KVR_AB_PIPE="shares:grid:threads:poll,..." (grid 0: a CTA
-    // per item; poll 0: one poller a CTA, 1: every warp), each on a pool of its own
-    std::vector<int4> pipe;
-    if (const char* e = getenv("KVR_AB_PIPE")) {
-      for (const char* c = e; *c;) {
-        int4 x;
-        int n = 0;
-        if (sscanf(c, "%d:%d:%d:%d%n", &x.x, &x.y, &x.z, &x.w, &n) != 4) break;
-        if (x.x >= 1 && HK % x.x == 0)
-          pipe.push_back(x);
-        else
-          printf("KVR_AB_PIPE: %d shares do not divide %d key heads, skipped\n", x.x, HK);
-        c += n;
-        if (*c == ',') ++c;
-      }
-    }
-    std::vector<Pool> P(4 + pipe.size());
+    std::vector<Pool> P(4);
     for (auto& pl : P) {
       pl.n_state = (size_t)B * HV * D * DV;
       pl.n_ru = (size_t)B * L * HV * DV;
@@ -351,17 +301,6 @@ int main(int argc, char** argv) {
       launch_prep(p);
       launch_state(MAIN, p);
     };
-    auto launch_pipe = [&](int which, int set, float* o) {
-      const int4 c = pipe[which];
-      StepParams p = params(4 + which, set, o);
-      p.tv = 32;
-      p.tiles = DV / 32;
-      p.stages = c.x;
-      const int grid = c.y > 0 ? std::min(c.y, B * c.x) : B * c.x;
-      PIPE_PREP<<<grid, c.z, PREP_SMEM(HK / c.x), st>>>(p);
-      launch_state(READY_MAIN(c.w), p);
-    };
-    std::vector<double> e_pout(pipe.size(), 0.0);
     auto launch_f = [&](int set, float* o) {
       StepParams p = params(2, set, o);
       p.tv = 32;
@@ -401,15 +340,6 @@ int main(int argc, char** argv) {
       md = 0;
       for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
       e_sout = fmax(e_sout, md / (mx + 1e-30));
-      for (size_t w = 0; w < pipe.size(); ++w) {
-        launch_pipe((int)w, step % NSETS, out[1]);
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(o1.data(), out[1], o1.size() * 4, cudaMemcpyDeviceToHost));
-        md = 0;
-        for (size_t i = 0; i < o0.size(); ++i) md = fmax(md, fabs(o0[i] - o1[i]));
-        e_pout[w] = fmax(e_pout[w], md / (mx + 1e-30));
-      }
     }
     auto cmp = [&](float* a, float* b, size_t n) {
       std::vector<float> x(n), y(n);
@@ -419,22 +349,6 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < n; ++i) { mx = fmax(mx, fabs(x[i])); md = fmax(md, fabs(x[i] - y[i])); }
       return md / (mx + 1e-30);
     };
-    // ready-slot pools against the stream kernel's, before any timing advances them
-    std::vector<double> e_pstate(pipe.size()), e_pring(pipe.size());
-    std::vector<bool> pmeta_ok(pipe.size(), true);
-    for (size_t w = 0; w < pipe.size(); ++w) {
-      Pool& pp = P[4 + w];
-      e_pstate[w] = cmp(P[0].state, pp.state, P[0].n_state);
-      e_pring[w] = fmax(fmax(cmp(P[0].ru, pp.ru, P[0].n_ru), cmp(P[0].rk, pp.rk, P[0].n_rk)),
-                        cmp(P[0].rg, pp.rg, P[0].n_rg));
-      std::vector<int> m0w((size_t)B * 8), mp((size_t)B * 8);
-      CK(cudaMemcpy(m0w.data(), P[0].meta, mp.size() * 4, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy(mp.data(), pp.meta, mp.size() * 4, cudaMemcpyDeviceToHost));
-      for (int b = 0; b < B; ++b) {
-        for (int i = 0; i < 5; ++i) pmeta_ok[w] = pmeta_ok[w] && m0w[b * 8 + i] == mp[b * 8 + i];
-        pmeta_ok[w] = pmeta_ok[w] && mp[b * 8 + KVR_GDN_META_ARRIVE] == 0;
-      }
-    }
     const double e_state = cmp(P[0].state, P[1].state, P[0].n_state);
     const double e_ring = fmax(fmax(cmp(P[0].ru, P[1].ru, P[0].n_ru), cmp(P[0].rk, P[1].rk, P[0].n_rk)),
                                cmp(P[0].rg, P[1].rg, P[0].n_rg));
@@ -559,12 +473,6 @@ int main(int argc, char** argv) {
     const double tsp = time(launch_s);
     printf("      one launch specialized (FdFix) %.2f us (%.2fx fdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
            tsp, tf / tsp, e_sout, e_sstate, e_sring, smeta_ok ? "meta ok" : "META MISMATCH");
-    for (size_t w = 0; w < pipe.size(); ++w) {
-      const double tp = time([&](int set, float* o) { launch_pipe((int)w, set, o); });
-      printf("      ready slots %d:%d:%d:%d %.2f us (%.3fx wdecode), err out / state / ring %.1e / %.1e / %.1e %s\n",
-             pipe[w].x, pipe[w].y, pipe[w].z, pipe[w].w, tp, tw / tp, e_pout[w], e_pstate[w], e_pring[w],
-             pmeta_ok[w] ? "meta ok" : "META MISMATCH");
-    }
     // floor: state read once, (L-1)/2 ring u + k rows read on average, one entry written, the state written every L steps
     const double per_head = D * DV * 4.0 + (L - 1) / 2.0 * (DV * 4.0 + D * 4.0 * HK / HV) + DV * 4.0 + D * DV * 4.0 / L;
     const double floor_us = B * HV * per_head / 4.25e12 * 1e6;

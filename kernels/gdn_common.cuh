@@ -25,7 +25,6 @@ enum : int {
   kMetaPending = KVR_GDN_META_PENDING,
   kMetaConvEnd = KVR_GDN_META_CONV_END,
   kMetaArrive = KVR_GDN_META_ARRIVE,
-  kMetaReady = KVR_GDN_META_READY,
   kMetaInts = KVR_GDN_META_INTS
 };
 enum : int { kOpStep = KVR_GDN_OP_STEP, kOpFlush = KVR_GDN_OP_FLUSH, kOpExport = KVR_GDN_OP_EXPORT };

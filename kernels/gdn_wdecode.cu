@@ -155,19 +155,13 @@ __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int 
 // window. `p.stages` is the number of shares. With one, the CTA writes the row's new metadata
 // at its end; with more, the state kernel does (one thread, once its griddepcontrol.wait has
 // seen every prep CTA end: they all read it).
-//
-// READY (an experiment, bench/gdn_kernel_ab.cu's KVR_AB_PIPE; no library kernel uses it): the
-// item (row b, share) = (item / shares, item % shares) done by a CTA of a smaller grid that
-// takes items row by row (dprep_body's PIPE form). Every share writes the row's header, and
-// the row's last share to end (the metadata's arrival counter) writes its metadata and sets
-// its KVR_GDN_META_READY slot, which that row's state warps wait for (kWReady) instead of the
-// whole prep grid.
-template <int DK, int LU, bool READY, bool FIN = true>
-__device__ __forceinline__ void dprep_item(const StepParams& p, const unsigned item) {
+template <int DK, int LU>
+__device__ void dprep_body(const StepParams& p) {
+  pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int shares = p.stages > 1 ? p.stages : 1, nkh = p.hk / shares;
-  const int b = item / shares, share = item - b * shares, kh0 = share * nkh;
+  const int b = blockIdx.x / shares, share = blockIdx.x - b * shares, kh0 = share * nkh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
   if (seq < 0) return;
@@ -292,7 +286,7 @@ __device__ __forceinline__ void dprep_item(const StepParams& p, const unsigned i
   }
   if (!recurrent) {
     const int nbuf = hcnt;
-    if ((READY || share == 0) && tid == 0) {
+    if (share == 0 && tid == 0) {
       int* hdr = reinterpret_cast<int*>(p.scratch + lay.hdr) + 4 * b;
       hdr[0] = start;
       hdr[1] = nbuf;
@@ -351,51 +345,9 @@ __device__ __forceinline__ void dprep_item(const StepParams& p, const unsigned i
     for (int c = lo + tid; c < hi; c += blockDim.x)
       stx(cw, p.conv_dtype, c, ldx(p.conv_in.p, p.conv_in.dtype, b * p.conv_in.s[0] + c * p.conv_in.s[2]));
   }
-  if constexpr (READY) {
-    if (ring) {
-      // Every share's records before the row's last share sets the ready slot: the CTA's
-      // writes, a barrier, then one thread's fences (cumulative) around its arrival.
-      __syncthreads();
-      if (tid == 0) {
-        __threadfence();
-        if (shares == 1 || atomicAdd(meta + kMetaArrive, 1) == shares - 1) {
-          __threadfence();  // after the other shares' records and clears of the slot
-          if (shares > 1) meta[kMetaArrive] = 0;
-          finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
-          __threadfence();
-          st_release_gpu(meta + kMetaReady, 1);
-        }
-      }
-    }
-  } else if (FIN && ring && shares == 1) {
+  if (ring && shares == 1) {
     __syncthreads();
     if (tid == 0) finish_meta(p, meta, mode, start, hcnt, pending, conv_end, pl);
-  }
-}
-
-// The prep kernel: a CTA per item (row, share); PIPE (the READY experiment above): a grid of
-// any size, CTA c taking items c, c + gridDim.x, ... (rows in order). Every CTA first clears
-// the ready slots of its items' rows, then lets the state kernel launch: a row's last
-// arrival, which sets its slot, comes after every clear of it.
-template <int DK, int LU, bool PIPE = false, bool FIN = true>
-__device__ void dprep_body(const StepParams& p) {
-  const int shares = p.stages > 1 ? p.stages : 1;
-  if constexpr (!PIPE) {
-    pdl_launch_dependents();
-    dprep_item<DK, LU, false, FIN>(p, blockIdx.x);
-  } else {
-    const int items = p.b * shares;
-    for (int it = blockIdx.x + threadIdx.x * gridDim.x; it < items; it += blockDim.x * gridDim.x) {
-      const int seq = p.ids ? p.ids[it / shares] : p.ids_inline[it / shares];
-      if (seq >= 0) p.meta[static_cast<int64_t>(seq) * kMetaInts + kMetaReady] = 0;
-    }
-    __threadfence();
-    __syncthreads();
-    pdl_launch_dependents();
-    for (int it = blockIdx.x; it < items; it += gridDim.x) {
-      dprep_item<DK, LU, true>(p, static_cast<unsigned>(it));
-      __syncthreads();  // the shared memory is the next item's
-    }
   }
 }
 
@@ -403,22 +355,17 @@ __device__ void dprep_body(const StepParams& p) {
 // What a state kernel serves: replay pools after the prep kernel, recurrent pools (ring 0;
 // kernels of their own so that the replay kernels carry none of their code), or replay pools
 // in one launch (small batches).
-// kWReady, kWReadyWarp: kWPrep waiting for the row's ready slot (dprep_body's PIPE form)
-// instead of the prep grid, polled by one thread a CTA or by every warp (an experiment:
-// bench/gdn_kernel_ab.cu; no library kernel).
-template <bool B>
-struct BoolC {
-  static constexpr bool value = B;
-};
-enum WKind : int { kWPrep = 0, kWRec = 1, kWFused = 2, kWReady = 3, kWReadyWarp = 4, kWPlain = 5, kWSplit = 6, kWSplitAll = 7 };
+// kWPlain: kWPrep with the fold compiled out, wrong at a flush step (a diagnostic for
+// bench/gdn_kernel_ab.cu, which times it on plain steps alone; no library kernel).
+enum WKind : int { kWPrep = 0, kWRec = 1, kWFused = 2, kWPlain = 3 };
 
 // NU: ring slots per lane, 16 each (ring length <= 16 NU).
 // `ids_inline`: the launch's inline sequence ids (p.ids_inline, or the kernel parameter's where
 // p is a specialized copy of it). The one-launch kind runs on a 3-D grid (tile, value head,
 // batch row): no divisions in front of its chain.
 template <typename SD, int DK, int NU, int KIND>
-__device__ __forceinline__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
-  constexpr bool REC = KIND == kWRec, FUSED = KIND == kWFused, SPLIT = KIND == kWSplit || KIND == kWSplitAll;
+__device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
+  constexpr bool REC = KIND == kWRec, FUSED = KIND == kWFused;
   constexpr int RL = kWRows, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -460,7 +407,7 @@ __device__ __forceinline__ void wdecode_body(const StepParams& p, const int32_t*
   const bool counter = REC && h == 0 && tile == 0 && threadIdx.x == 0;
   int4 m0 = make_int4(0, 0, 0, 0);
   int conv_end = 0;
-  if (counter || FUSED || SPLIT) {
+  if (counter || FUSED) {
     m0 = __ldcg(reinterpret_cast<const int4*>(meta));
     conv_end = __ldcg(meta + kMetaConvEnd);
   }
@@ -495,305 +442,264 @@ __device__ __forceinline__ void wdecode_body(const StepParams& p, const int32_t*
     const int sl = (lane >> 1) + 16 * i;
 #pragma unroll
     for (int x = 0; x < 4; ++x) u4[i][x] = 0.f;
-    bool want = !REC && sl < L;
-    if constexpr (KIND == kWSplit) want = want && sl - m0.y + (sl < m0.y ? L : 0) < m0.z;  // live slots only
-    if (want) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
+    if (!REC && sl < L) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
   }
-  // The rest of the step, once with the fold (FOLD) and for kWSplit also once without it,
-  // so that the plain steps' code is scheduled without the fold's.
-  auto rest = [&](auto fold_c) {
-    constexpr bool FOLD = decltype(fold_c)::value;
-    // Replay pools: q and k normalized, v, e^g, beta and k . q from the prep kernel's record
-    // (one wait, then loads that hit L2); recurrent pools read and normalize the inputs.
-    float q[KL], k[KL];
-    float a, bt, kq;
-    float vt;
-    int4 hdr = make_int4(0, 0, 0, 0);
-    float eG = 1.f, cA = 0.f, cB = 0.f, cW = 0.f, g_new = 0.f;
-    const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
-    const float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
-    if constexpr (FUSED) {
-      load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
-      load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
-      vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
-      const float2 gb = token_gb(p, b, 0, h);
-      g_new = gb.x;
-      a = expf(gb.x);
-      bt = gb.y;
-      normalize_qk<KL>(p, q, k, true);
-      kq = 0.f;
-  #pragma unroll
-      for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
-      kq = warp_sum(kq);
-      cp_async_wait<0>();
-      __syncthreads();  // every slot's key
-      float cq = 0.f, ck = 0.f;
-      // Key products of every slot, CH slots a round, the rounds spread over the CTA's warps
-      // (shared memory), then lane s takes slot s's (every warp taking all of them measured
-      // 8 % slower at B = 1 on the H200).
-      constexpr int CH = 4, N = 2 * CH, S = 32 / N;
-      __shared__ float fprod[2][32];
-      for (int p0 = warp * CH; p0 < L; p0 += 4 * CH) {
-        float P[N];
-  #pragma unroll
-        for (int e = 0; e < CH; ++e) {
-          float kj[KL];
-          const unsigned char* kp = fkeys + min(p0 + e, L - 1) * kbytes;
-  #pragma unroll
-          for (int c = 0; c < KL; c += VW) ld_entry<VW>(reinterpret_cast<const char*>(kp), p.entry_dtype, key(c), &kj[c]);
-          float x = 0.f, z = 0.f;
-  #pragma unroll
-          for (int c = 0; c < KL; ++c) {
-            x += kj[c] * q[c];
-            z += kj[c] * k[c];
-          }
-          P[e] = x;
-          P[CH + e] = z;
+  // Replay pools: q and k normalized, v, e^g, beta and k . q from the prep kernel's record
+  // (one wait, then loads that hit L2); recurrent pools read and normalize the inputs.
+  float q[KL], k[KL];
+  float a, bt, kq;
+  float vt;
+  int4 hdr = make_int4(0, 0, 0, 0);
+  float eG = 1.f, cA = 0.f, cB = 0.f, cW = 0.f, g_new = 0.f;
+  const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
+  const float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+  if constexpr (FUSED) {
+    load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
+    load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+    vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
+    const float2 gb = token_gb(p, b, 0, h);
+    g_new = gb.x;
+    a = expf(gb.x);
+    bt = gb.y;
+    normalize_qk<KL>(p, q, k, true);
+    kq = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
+    kq = warp_sum(kq);
+    cp_async_wait<0>();
+    __syncthreads();  // every slot's key
+    float cq = 0.f, ck = 0.f;
+    // Key products of every slot, CH slots a round, the rounds spread over the CTA's warps
+    // (shared memory), then lane s takes slot s's (every warp taking all of them measured
+    // 8 % slower at B = 1 on the H200).
+    constexpr int CH = 4, N = 2 * CH, S = 32 / N;
+    __shared__ float fprod[2][32];
+    for (int p0 = warp * CH; p0 < L; p0 += 4 * CH) {
+      float P[N];
+#pragma unroll
+      for (int e = 0; e < CH; ++e) {
+        float kj[KL];
+        const unsigned char* kp = fkeys + min(p0 + e, L - 1) * kbytes;
+#pragma unroll
+        for (int c = 0; c < KL; c += VW) ld_entry<VW>(reinterpret_cast<const char*>(kp), p.entry_dtype, key(c), &kj[c]);
+        float x = 0.f, z = 0.f;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) {
+          x += kj[c] * q[c];
+          z += kj[c] * k[c];
         }
-        const float r = reduce_scatter<N>(P, lane);  // P[lane / S]
-        const int idx = lane / S, e = idx % CH;
-        if (lane % S == 0 && p0 + e < L) fprod[idx / CH][p0 + e] = r;
+        P[e] = x;
+        P[CH + e] = z;
       }
-      __syncthreads();
-      if (lane < L) {
-        cq = fprod[0][lane];
-        ck = fprod[1][lane];
-      }
-      // Weights w_j = e^{g_{j+1} + ... + g_{h-1}} over the buffered entries in ring order (lane
-      // j: entry j), then by slot (lane s: slot s).
-      const int start = m0.y, hcnt = m0.z;
-      const int slot_j = (start + lane) % L;
-      const bool live_j = lane < hcnt;
-      const float2 sc = warp_suffix(pick(live_j, __shfl_sync(0xffffffffu, gsl, slot_j), 0.f), lane);
-      const float excl = sc.x, total = sc.y;
-      const float w_j = live_j ? expf(excl) : 0.f;
-      const int j_s = (lane - start + 32 * L) % L;
-      const float w_s = __shfl_sync(0xffffffffu, w_j, j_s);
-      const bool live_s = lane < L && j_s < hcnt;
-      cA = pick(live_s, w_s * cq, 0.f);
-      cB = pick(live_s, w_s * ck, 0.f);
-      cW = pick(live_s, w_s, 0.f);
-      eG = expf(total);
-      hdr = make_int4(start, hcnt, hcnt + 1 > L, (start + hcnt) % L);
-    } else if constexpr (!REC) {
-      // Relaxed polls, then one acquire fence: an acquire load compiles to a strong load and an
-      // L1 invalidation (CCTL.IVALL) on every poll.
-      if constexpr (KIND == kWReady) {
-        if (threadIdx.x == 0) {
-          while (ld_relaxed_gpu(meta + kMetaReady) == 0) __nanosleep(256);
-          fence_acquire_gpu();
-        }
-        __syncthreads();
-      } else if constexpr (KIND == kWReadyWarp) {
-        while (!__all_sync(0xffffffffu, ld_relaxed_gpu(meta + kMetaReady) != 0)) __nanosleep(128);
-        fence_acquire_gpu();
-      } else {
-        pdl_wait();
-      }
-      // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
-      if ((KIND == kWPrep || KIND == kWPlain) && p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
-        const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
-        finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
-      }
-      hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
-      const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
-      eG = r0.x;
-      a = r0.y;
-      bt = r0.z;
-      kq = r0.w;
-      cA = lane < L ? __ldcg(rec + 4 + lane) : 0.f;
-      cB = lane < L ? __ldcg(rec + 4 + L + lane) : 0.f;
-      const char* vrow = reinterpret_cast<const char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * dv * 4;
-      vt = ldx(vrow, p.v.dtype, static_cast<int64_t>(h) * dv + row0 + rr);
-      const float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
-  #pragma unroll
-      for (int c = 0; c < KL; c += VW) {
-        ld_vec<float, VW>(qk + key(c), &q[c]);
-        ld_vec<float, VW>(qk + DK + key(c), &k[c]);
-      }
-    } else {
-      load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
-      load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
-      vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
-      const float2 gb = token_gb(p, b, 0, h);
-      normalize_qk<KL>(p, q, k, false);
-      kq = 0.f;
-  #pragma unroll
-      for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
-      kq = warp_sum(kq);
-      a = expf(gb.x);
-      bt = gb.y;
+      const float r = reduce_scatter<N>(P, lane);  // P[lane / S]
+      const int idx = lane / S, e = idx % CH;
+      if (lane % S == 0 && p0 + e < L) fprod[idx / CH][p0 + e] = r;
     }
-    const bool delta = p.rule == KVR_GDN_RULE_DELTA;
+    __syncthreads();
+    if (lane < L) {
+      cq = fprod[0][lane];
+      ck = fprod[1][lane];
+    }
+    // Weights w_j = e^{g_{j+1} + ... + g_{h-1}} over the buffered entries in ring order (lane
+    // j: entry j), then by slot (lane s: slot s).
+    const int start = m0.y, hcnt = m0.z;
+    const int slot_j = (start + lane) % L;
+    const bool live_j = lane < hcnt;
+    const float2 sc = warp_suffix(pick(live_j, __shfl_sync(0xffffffffu, gsl, slot_j), 0.f), lane);
+    const float excl = sc.x, total = sc.y;
+    const float w_j = live_j ? expf(excl) : 0.f;
+    const int j_s = (lane - start + 32 * L) % L;
+    const float w_s = __shfl_sync(0xffffffffu, w_j, j_s);
+    const bool live_s = lane < L && j_s < hcnt;
+    cA = pick(live_s, w_s * cq, 0.f);
+    cB = pick(live_s, w_s * ck, 0.f);
+    cW = pick(live_s, w_s, 0.f);
+    eG = expf(total);
+    hdr = make_int4(start, hcnt, hcnt + 1 > L, (start + hcnt) % L);
+  } else if constexpr (!REC) {
+    pdl_wait();
+    // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
+    if (p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
+      const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+      finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
+    }
+    hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
+    const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
+    eG = r0.x;
+    a = r0.y;
+    bt = r0.z;
+    kq = r0.w;
+    cA = lane < L ? __ldcg(rec + 4 + lane) : 0.f;
+    cB = lane < L ? __ldcg(rec + 4 + L + lane) : 0.f;
+    const char* vrow = reinterpret_cast<const char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * dv * 4;
+    vt = ldx(vrow, p.v.dtype, static_cast<int64_t>(h) * dv + row0 + rr);
+    const float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
+#pragma unroll
+    for (int c = 0; c < KL; c += VW) {
+      ld_vec<float, VW>(qk + key(c), &q[c]);
+      ld_vec<float, VW>(qk + DK + key(c), &k[c]);
+    }
+  } else {
+    load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
+    load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+    vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + (row0 + rr) * p.v.s[3]);
+    const float2 gb = token_gb(p, b, 0, h);
+    normalize_qk<KL>(p, q, k, false);
+    kq = 0.f;
+#pragma unroll
+    for (int c = 0; c < KL; ++c) kq += k[c] * q[c];
+    kq = warp_sum(kq);
+    a = expf(gb.x);
+    bt = gb.y;
+  }
+  const bool delta = p.rule == KVR_GDN_RULE_DELTA;
 
-    // (S q)[row0 + rr] and (S k)[row0 + rr] in every lane.
-    auto state_dots = [&](float& sq, float& sk) {
-      const float2 d = rows8_dots<KL>(s, q, k, lane);
-      sq = d.x;
-      sk = d.y;
-    };
-    auto scale_state = [&](float f) { scale_rows<RL, KL>(s, f); };
-    auto store_state = [&]() { store_rows<SD, DK, RL>(hs, s, lane); };
+  // (S q)[row0 + rr] and (S k)[row0 + rr] in every lane.
+  auto state_dots = [&](float& sq, float& sk) {
+    const float2 d = rows8_dots<KL>(s, q, k, lane);
+    sq = d.x;
+    sk = d.y;
+  };
+  auto scale_state = [&](float f) { scale_rows<RL, KL>(s, f); };
+  auto store_state = [&]() { store_rows<SD, DK, RL>(hs, s, lane); };
 
-    float y;
-    if constexpr (REC) {
-      scale_state(a);
-      float sq, sk;
-      state_dots(sq, sk);
-      const float u = delta ? bt * (vt - sk) : bt * vt;
-      y = sq + kq * u;
-  #pragma unroll
-      for (int r = 0; r < RL; ++r) {
-        const float ur = __shfl_sync(0xffffffffu, u, r);
-  #pragma unroll
-        for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
+  float y;
+  if constexpr (REC) {
+    scale_state(a);
+    float sq, sk;
+    state_dots(sq, sk);
+    const float u = delta ? bt * (vt - sk) : bt * vt;
+    y = sq + kq * u;
+#pragma unroll
+    for (int r = 0; r < RL; ++r) {
+      const float ur = __shfl_sync(0xffffffffu, u, r);
+#pragma unroll
+      for (int c = 0; c < KL; ++c) s[r][c] += ur * k[c];
+    }
+    store_state();
+    // The step count, by one thread per row; with a prep kernel (conv window), once it has
+    // read the metadata.
+    if (p.conv_dim > 0) pdl_wait();
+    if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
+  } else {
+    float sq, sk;
+    state_dots(sq, sk);
+    const int start = hdr.x, nbuf = hdr.y, base = hdr.w;
+    const bool flush = hdr.z != 0;
+    // The entries' part of S_{t-1} q and S_{t-1} k: each lane's slots weighted by their
+    // coefficients, summed over the 16 lanes of each half (8 values: 4 rows x {q, k}).
+    float P[8];
+#pragma unroll
+    for (int x = 0; x < 8; ++x) P[x] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NU; ++i) {
+      const int sl = (lane >> 1) + 16 * i;
+      const int j = sl - start + (sl < start ? L : 0);  // position in the ring
+      const bool live = sl < L && j < nbuf;
+      const float ca = __shfl_sync(0xffffffffu, cA, sl & 31), cb = __shfl_sync(0xffffffffu, cB, sl & 31);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        u4[i][x] = live ? u4[i][x] : 0.f;
+        P[x] += ca * u4[i][x];
+        P[4 + x] += cb * u4[i][x];
       }
-      store_state();
-      // The step count, by one thread per row; with a prep kernel (conv window), once it has
-      // read the metadata.
-      if (p.conv_dim > 0) pdl_wait();
-      if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
-    } else {
-      float sq, sk;
-      state_dots(sq, sk);
-      const int start = hdr.x, nbuf = hdr.y, base = hdr.w;
-      const bool flush = hdr.z != 0;
-      // The entries' part of S_{t-1} q and S_{t-1} k: each lane's slots weighted by their
-      // coefficients, summed over the 16 lanes of each half (8 values: 4 rows x {q, k}).
-      float P[8];
-  #pragma unroll
-      for (int x = 0; x < 8; ++x) P[x] = 0.f;
-  #pragma unroll
-      for (int i = 0; i < NU; ++i) {
-        const int sl = (lane >> 1) + 16 * i;
-        const int j = sl - start + (sl < start ? L : 0);  // position in the ring
-        const bool live = sl < L && j < nbuf;
-        const float ca = __shfl_sync(0xffffffffu, cA, sl & 31), cb = __shfl_sync(0xffffffffu, cB, sl & 31);
-  #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          u4[i][x] = live ? u4[i][x] : 0.f;
-          P[x] += ca * u4[i][x];
-          P[4 + x] += cb * u4[i][x];
-        }
-      }
-      // Halving exchanges on lane bits 4, 3, 2, then a sum over bit 1: lane l ends with the
-      // total of value 4 bit4 + 2 bit3 + bit2, i.e. {q, k}[bit4] of row 4 bit0 + 2 bit3 + bit2.
-      {
-        const bool h4 = lane & 16, h3 = lane & 8, h2 = lane & 4;
-  #pragma unroll
-        for (int x = 0; x < 4; ++x)
-          P[x] = pick(h4, P[4 + x], P[x]) + __shfl_xor_sync(0xffffffffu, pick(h4, P[x], P[4 + x]), 16);
-  #pragma unroll
-        for (int x = 0; x < 2; ++x)
-          P[x] = pick(h3, P[2 + x], P[x]) + __shfl_xor_sync(0xffffffffu, pick(h3, P[x], P[2 + x]), 8);
-        P[0] = pick(h2, P[1], P[0]) + __shfl_xor_sync(0xffffffffu, pick(h2, P[0], P[1]), 4);
-        P[0] += __shfl_xor_sync(0xffffffffu, P[0], 2);
-      }
-      const int src = (rr >> 2) | ((rr & 1) << 2) | (((rr >> 1) & 1) << 3);
-      const float hq = __shfl_sync(0xffffffffu, P[0], src), hk = __shfl_sync(0xffffffffu, P[0], src | 16);
-      const float u = delta ? bt * (vt - a * (eG * sk + hk)) : bt * vt;
-      y = a * (eG * sq + hq) + kq * u;
-      if (writer) {
-        char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + base) * p.hv + h) * dv * ee;
-        stx(dst, p.entry_dtype, row0 + rr, u);
-      }
-      if (FOLD && KIND != kWPlain && flush) {
-        // Fold the ring (every slot is buffered) into this warp's rows: e^G S + sum_p w_p u_p k_p^T.
-        // The base slot's key was displaced by the new entry's: the prep kernel left it in the scratch.
-        if constexpr (!FUSED) cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
-        scale_state(eG);
-        const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
-        const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
-        const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
-  #pragma unroll
-        for (int i = 0; i < NU; ++i)
-  #pragma unroll
-          for (int g0 = 0; g0 < 16; g0 += 4) {
-            // Four slots' keys in one round, then their rank-one updates.
-            float kj[4][KL];
-  #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int sl = min(g0 + e + 16 * i, L - 1);
-              // (fused: every slot's key, the base slot's included, is in shared memory)
-              const bool moved_here = !FUSED && sl == base;
-              const char* kp = FUSED ? reinterpret_cast<const char*>(fkeys) + sl * kbytes
-                               : moved_here ? reinterpret_cast<const char*>(moved)
-                                            : kbase + sl * kstride;
-              const int dt = moved_here ? KVR_DT_F32 : p.entry_dtype;
-  #pragma unroll
-              for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, dt, key(c), &kj[e][c]);
-            }
-  #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int sl = g0 + e + 16 * i;
-              if (sl < L) {
-                const float w = __shfl_sync(0xffffffffu, cW, sl);
-  #pragma unroll
-                for (int r = 0; r < RL; ++r) {
-                  const float wu = w * __shfl_sync(0xffffffffu, u4[i][r & 3], 2 * (g0 + e) + (r >> 2));
-  #pragma unroll
-                  for (int c = 0; c < KL; ++c) s[r][c] += wu * kj[e][c];
-                }
+    }
+    // Halving exchanges on lane bits 4, 3, 2, then a sum over bit 1: lane l ends with the
+    // total of value 4 bit4 + 2 bit3 + bit2, i.e. {q, k}[bit4] of row 4 bit0 + 2 bit3 + bit2.
+    {
+      const bool h4 = lane & 16, h3 = lane & 8, h2 = lane & 4;
+#pragma unroll
+      for (int x = 0; x < 4; ++x)
+        P[x] = pick(h4, P[4 + x], P[x]) + __shfl_xor_sync(0xffffffffu, pick(h4, P[x], P[4 + x]), 16);
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+        P[x] = pick(h3, P[2 + x], P[x]) + __shfl_xor_sync(0xffffffffu, pick(h3, P[x], P[2 + x]), 8);
+      P[0] = pick(h2, P[1], P[0]) + __shfl_xor_sync(0xffffffffu, pick(h2, P[0], P[1]), 4);
+      P[0] += __shfl_xor_sync(0xffffffffu, P[0], 2);
+    }
+    const int src = (rr >> 2) | ((rr & 1) << 2) | (((rr >> 1) & 1) << 3);
+    const float hq = __shfl_sync(0xffffffffu, P[0], src), hk = __shfl_sync(0xffffffffu, P[0], src | 16);
+    const float u = delta ? bt * (vt - a * (eG * sk + hk)) : bt * vt;
+    y = a * (eG * sq + hq) + kq * u;
+    if (writer) {
+      char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + base) * p.hv + h) * dv * ee;
+      stx(dst, p.entry_dtype, row0 + rr, u);
+    }
+    if (KIND != kWPlain && flush) {
+      // Fold the ring (every slot is buffered) into this warp's rows: e^G S + sum_p w_p u_p k_p^T.
+      // The base slot's key was displaced by the new entry's: the prep kernel left it in the scratch.
+      if constexpr (!FUSED) cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
+      scale_state(eG);
+      const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
+      const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+      const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
+#pragma unroll
+      for (int i = 0; i < NU; ++i)
+#pragma unroll
+        for (int g0 = 0; g0 < 16; g0 += 4) {
+          // Four slots' keys in one round, then their rank-one updates.
+          float kj[4][KL];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int sl = min(g0 + e + 16 * i, L - 1);
+            // (fused: every slot's key, the base slot's included, is in shared memory)
+            const bool moved_here = !FUSED && sl == base;
+            const char* kp = FUSED ? reinterpret_cast<const char*>(fkeys) + sl * kbytes
+                             : moved_here ? reinterpret_cast<const char*>(moved)
+                                          : kbase + sl * kstride;
+            const int dt = moved_here ? KVR_DT_F32 : p.entry_dtype;
+#pragma unroll
+            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, dt, key(c), &kj[e][c]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int sl = g0 + e + 16 * i;
+            if (sl < L) {
+              const float w = __shfl_sync(0xffffffffu, cW, sl);
+#pragma unroll
+              for (int r = 0; r < RL; ++r) {
+                const float wu = w * __shfl_sync(0xffffffffu, u4[i][r & 3], 2 * (g0 + e) + (r >> 2));
+#pragma unroll
+                for (int c = 0; c < KL; ++c) s[r][c] += wu * kj[e][c];
               }
             }
           }
-        store_state();
-      }
-    }
-    if (writer) {
-      if (!EPI_EARLY) epi = epilogue_in(p, b, 0, h, row0 + rr);
-      stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
-    }
-    if constexpr (FUSED) {
-      const int start = hdr.x, hcnt = hdr.y, base = hdr.w;
-      const bool flush = hdr.z != 0;
-      // Outside a flush the new entry's slot holds no buffered entry: its key (first tile of
-      // the key head's first value head) and decay (first tile of the value head) go there now.
-      if (!flush && tile == 0 && warp == 0) {
-        if (h % (p.hv / p.hk) == 0) {
-          char* kd = p.ring_k + ((static_cast<int64_t>(seq) * L + base) * p.hk + kh) * kbytes;
-  #pragma unroll
-          for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), k[c]);
         }
-        if (lane == 0) p.ring_g[(static_cast<int64_t>(seq) * L + base) * p.hv + h] = g_new;
-      }
-      if (p.conv_dim > 0) conv_window_share(p, b, seq, h, tile, conv_end, threadIdx.x, blockDim.x);
-      // The last CTA of the sequence to arrive ends its step (everything it writes, the others
-      // have finished reading).
-      __shared__ int last;
-      __syncthreads();
-      if (threadIdx.x == 0) last = atomicAdd(meta + kMetaArrive, 1) == p.hv * p.tiles - 1;
-      __syncthreads();
-      if (last) {
-        const Place pl{flush, false, base};
-        if (flush) ring_keys_and_decays(p, b, seq, base, warp, lane, threadIdx.x, blockDim.x);
-        if (threadIdx.x == 0) {
-          finish_meta(p, meta, m0.x, start, hcnt, m0.w, conv_end, pl);
-          meta[kMetaArrive] = 0;
-        }
-      }
+      store_state();
     }
-  };
-  if constexpr (SPLIT) {
-    // The split experiment (bench/gdn_kernel_ab.cu): the metadata was read before the wait (no
-    // prep writes it: dprep_body<..., FIN = false>; the row's last CTA to arrive does), so
-    // the step knows whether it flushes and which slots are live (only their u values were
-    // loaded) before it waits.
-    const Place pl = placement(p, m0.x, m0.y, m0.z);
-    if (pl.flush)
-      rest(BoolC<true>{});
-    else
-      rest(BoolC<false>{});
+  }
+  if (writer) {
+    if (!EPI_EARLY) epi = epilogue_in(p, b, 0, h, row0 + rr);
+    stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+  }
+  if constexpr (FUSED) {
+    const int start = hdr.x, hcnt = hdr.y, base = hdr.w;
+    const bool flush = hdr.z != 0;
+    // Outside a flush the new entry's slot holds no buffered entry: its key (first tile of
+    // the key head's first value head) and decay (first tile of the value head) go there now.
+    if (!flush && tile == 0 && warp == 0) {
+      if (h % (p.hv / p.hk) == 0) {
+        char* kd = p.ring_k + ((static_cast<int64_t>(seq) * L + base) * p.hk + kh) * kbytes;
+#pragma unroll
+        for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), k[c]);
+      }
+      if (lane == 0) p.ring_g[(static_cast<int64_t>(seq) * L + base) * p.hv + h] = g_new;
+    }
+    if (p.conv_dim > 0) conv_window_share(p, b, seq, h, tile, conv_end, threadIdx.x, blockDim.x);
+    // The last CTA of the sequence to arrive ends its step (everything it writes, the others
+    // have finished reading).
     __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(meta + kMetaArrive, 1) == p.hv * p.tiles - 1;
     __syncthreads();
-    if (last && threadIdx.x == 0) {
-      finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, pl);
-      meta[kMetaArrive] = 0;
+    if (last) {
+      const Place pl{flush, false, base};
+      if (flush) ring_keys_and_decays(p, b, seq, base, warp, lane, threadIdx.x, blockDim.x);
+      if (threadIdx.x == 0) {
+        finish_meta(p, meta, m0.x, start, hcnt, m0.w, conv_end, pl);
+        meta[kMetaArrive] = 0;
+      }
     }
-  } else {
-    rest(BoolC<true>{});
   }
 }
 

@@ -335,8 +335,6 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_META_PENDING 3  /* drafts of an uncommitted verify */
 #define KVR_GDN_META_CONV_END 4 /* conv window: inputs written so far (ring end) */
 #define KVR_GDN_META_ARRIVE 5   /* arrival counter of the CTAs of a launch (device only, 0 between) */
-#define KVR_GDN_META_READY 6    /* the row's prep records are written (device only; the ready-slot
-                                   experiment of gdn_wdecode.cu, no library kernel) */
 #define KVR_GDN_META_INTS 8
 
 /* Sequence modes (the KVR_GDN_META_MODE slot). */

@@ -164,8 +164,6 @@ abi_consts! {
     KVR_GDN_META_CONV_END: usize = 4;
     /// Arrival counter of the CTAs of one launch (device only; 0 between launches).
     KVR_GDN_META_ARRIVE: usize = 5;
-    /// The row's prep records are written (device only; an experiment, no library kernel).
-    KVR_GDN_META_READY: usize = 6;
     KVR_GDN_META_INTS: usize = 8;
 
     /// Sequence modes (the `KVR_GDN_META_MODE` slot).
