@@ -34,6 +34,10 @@ streaming ceiling (1 GiB copy) measured in the same run.
   --kvonly-batches 1,64   batch sizes of the KV-only sweep (default 64; the summary keys are B = 64)
   --layout v     V-major pools (states imported transposed from fla's K-major)
   --rings, --batches   subsets of the ring lengths and batch sizes of the decode sweep
+  --verify-rings 16,32,64   ring lengths of the verify sweep (default 16,64: the summary's verify
+                 keys are ring 16, the decode figures' ring, and `_ring64`), --verify-batches
+                 32,128 its batch sizes
+  --verify-only  the verify sweep only ($OUT/gdn_bench_verify.json)
 
 The decode sweep measures what the library picks (recurrent / replay columns) and, beside it
 in the same run, each decode kernel forced: the streaming kernel (KVR_GDN_DECODE=stream,
@@ -288,31 +292,66 @@ def decode_sweep(ceil_copy, results):
     results["decode"] = rows
 
 
+def flush_cycle(ring, T, acc):
+    """Rounds from one flush to the next for verify rounds of T drafts with `acc` accepted
+    each: a round flushes first when h + 2T > ring (src/linear/replay/meta.rs, needs_flush),
+    and the ring holds `acc` entries after a flush round."""
+    k = 1
+    while k * acc + 2 * T <= ring:
+        k += 1
+    return k
+
+
 def verify_sweep(results):
     print("\n== verify + commit rounds (device-side accepted counts): us per round", flush=True)
     rows = []
-    for B in ([32] if QUICK else [32, 128]):
+    rings = _arg_list("--verify-rings", [16, 64])
+    for B in _arg_list("--verify-batches", [32] if QUICK else [32, 128]):
         ns = n_sets_for(B)
+        # A replay decode step with each ring (whole flush cycles), for the rounds' cost in steps.
+        dec = {}
+        inp1 = Inputs(B, 1, ns, seed=B)
+        for ring in rings:
+            p, seqs = pool(B, ring, ns)
+            dec[ring] = time_graph(Ours(p, seqs, inp1), ns, ns * ring, replays=5, warm=False)
+            free(p)
+        print(f"B={B:3d} replay decode step: " + "  ".join(f"L={r} {dec[r]:.1f}" for r in rings), flush=True)
         for T in (2, 4, 8):
             inp = Inputs(B, T, ns, seed=100 + T)
             acc = max(1, T // 2)
             row = {"B": B, "T": T, "accepted": acc, "sets": ns}
-            for name, ring in (("replay64", 64), ("recurrent", 0)):
+            row.update({f"decode{r}_us": dec[r] for r in rings})
+            # Each graph holds whole flush cycles of every ring (and the same number of
+            # recurrent rounds), so every timed replay pays the same share of flushes.
+            cyc = {ring: flush_cycle(ring, T, acc) for ring in rings}
+            for name, ring in [(f"replay{r}", r) for r in rings] + [("recurrent", 0)]:
+                c = cyc.get(ring, 1)
+                rounds = c * math.ceil(8 / c)
                 p, seqs = pool(B, ring, ns, drafts=8)
                 v = Ours(p, seqs, inp, verify=True)
-                c = Commit(p, seqs, acc)
+                cm = Commit(p, seqs, acc)
 
-                def rnd(i, v=v, c=c):
+                def rnd(i, v=v, cm=cm):
                     v(i)
-                    c(i)
+                    cm(i)
 
-                rounds = 8
                 row[f"{name}_us"] = time_graph(rnd, ns, ns * rounds, replays=5, warm=False)
+                if ring:
+                    row[f"{name}_rounds_per_flush"] = c
                 free(p)
-            row["speedup"] = row["recurrent_us"] / row["replay64_us"]
+            for r in rings:
+                row[f"speedup{r}"] = row["recurrent_us"] / row[f"replay{r}_us"]
+                row[f"over_decode{r}"] = row[f"replay{r}_us"] / dec[r]
+            if 64 in rings:
+                row["speedup"] = row["speedup64"]
+            best = min(rings, key=lambda r: row[f"replay{r}_us"])
+            row["best_ring"] = best
             rows.append(row)
-            print(f"B={B:3d} T={T}  replay (L=64) {row['replay64_us']:8.1f}  recurrent+snapshots "
-                  f"{row['recurrent_us']:8.1f}  speedup {row['speedup']:.2f}x", flush=True)
+            line = f"B={B:3d} T={T}  recurrent+snapshots {row['recurrent_us']:8.1f}"
+            for r in rings:
+                line += (f"  L={r} {row[f'replay{r}_us']:8.1f} ({row[f'speedup{r}']:.2f}x, "
+                         f"{row[f'over_decode{r}']:.2f} steps, flush every {cyc[r]} rounds)")
+            print(line, flush=True)
         torch.cuda.empty_cache()
     results["verify"] = rows
 
@@ -446,7 +485,7 @@ def summary(v, k=None):
     (`v`, the full sweep) and optionally a K-major decode run's (`k`): fla / ours ratios,
     floor fractions and speedups; replay rows are the L = 16 column averaged over flush cycles."""
     out = {}
-    dec = {r["B"]: r for r in v["decode"]}
+    dec = {r["B"]: r for r in v.get("decode", [])}
     ceil = v["copy_tbs"] * 1e6  # bytes per us
 
     def ratio(a, b):
@@ -471,13 +510,19 @@ def summary(v, k=None):
         if B in dec:
             r = dec[B]
             out[f"gdn_recurrent_floor_frac_b{B}"] = round(r["recurrent_bytes"] / ceil / r["recurrent_us"], 3)
+    # Verify: rounds over whole flush cycles, on pools with the decode figures' ring (16) and
+    # with a ring of 64; the round's cost in replay decode steps of the same ring, same run.
     ver = {(r["B"], r["T"]): r for r in v.get("verify", [])}
-    for T in (4, 8):
-        if (128, T) in ver:
-            out[f"gdn_verify_speedup_t{T}_b128"] = round(ver[(128, T)]["speedup"], 3)
-    if (128, 4) in ver and 128 in dec:
-        # the verify rounds use a ring of 64: against one decode step with the same ring
-        out["gdn_verify_t4_over_decode_b128"] = ratio(ver[(128, 4)]["replay64_us"], dec[128]["replay64_us"])
+    for B in (32, 128):
+        for T in (4, 8):
+            r = ver.get((B, T), {})
+            for ring, suffix in ((16, ""), (64, "_ring64")):
+                if f"speedup{ring}" in r:
+                    out[f"gdn_verify_speedup_t{T}_b{B}{suffix}"] = round(r[f"speedup{ring}"], 3)
+    for ring, suffix in ((16, ""), (64, "_ring64")):
+        r = ver.get((128, 4), {})
+        if f"over_decode{ring}" in r:
+            out[f"gdn_verify_t4_over_decode_b128{suffix}"] = round(r[f"over_decode{ring}"], 3)
     kvo = [r for r in v.get("kv_only", {}).get("rows", []) if r["B"] == 64]
     for want in (64, 124):
         if kvo:
@@ -491,7 +536,8 @@ def summary(v, k=None):
                 out[f"gdn_decode_replay16_vs_fla_b{B}_kmajor"] = ratio(kd[B].get("fla_us"), kd[B]["replay16_us"])
         if 256 in kd:
             out["gdn_recurrent_vs_fla_b256_kmajor"] = ratio(kd[256].get("fla_us"), kd[256]["recurrent_us"])
-    out["gdn_copy_ceiling_tbs"] = round(v["copy_tbs"], 3)
+    if dec:
+        out["gdn_copy_ceiling_tbs"] = round(v["copy_tbs"], 3)
     return out
 
 
@@ -519,6 +565,10 @@ def main():
         stream_rows_sweep(results)
     if "--verify-only" in sys.argv:
         verify_sweep(results)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "gdn_bench_verify.json"), "w") as f:
+                json.dump(results, f, indent=1)
         return
     if "--kvonly-only" in sys.argv:
         kv_only_sweep(results)

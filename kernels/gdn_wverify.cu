@@ -226,12 +226,13 @@ __device__ __forceinline__ float rows8_dot(const float (&s)[8][KL], const float 
   return __shfl_sync(0xffffffffu, own, 4 * (lane & 7));
 }
 
-// TM: drafts at most (registers); ADD: the additive rule.
-template <typename SD, int DK, int TM, bool ADD>
+// TM: drafts at most (registers); ADD: the additive rule; NS: ring slots per lane (16: rings
+// of up to 64 entries; 4: up to 16, a quarter of the u loads and of the ring's part).
+template <typename SD, int DK, int TM, bool ADD, int NS = kWvSlots / 4>
 __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr int RL = 8, KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
-  constexpr int NS = kWvSlots / 4;
+  static_assert(NS == 4 || NS == kWvSlots / 4, "rings of up to 16 or 64 entries");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int T = p.t, Tm = p.max_drafts, L = p.l, dv = p.dv;
@@ -241,7 +242,8 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   const bool writer = lane < RL;
   const int seq = p.ids ? p.ids[b] : ids_inline[b];
   const Tensor& out = p.out;
-  auto out_at = [&](int s) { return b * out.s[0] + s * out.s[1] + h * out.s[2] + row * out.s[3]; };
+  const int64_t out0 = b * out.s[0] + h * out.s[2] + row * out.s[3];
+  auto out_at = [&](int s) { return out0 + s * out.s[1]; };
   if (seq < 0) {
     if (writer)
       for (int s = 0; s < T; ++s) stx(out.p, out.dtype, out_at(s), 0.f);
@@ -255,7 +257,7 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   load_rows<SD, DK, RL>(hs, s, lane);
   // The u values of this lane's slots (qtr + 4 i) in its row, the drafts' v and gate inputs.
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
-  const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
+  char* const ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
   const int64_t ustride = static_cast<int64_t>(p.hv) * dv * ee;
   float u[NS];
 #pragma unroll
@@ -327,8 +329,9 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
       sk = d.y;
     }
     float hq = 0.f, hk = 0.f;
-    const float* A = rec + rl.a + x * kWvSlots + qtr * NS;
-    const float* B = rec + rl.b + x * kWvSlots + qtr * NS;
+    // Lane quarter qtr's slots qtr + 4 i sit at qtr * 16 + i (wv_slot_at).
+    const float* A = rec + rl.a + x * kWvSlots + qtr * (kWvSlots / 4);
+    const float* B = rec + rl.b + x * kWvSlots + qtr * (kWvSlots / 4);
 #pragma unroll
     for (int i = 0; i < NS; i += 4) {
       const float4 a = *reinterpret_cast<const float4*>(A + i);
@@ -357,8 +360,8 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
     for (int y = 0; y <= x; ++y) yv += rec[rl.cb + x * Tm + y] * ut[y];
     if (writer) {
       stx(out.p, out.dtype, out_at(x), epilogue(p, EpilogueIn{skip, zt[x]}, vt[x], yv));
-      char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + (base + x) % L) * p.hv + h) * dv * ee;
-      stx(dst, p.entry_dtype, row, uu);
+      const int sl = base + x < L ? base + x : base + x - L;  // (base + x) % L: base < L, x < T <= L
+      stx(ubase + sl * ustride, p.entry_dtype, row, uu);
     }
   }
   if (flush) {
@@ -426,13 +429,21 @@ KVR_GDN_WVERIFY_DK(128)
 // Specialized builds (kvr_gdn_wverify_<state>_v_d128_t<TM>_<FN>): a copy of the parameters with
 // the fields of the engines' calls made constants (gdn_wdecode.cu FdFix, FdFixM2; the host
 // checks a call against them: src/linear/replay/cuda.rs fdecode_spec), so that the per-row
-// work loses its run-time dtype dispatch. The ring length stays a run-time value.
+// work loses its run-time dtype dispatch. The ring length stays a run-time value; the `_r16`
+// builds serve rings of up to 16 entries with 4 slots a lane instead of 16, in the registers
+// of one more resident CTA per SM (but the additive rule's 4-draft build, which would spill).
 #define KVR_GDN_WVERIFY_FIX(SD, SN, TM, MB, FIX, ADD, FN)                                        \
   extern "C" __global__ void __launch_bounds__(128, MB)                                          \
       kvr_gdn_wverify_##SN##_v_d128_t##TM##_##FN(const __grid_constant__ kvr::gdn::StepParams p) { \
     kvr::gdn::StepParams c = p;                                                                  \
     FIX::apply(c, p.l);                                                                          \
     kvr::gdn::wverify_body<SD, 128, TM, ADD>(c, p.ids_inline);                                   \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128, (MB) + 1 - ((ADD) && (TM) == 4))                                    \
+      kvr_gdn_wverify_##SN##_v_d128_t##TM##_##FN##_r16(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::StepParams c = p;                                                                  \
+    FIX::apply(c, p.l);                                                                          \
+    kvr::gdn::wverify_body<SD, 128, TM, ADD, 4>(c, p.ids_inline);                                \
   }
 #define KVR_GDN_WVERIFY_SPECS(SD, SN, TM, MB)                                      \
   KVR_GDN_WVERIFY_FIX(SD, SN, TM, MB, kvr::gdn::FdBf16, false, xbf16)              \

@@ -623,16 +623,24 @@ fn gpu_verify_and_commit_match_cpu() {
         ));
     }
     // The specialized warp-streaming verify builds (dk 128, f32 entries, no conv window) with
-    // the dtypes engines pass: bf16 q, k, v, beta and output, f32 g; both state dtypes.
-    for state in [F32, BF16] {
-        let mut c = cfg(2, 4, 128, 32, 0, V, state, F32);
+    // the dtypes engines pass: bf16 q, k, v, beta and output, f32 g; both state dtypes; rings
+    // of more than 16 entries and (the `_r16` builds) up to 16.
+    for (ring, state) in [
+        (32, F32),
+        (32, BF16),
+        (16, F32),
+        (16, BF16),
+        (12, F32),
+        (8, F32),
+    ] {
+        let mut c = cfg(2, 4, 128, ring, 0, V, state, F32);
         c.max_drafts = 8;
         c.conv_dim = 0;
         let mut p = Pair::new(&g, c, BF16);
         p.mixed = true;
         let e = spec_run(&p, sanitizer_scaled(60, 20), &mut rng);
         report.push(format!(
-            "L32 VMajor 2/4 d128 T<=8 engine dtypes {state}: {e:.1e}"
+            "L{ring} VMajor 2/4 d128 T<=8 engine dtypes {state}: {e:.1e}"
         ));
     }
     println!(

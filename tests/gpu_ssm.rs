@@ -198,6 +198,7 @@ fn gpu_mamba2_engine_dtypes_match_cpu() {
         (32, BF16, F32),
         (16, F32, BF16),
         (32, F32, F32),
+        (16, BF16, F32),
     ]
     .into_iter()
     .enumerate()

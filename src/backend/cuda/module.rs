@@ -157,11 +157,13 @@ pub(crate) enum Kernel {
     },
     /// `kvr_gdn_wverify_<state>_v_d128_t<4|8>_<spec>` (kernels/gdn_wverify.cu): the
     /// warp-streaming verify specialized like [`Kernel::GdnFDecodeX`] (dk 128, f32 entries, no
-    /// conv window, the dtypes and rule of `spec`; any ring length).
+    /// conv window, the dtypes and rule of `spec`; any ring length, or with `ring16` (name
+    /// suffix `_r16`) rings of up to 16 entries, a quarter of the ring's per-lane work).
     GdnWVerifyX {
         state: DType,
         t8: bool,
         spec: FdSpec,
+        ring16: bool,
     },
 }
 
@@ -227,7 +229,7 @@ const GDN_WREC_BASE: usize = 213;
 const GDN_WVPREP_BASE: usize = 219;
 const GDN_WVERIFY_BASE: usize = 221;
 const GDN_WVERIFY_X_BASE: usize = 237;
-const KERNEL_COUNT: usize = 249;
+const KERNEL_COUNT: usize = 261;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -404,7 +406,14 @@ impl Kernel {
         for state in [DType::F32, DType::BF16] {
             for t8 in [false, true] {
                 for spec in FdSpec::ALL {
-                    v.push(Kernel::GdnWVerifyX { state, t8, spec });
+                    for ring16 in [false, true] {
+                        v.push(Kernel::GdnWVerifyX {
+                            state,
+                            t8,
+                            spec,
+                            ring16,
+                        });
+                    }
                 }
             }
         }
@@ -496,12 +505,18 @@ impl Kernel {
                     + 2 * t8 as usize
                     + additive as usize
             }
-            Kernel::GdnWVerifyX { state, t8, spec } => {
+            Kernel::GdnWVerifyX {
+                state,
+                t8,
+                spec,
+                ring16,
+            } => {
                 let sp = FdSpec::ALL.iter().position(|&x| x == spec).expect("a spec");
                 GDN_WVERIFY_X_BASE
-                    + 6 * if state == DType::BF16 { 1 } else { 0 }
-                    + 3 * t8 as usize
-                    + sp
+                    + 12 * if state == DType::BF16 { 1 } else { 0 }
+                    + 6 * t8 as usize
+                    + 2 * sp
+                    + ring16 as usize
             }
             Kernel::GdnWRec { state, dk } => {
                 GDN_WREC_BASE + 2 * dk_slot(dk) + if state == DType::BF16 { 1 } else { 0 }
@@ -613,11 +628,17 @@ impl Kernel {
                 if t8 { 8 } else { 4 },
                 if additive { "_add" } else { "" }
             ),
-            Kernel::GdnWVerifyX { state, t8, spec } => format!(
-                "kvr_gdn_wverify_{}_v_d128_t{}_{}",
+            Kernel::GdnWVerifyX {
+                state,
+                t8,
+                spec,
+                ring16,
+            } => format!(
+                "kvr_gdn_wverify_{}_v_d128_t{}_{}{}",
                 state.name(),
                 if t8 { 8 } else { 4 },
-                spec.name()
+                spec.name(),
+                if ring16 { "_r16" } else { "" }
             ),
             Kernel::GdnFDecodeX {
                 state,

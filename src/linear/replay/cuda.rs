@@ -567,6 +567,7 @@ impl ReplayCuda {
                         state: cfg.state_dtype,
                         t8,
                         spec: s,
+                        ring16: cfg.ring_len <= 16,
                     };
                     spec = spec && cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
                 }
@@ -916,6 +917,7 @@ impl ReplayCuda {
                 state: cfg.state_dtype,
                 t8,
                 spec,
+                ring16: cfg.ring_len <= 16,
             },
             None => Kernel::GdnWVerify {
                 state: cfg.state_dtype,
