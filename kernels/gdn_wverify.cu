@@ -23,7 +23,8 @@
 // prefix). When h + 2T > L the ring flushes first: e^G S + sum_j w_j u_j k_j^T is written back
 // and the drafts start a new ring.
 //
-// kvr_gdn_wvprep (per row and key head; lets the state kernel launch at once): the metadata;
+// kvr_gdn_wvprep (per row and key head; lets the state kernel launch at once; `_r16`: records of
+// 16 slots for the `_r16` state kernels, rings of up to 16): the metadata;
 // every ring slot's key (by physical slot: no wait for the metadata) and decays; the drafts'
 // q and k normalized (into the scratch for the state kernel); their products with each other
 // and with every slot's key; per value head of the group the weights w_j, e^G, e^{gam_s},
@@ -49,17 +50,23 @@ constexpr int kWvSlots = KVR_GDN_WVERIFY_MAX_RING;
 constexpr int kWvPrepWarps = KVR_GDN_WVPREP_THREADS / 32;
 static_assert(kWvSlots == 64, "lane x of a row holds ring slots x + 4 i, i < 16");
 
-// A slot's position in the record's coefficient rows: the 16 slots of a lane contiguous.
-__device__ __forceinline__ int wv_slot_at(int p) { return (p & 3) * 16 + (p >> 2); }
+// A slot's position in a record's coefficient rows of NSL slots: a lane quarter's slots
+// contiguous (kvr_gdn_wvrec_layout_r).
+template <int NSL>
+__device__ __forceinline__ int wv_slot_at(int p) {
+  return (p & 3) * (NSL / 4) + (p >> 2);
+}
 
-template <int DK>
+// NSL: the record's ring slots (64, or 16 for the `_r16` state kernels: rings of up to 16).
+template <int DK, int NSL = kWvSlots>
 __device__ void wvprep_body(const StepParams& p) {
   pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
-  constexpr int NW = kWvPrepWarps, SPW = kWvSlots / NW;
+  constexpr int NW = kWvPrepWarps, SPW = NSL / NW;
+  static_assert(NSL % NW == 0 && NSL <= kWvSlots && kMaxT <= NW, "slots and drafts over the warps");
   __shared__ float qs[kMaxT * DK], ks[kMaxT * DK];
-  __shared__ float prq[kMaxT * kWvSlots], prk[kMaxT * kWvSlots];
+  __shared__ float prq[kMaxT * NSL], prk[kMaxT * NSL];
   __shared__ float cc[2 * kMaxT * kMaxT];
   __shared__ int mi[4];
   extern __shared__ float wvdyn[];  // ring decays [group][L], the drafts' (g, beta) [group][2][T]
@@ -71,7 +78,7 @@ __device__ void wvprep_body(const StepParams& p) {
   const int group = p.hv / p.hk, h0 = kh * group;
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
   const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
-  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout(Tm);
+  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout_r(Tm, NSL);
   auto key = [&](int c) { return wkey<DK>(lane, c); };
   // Every slot's key of this key head (warp w: slots w + 8 e), before the metadata.
   const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
@@ -103,10 +110,13 @@ __device__ void wvprep_body(const StepParams& p) {
     tgb[hh * 2 * T + s] = gb.x;
     tgb[hh * 2 * T + T + s] = gb.y;
   }
-  // The drafts' q and k normalized (k rounded to the entry dtype, as buffered): a warp each.
+  // The drafts' q and k normalized (k rounded to the entry dtype, as buffered): warp s draft
+  // s, whose k stays in registers for its products with the drafts.
   float* gqk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * Tm * DK;
-  for (int s = warp; s < T; s += NW) {
-    float q[KL], k[KL];
+  float k[KL];
+  if (warp < T) {
+    const int s = warp;
+    float q[KL];
     load_row<DK>(p.q, b * p.q.s[0] + s * p.q.s[1] + kh * p.q.s[2], lane, q);
     load_row<DK>(p.k, b * p.k.s[0] + s * p.k.s[1] + kh * p.k.s[2], lane, k);
     normalize_qk<KL>(p, q, k, true);
@@ -124,13 +134,14 @@ __device__ void wvprep_body(const StepParams& p) {
   const int base = (start + hcnt) % L;
   auto live = [&](int sl) { return sl < L && (sl - start + L) % L < hcnt; };
   // The buffered entries' products with the drafts (k_p . q_s, k_p . k_s), and the drafts'
-  // with each other: k_s . k_s' (s' < s) and k_s' . q_s (s' <= s), a warp per pair.
+  // with each other from warp s' (k_s' . q_s for every s at cc[kMaxT^2 + s kMaxT + s'],
+  // k_s' . k_s at cc[s kMaxT + s']: the readers take s' <= s and s' < s).
 #pragma unroll
   for (int e = 0; e < SPW; ++e) {
     const int sl = warp + NW * e;
-    if (live(sl)) dots_2t<KL, VW, DK>(kj[e], qs, ks, T, lane, prq, prk, kWvSlots, sl);
+    if (live(sl)) dots_2t<KL, VW, DK>(kj[e], qs, ks, T, lane, prq, prk, NSL, sl);
   }
-  draft_pairs<DK>(qs, ks, T, warp, NW, lane, cc, kMaxT);
+  if (warp < T) dots_2t<KL, VW, DK>(k, qs, ks, T, lane, cc + kMaxT * kMaxT, cc, kMaxT, warp);
   __syncthreads();  // products
   // Per value head: the weights of the buffered entries in ring order (lane j: entries j and
   // j + 32), then by slot (lane p: slots p and p + 32); the drafts' scalars and coefficients.
@@ -139,43 +150,49 @@ __device__ void wvprep_body(const StepParams& p) {
     float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
     const float* gh = gsm + hh * L;
     const float2 s0 = warp_suffix(lane < hcnt ? gh[(start + lane) % L] : 0.f, lane);
-    const float2 s1 = warp_suffix(lane + 32 < hcnt ? gh[(start + lane + 32) % L] : 0.f, lane);
-    const float w0 = expf(s0.x + s1.y), w1 = expf(s1.x);
+    float w0 = expf(s0.x), w1 = 0.f, G = s0.y;
+    if constexpr (NSL > 32) {
+      const float2 s1 = warp_suffix(lane + 32 < hcnt ? gh[(start + lane + 32) % L] : 0.f, lane);
+      w0 = expf(s0.x + s1.y);
+      w1 = expf(s1.x);
+      G += s1.y;
+    }
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < (NSL + 31) / 32; ++half) {
       const int sl = lane + 32 * half;
       const int j = (sl - start + kWvSlots * L) % L;
       const float wa = __shfl_sync(0xffffffffu, w0, j & 31), wb = __shfl_sync(0xffffffffu, w1, j & 31);
+      if (sl >= NSL) continue;
       const bool lv = live(sl);
       const float w = lv ? (j < 32 ? wa : wb) : 0.f;
       rec[rl.w + sl] = w;
-      const int at = wv_slot_at(sl);
+      const int at = wv_slot_at<NSL>(sl);
       for (int s = 0; s < T; ++s) {
-        rec[rl.a + s * kWvSlots + at] = lv ? w * prq[s * kWvSlots + sl] : 0.f;
-        rec[rl.b + s * kWvSlots + at] = lv ? w * prk[s * kWvSlots + sl] : 0.f;
+        rec[rl.a + s * NSL + at] = lv ? w * prq[s * NSL + sl] : 0.f;
+        rec[rl.b + s * NSL + at] = lv ? w * prk[s * NSL + sl] : 0.f;
       }
     }
+    // gam_s = g_0 + .. + g_s in lane s.
     const float* tg = tgb + hh * 2 * T;
-    auto gam = [&](int s) {
-      float a = 0.f;
-      for (int i = 0; i <= s; ++i) a += tg[i];
-      return a;
-    };
+    float gl = 0.f;
+    for (int i = 0; i < T; ++i) gl += i <= lane ? tg[i] : 0.f;
     if (lane == 0) {
       int* hi = reinterpret_cast<int*>(rec);
       hi[0] = start;
       hi[1] = hcnt;
       hi[2] = flush;
       hi[3] = base;
-      rec[rl.eg] = expf(s0.y + s1.y);
+      rec[rl.eg] = expf(G);
     }
     if (lane < T) {
-      rec[rl.egam + lane] = expf(gam(lane));
+      rec[rl.egam + lane] = expf(gl);
       rec[rl.beta + lane] = tg[T + lane];
     }
-    for (int i = lane; i < T * T; i += 32) {
-      const int s = i / T, s2 = i - s * T;
-      const float e = expf(gam(s) - gam(s2));
+    for (int i0 = 0; i0 < T * T; i0 += 32) {
+      const int i = i0 + lane, s = i / T, s2 = i - s * T;
+      const float gs = __shfl_sync(0xffffffffu, gl, s & 31), gs2 = __shfl_sync(0xffffffffu, gl, s2);
+      if (i >= T * T) continue;
+      const float e = expf(gs - gs2);
       rec[rl.ca + s * Tm + s2] = s2 < s ? tg[T + s] * e * cc[s * kMaxT + s2] : 0.f;
       rec[rl.cb + s * Tm + s2] = s2 <= s ? e * cc[kMaxT * kMaxT + s * kMaxT + s2] : 0.f;
     }
@@ -276,12 +293,12 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   // The prep kernel's record of this (row, value head) and the drafts' q, k of the key head.
   extern __shared__ __align__(16) float wvsm[];
   const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
-  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout(Tm);
+  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout_r(Tm, 4 * NS);
   const float* grec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
   const float* gqk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * Tm * DK;
   float* rec = wvsm;
   float* sqk = wvsm + lay.rec_floats;
-  for (int i = threadIdx.x; i < lay.rec_floats / 4; i += blockDim.x) cp_async_16(rec + 4 * i, grec + 4 * i, 16);
+  for (int i = threadIdx.x; i < rl.floats / 4; i += blockDim.x) cp_async_16(rec + 4 * i, grec + 4 * i, 16);
   const int per = T * DK / 4;
   for (int i = threadIdx.x; i < 2 * per; i += blockDim.x) {
     const int x = i >= per, o = 4 * (i - x * per);
@@ -329,9 +346,9 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
       sk = d.y;
     }
     float hq = 0.f, hk = 0.f;
-    // Lane quarter qtr's slots qtr + 4 i sit at qtr * 16 + i (wv_slot_at).
-    const float* A = rec + rl.a + x * kWvSlots + qtr * (kWvSlots / 4);
-    const float* B = rec + rl.b + x * kWvSlots + qtr * (kWvSlots / 4);
+    // Lane quarter qtr's slots qtr + 4 i sit at qtr * NS + i (wv_slot_at).
+    const float* A = rec + rl.a + x * (4 * NS) + qtr * NS;
+    const float* B = rec + rl.b + x * (4 * NS) + qtr * NS;
 #pragma unroll
     for (int i = 0; i < NS; i += 4) {
       const float4 a = *reinterpret_cast<const float4*>(A + i);
@@ -426,6 +443,11 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   KVR_GDN_WVERIFY(__nv_bfloat16, bf16, DK, 8, KVR_GDN_WVERIFY_MINB8)
 KVR_GDN_WVERIFY_DK(64)
 KVR_GDN_WVERIFY_DK(128)
+// The prep of the `_r16` state kernels: records of 16 slots, the registers of 4 CTAs an SM.
+extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS, 4)
+    kvr_gdn_wvprep_d128_r16(const __grid_constant__ kvr::gdn::StepParams p) {
+  kvr::gdn::wvprep_body<128, 16>(p);
+}
 // Specialized builds (kvr_gdn_wverify_<state>_v_d128_t<TM>_<FN>): a copy of the parameters with
 // the fields of the engines' calls made constants (gdn_wdecode.cu FdFix, FdFixM2; the host
 // checks a call against them: src/linear/replay/cuda.rs fdecode_spec), so that the per-row

@@ -569,14 +569,15 @@ struct kvr_gdn_wvscratch {
  * entries, flush, base), e^G at eg, per draft e^{gam_s} at egam and beta at beta [tm], the
  * drafts' coefficients ca (beta_s e^{gam_s - gam_s'} k_s . k_s', s' < s) and cb
  * (e^{gam_s - gam_s'} k_s' . q_s, s' <= s) [tm][tm], the entries' coefficients by ring slot
- * a (w_j k_j . q_s) and b (w_j k_j . k_s) [tm][KVR_GDN_WVERIFY_MAX_RING], slot p at
- * (p % 4) * 16 + p / 4, and the weights w_j by slot [KVR_GDN_WVERIFY_MAX_RING] at w (0 where a
- * slot holds no buffered entry). */
+ * a (w_j k_j . q_s) and b (w_j k_j . k_s) [tm][slots], slot p at (p % 4) * (slots / 4) + p / 4,
+ * and the weights w_j by slot [slots] at w (0 where a slot holds no buffered entry). slots:
+ * KVR_GDN_WVERIFY_MAX_RING (kvr_gdn_wvrec_layout, the scratch's record size), or 16 for the
+ * `_r16` builds (rings of up to 16 entries: a smaller record in the same space). */
 struct kvr_gdn_wvrec {
   int32_t eg, egam, beta, ca, cb, a, b, w, floats;
 };
 
-KVR_ABI_FN struct kvr_gdn_wvrec kvr_gdn_wvrec_layout(int32_t tm) {
+KVR_ABI_FN struct kvr_gdn_wvrec kvr_gdn_wvrec_layout_r(int32_t tm, int32_t slots) {
   struct kvr_gdn_wvrec s = {0, 0, 0, 0, 0, 0, 0, 0, 0};
   s.eg = 4;
   s.egam = 8;
@@ -584,10 +585,14 @@ KVR_ABI_FN struct kvr_gdn_wvrec kvr_gdn_wvrec_layout(int32_t tm) {
   s.ca = s.beta + tm;
   s.cb = s.ca + tm * tm;
   s.a = kvr_round4(s.cb + tm * tm);
-  s.b = s.a + KVR_GDN_WVERIFY_MAX_RING * tm;
-  s.w = s.b + KVR_GDN_WVERIFY_MAX_RING * tm;
-  s.floats = s.w + KVR_GDN_WVERIFY_MAX_RING;
+  s.b = s.a + slots * tm;
+  s.w = s.b + slots * tm;
+  s.floats = s.w + slots;
   return s;
+}
+
+KVR_ABI_FN struct kvr_gdn_wvrec kvr_gdn_wvrec_layout(int32_t tm) {
+  return kvr_gdn_wvrec_layout_r(tm, KVR_GDN_WVERIFY_MAX_RING);
 }
 
 KVR_ABI_FN struct kvr_gdn_wvscratch kvr_gdn_wvscratch_layout(int32_t b, int32_t hv, int32_t hk, int32_t dk,

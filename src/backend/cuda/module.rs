@@ -144,8 +144,9 @@ pub(crate) enum Kernel {
         spec: FdSpec,
     },
     /// `kvr_gdn_wvprep_d<dk>` (kernels/gdn_wverify.cu): the per-(row, key head) part of the
-    /// warp-streaming verify; dk in [`GDN_WVERIFY_DKS`].
-    GdnWVprep { dk: usize },
+    /// warp-streaming verify; dk in [`GDN_WVERIFY_DKS`]. With `ring16` (dk 128 only),
+    /// `kvr_gdn_wvprep_d128_r16`: the records of the `ring16` [`Kernel::GdnWVerifyX`] builds.
+    GdnWVprep { dk: usize, ring16: bool },
     /// `kvr_gdn_wverify_<state>_v_d<dk>_t<4|8>[_add]` (kernels/gdn_wverify.cu): the
     /// warp-streaming verify of V-major states, up to 4 or 8 drafts (`t8`), the additive rule
     /// or the delta rule; dk in [`GDN_WVERIFY_DKS`].
@@ -229,7 +230,8 @@ const GDN_WREC_BASE: usize = 213;
 const GDN_WVPREP_BASE: usize = 219;
 const GDN_WVERIFY_BASE: usize = 221;
 const GDN_WVERIFY_X_BASE: usize = 237;
-const KERNEL_COUNT: usize = 261;
+const GDN_WVPREP_R16: usize = 261;
+const KERNEL_COUNT: usize = 262;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -387,7 +389,7 @@ impl Kernel {
             }
         }
         for dk in GDN_WVERIFY_DKS {
-            v.push(Kernel::GdnWVprep { dk });
+            v.push(Kernel::GdnWVprep { dk, ring16: false });
         }
         for dk in GDN_WVERIFY_DKS {
             for state in [DType::F32, DType::BF16] {
@@ -417,6 +419,10 @@ impl Kernel {
                 }
             }
         }
+        v.push(Kernel::GdnWVprep {
+            dk: 128,
+            ring16: true,
+        });
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -492,7 +498,11 @@ impl Kernel {
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
             Kernel::WgKvStep => WGKV_STEP,
-            Kernel::GdnWVprep { dk } => GDN_WVPREP_BASE + wv_dk_slot(dk),
+            Kernel::GdnWVprep { dk, ring16: true } => {
+                debug_assert_eq!(dk, 128, "the r16 prep is built for dk 128");
+                GDN_WVPREP_R16
+            }
+            Kernel::GdnWVprep { dk, .. } => GDN_WVPREP_BASE + wv_dk_slot(dk),
             Kernel::GdnWVerify {
                 state,
                 dk,
@@ -616,7 +626,9 @@ impl Kernel {
                 if ring32 { 32 } else { 16 }
             ),
             Kernel::GdnKvOnly { state, dk } => format!("kvr_gdn_kvonly_{}_d{dk}", state.name()),
-            Kernel::GdnWVprep { dk } => format!("kvr_gdn_wvprep_d{dk}"),
+            Kernel::GdnWVprep { dk, ring16 } => {
+                format!("kvr_gdn_wvprep_d{dk}{}", if ring16 { "_r16" } else { "" })
+            }
             Kernel::GdnWVerify {
                 state,
                 dk,

@@ -545,7 +545,10 @@ impl ReplayCuda {
                 .max(WDECODE_WARPS * KVR_GDN_WDECODE_ROWS * KVR_GDN_WVERIFY_MAX_RING);
             let smem = ((gdn_wvrec_floats(cfg.max_drafts) + qk_floats) * 4) as u32;
             let mut fits = cuda.prepare_kernel(
-                Kernel::GdnWVprep { dk: cfg.dk },
+                Kernel::GdnWVprep {
+                    dk: cfg.dk,
+                    ring16: false,
+                },
                 prep_smem,
                 KVR_GDN_WVPREP_THREADS,
             )? > 0;
@@ -571,6 +574,13 @@ impl ReplayCuda {
                     };
                     spec = spec && cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
                 }
+            }
+            if spec && cfg.ring_len <= 16 {
+                let prep = Kernel::GdnWVprep {
+                    dk: 128,
+                    ring16: true,
+                };
+                spec = cuda.prepare_kernel(prep, prep_smem, KVR_GDN_WVPREP_THREADS)? > 0;
             }
             fits.then_some(WVerify {
                 prep_smem,
@@ -902,15 +912,6 @@ impl ReplayCuda {
     ) -> Result<()> {
         let cfg = &self.lay.cfg;
         p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
-        let prep = Kernel::GdnWVprep { dk: cfg.dk };
-        self.run(
-            prep,
-            rows * cfg.k_heads,
-            KVR_GDN_WVPREP_THREADS,
-            w.prep_smem,
-            p,
-            stream,
-        )?;
         let t8 = p.t > 4;
         let kernel = match fdecode_spec(p).filter(|_| w.spec) {
             Some(spec) => Kernel::GdnWVerifyX {
@@ -926,6 +927,17 @@ impl ReplayCuda {
                 additive: p.rule == KVR_GDN_RULE_ADDITIVE,
             },
         };
+        // The `ring16` state kernels read records of 16 slots, written by their own prep.
+        let ring16 = matches!(kernel, Kernel::GdnWVerifyX { ring16: true, .. });
+        let prep = Kernel::GdnWVprep { dk: cfg.dk, ring16 };
+        self.run(
+            prep,
+            rows * cfg.k_heads,
+            KVR_GDN_WVPREP_THREADS,
+            w.prep_smem,
+            p,
+            stream,
+        )?;
         self.launch_rows_grid(kernel, p, rows, w.smem, self.verify_pdl, stream)
     }
 
