@@ -57,8 +57,9 @@ __device__ __forceinline__ int wv_slot_at(int p) {
   return (p & 3) * (NSL / 4) + (p >> 2);
 }
 
-// NSL: the record's ring slots (64, or 16 for the `_r16` state kernels: rings of up to 16).
-template <int DK, int NSL = kWvSlots>
+// NSL: the record's ring slots (64, or 16 for the `_r16` state kernels: rings of up to 16);
+// ENG: the engines' calls only (f32 entries, no conv window: the specialized state kernels').
+template <int DK, int NSL = kWvSlots, bool ENG = false>
 __device__ void wvprep_body(const StepParams& p) {
   pdl_launch_dependents();
   constexpr int KL = DK / 32;
@@ -76,7 +77,8 @@ __device__ void wvprep_body(const StepParams& p) {
   const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
   if (seq < 0) return;
   const int group = p.hv / p.hk, h0 = kh * group;
-  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  const int edt = ENG ? KVR_DT_F32 : p.entry_dtype;
+  const int ee = edt == KVR_DT_F32 ? 4 : 2;
   const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
   const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout_r(Tm, NSL);
   auto key = [&](int c) { return wkey<DK>(lane, c); };
@@ -89,7 +91,7 @@ __device__ void wvprep_body(const StepParams& p) {
     const int sl = warp + NW * e;
 #pragma unroll
     for (int c = 0; c < KL; c += VW)
-      if (sl < L) ld_entry<VW>(kbase + sl * kstride, p.entry_dtype, key(c), &kj[e][c]);
+      if (sl < L) ld_entry<VW>(kbase + sl * kstride, edt, key(c), &kj[e][c]);
   }
   const int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   if (tid == 0) {
@@ -100,7 +102,7 @@ __device__ void wvprep_body(const StepParams& p) {
   }
   float* gsm = wvdyn;
   float* tgb = wvdyn + group * L;
-  for (int i = tid; i < group * L; i += blockDim.x) {
+  for (int i = tid; i < group * L; i += blockDim.x) {  // one load each, all in flight
     const int hh = i / L, sl = i - hh * L;
     gsm[i] = __ldcg(p.ring_g + (static_cast<int64_t>(seq) * L + sl) * p.hv + h0 + hh);
   }
@@ -132,7 +134,9 @@ __device__ void wvprep_body(const StepParams& p) {
   const int start = mi[0], hcnt = mi[1], conv_end = mi[2];
   const bool flush = hcnt + 2 * T > L;
   const int base = (start + hcnt) % L;
-  auto live = [&](int sl) { return sl < L && (sl - start + L) % L < hcnt; };
+  // Slot sl's position in ring order, (sl - start) mod L for sl < L (no division).
+  auto ring_pos = [&](int sl) { return sl - start + (sl < start ? L : 0); };
+  auto live = [&](int sl) { return sl < L && ring_pos(sl) < hcnt; };
   // The buffered entries' products with the drafts (k_p . q_s, k_p . k_s), and the drafts'
   // with each other from warp s' (k_s' . q_s for every s at cc[kMaxT^2 + s kMaxT + s'],
   // k_s' . k_s at cc[s kMaxT + s']: the readers take s' <= s and s' < s).
@@ -160,7 +164,7 @@ __device__ void wvprep_body(const StepParams& p) {
 #pragma unroll
     for (int half = 0; half < (NSL + 31) / 32; ++half) {
       const int sl = lane + 32 * half;
-      const int j = (sl - start + kWvSlots * L) % L;
+      const int j = ring_pos(sl);
       const float wa = __shfl_sync(0xffffffffu, w0, j & 31), wb = __shfl_sync(0xffffffffu, w1, j & 31);
       if (sl >= NSL) continue;
       const bool lv = live(sl);
@@ -206,16 +210,16 @@ __device__ void wvprep_body(const StepParams& p) {
     if (flush && hcnt + s >= L) {
       float old[KL];
 #pragma unroll
-      for (int c = 0; c < KL; c += VW) ld_entry<VW>(kd, p.entry_dtype, key(c), &old[c]);
+      for (int c = 0; c < KL; c += VW) ld_entry<VW>(kd, edt, key(c), &old[c]);
       float* mv = p.scratch + lay.moved + ((static_cast<int64_t>(b) * p.hk + kh) * Tm + s) * DK;
 #pragma unroll
       for (int c = 0; c < KL; ++c) mv[key(c)] = old[c];
     }
 #pragma unroll
-    for (int c = 0; c < KL; ++c) stx(kd, p.entry_dtype, key(c), ks[s * DK + key(c)]);
+    for (int c = 0; c < KL; ++c) stx(kd, edt, key(c), ks[s * DK + key(c)]);
   }
   // This key head's share of the drafts' conv inputs.
-  if (p.conv_dim > 0) {
+  if (!ENG && p.conv_dim > 0) {
     const int lo = static_cast<int>(static_cast<int64_t>(kh) * p.conv_dim / p.hk);
     const int hi = static_cast<int>(static_cast<int64_t>(kh + 1) * p.conv_dim / p.hk);
     const int ce = p.conv_dtype == KVR_DT_F32 ? 4 : 2;
@@ -396,11 +400,15 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
     const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
     const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
     const float* moved = p.scratch + lay.moved + (static_cast<int64_t>(b) * p.hk + kh) * Tm * DK;
+    // Rings of up to 16 walk the buffered entries only, in ring order; the 64-slot builds
+    // every slot (the walk's indices would spill them).
+    const int nwalk = NS == 4 ? nbuf : L, first = NS == 4 ? start : 0;
 #pragma unroll 1
-    for (int sl = 0; sl < L; ++sl) {
+    for (int j = 0; j < nwalk; ++j) {
+      const int sl = first + j < L ? first + j : first + j - L;
       const float w = W[sl];
       if (w == 0.f) continue;
-      const int sd = (sl - base + L) % L;
+      const int sd = sl - base + (sl < base ? L : 0);  // (sl - base) mod L
       float kv[KL];
 #pragma unroll
       for (int c = 0; c < KL; c += VW) {
@@ -444,9 +452,10 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
 KVR_GDN_WVERIFY_DK(64)
 KVR_GDN_WVERIFY_DK(128)
 // The prep of the `_r16` state kernels: records of 16 slots, the registers of 4 CTAs an SM.
+// The host pairs it with those only (engine dtypes: f32 entries, no conv window).
 extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS, 4)
     kvr_gdn_wvprep_d128_r16(const __grid_constant__ kvr::gdn::StepParams p) {
-  kvr::gdn::wvprep_body<128, 16>(p);
+  kvr::gdn::wvprep_body<128, 16, true>(p);
 }
 // Specialized builds (kvr_gdn_wverify_<state>_v_d128_t<TM>_<FN>): a copy of the parameters with
 // the fields of the engines' calls made constants (gdn_wdecode.cu FdFix, FdFixM2; the host
