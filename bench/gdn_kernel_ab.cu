@@ -10,7 +10,9 @@
 // on a third and fourth copy of the pool, checked the same way; at ring 16, state kernels
 // built from the library's body with other register bounds (full7, full8), also with the fold
 // compiled out (kWPlain: plain steps only), timed alone, and with KVR_AB_MAIN=full7|full8 one
-// of them in the "wdecode" column. The device has nvcc, so a kernel edit is measured in one
+// of them in the "wdecode" column; KVR_AB_MAIN=spec6|spec7 the state kernel specialized for
+// this program's dtypes (as the library's kvr_gdn_wdecode_*_xbf16 / _m2bf16, with an f32
+// output) at 6 or 7 CTAs an SM, KVR_AB_PREP=spec the prep specialized the same way. The device has nvcc, so a kernel edit is measured in one
 // call (about a minute) without a GPU bundle:
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
 //     gdn_kernel_ab.cu -o ab && ./ab 16 [B] [m2]   # ring length, optional single batch size,
@@ -18,7 +20,7 @@
 #include "../kernels/gdn_stream.cu"
 #include "../kernels/gdn_wdecode.cu"
 #include <cstdio>
-#define PREP (L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16)
+#define PREP prep_kernel(L)
 #define MAIN main_kernel(L)
 #define MAIN_SMEM 0
 #define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + DV + 2)) * 4 + 16)
@@ -40,6 +42,7 @@
 constexpr int D = 128;
 static int HK = 16, HV = 32, DV = 128;
 static bool M2 = false;
+static bool M2_flag() { return M2; }
 using kvr::gdn::StepParams;
 
 // The one-launch kernel specialized as the library's kvr_gdn_fdecode_*_xbf16, with this
@@ -81,6 +84,33 @@ AB_PLAIN(16, kvr::gdn::kWPrep, 8, full8)
 AB_PLAIN(16, kvr::gdn::kWPlain, 7, plain7)
 AB_PLAIN(16, kvr::gdn::kWPrep, 7, full7)
 
+// The two-launch step specialized as the one-launch builds (FIX applied to a copy of the
+// parameters): the state kernel at 6 or 7 resident CTAs an SM, and the prep.
+#define AB_WSPEC(FIX, NAME, MB)                                                                      \
+  extern "C" __global__ void __launch_bounds__(128, MB) ab_wdecode_##NAME##_r16(const __grid_constant__ StepParams p) { \
+    StepParams c = p;                                                                                \
+    FIX::apply(c, 16);                                                                               \
+    kvr::gdn::wdecode_body<float, 128, 1, kvr::gdn::kWPrep>(c, p.ids_inline);                        \
+  }
+#define AB_DSPEC(FIX, NAME)                                                                          \
+  extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS, 2) ab_dprep_##NAME##_r16(const __grid_constant__ StepParams p) { \
+    StepParams c = p;                                                                                \
+    FIX::apply(c, 16);                                                                               \
+    kvr::gdn::dprep_body<128, 16>(c, p.ids_inline);                                                  \
+  }
+AB_WSPEC(AbFix, spec6, 6)
+AB_WSPEC(AbFix, spec7, 7)
+AB_WSPEC(AbFixM2, m2spec6, 6)
+AB_WSPEC(AbFixM2, m2spec7, 7)
+AB_DSPEC(AbFix, spec)
+AB_DSPEC(AbFixM2, m2spec)
+// KVR_AB_PREP=spec: the specialized prep (ring 16).
+static void (*prep_kernel(int L))(StepParams) {
+  const char* e = getenv("KVR_AB_PREP");
+  if (e && L == 16 && !strcmp(e, "spec")) return M2_flag() ? ab_dprep_m2spec_r16 : ab_dprep_spec_r16;
+  return L > 16 ? kvr_gdn_dprep_d128_r32 : kvr_gdn_dprep_d128_r16;
+}
+
 // The state kernel of the "wdecode" column: the library's, or with KVR_AB_MAIN=<name> (ring 16)
 // one of the variants above (full7: the library's body at 7 resident CTAs an SM).
 static void (*main_kernel(int L))(StepParams) {
@@ -88,6 +118,8 @@ static void (*main_kernel(int L))(StepParams) {
   if (e && L == 16) {
     if (!strcmp(e, "full7")) return ab_wdecode_full7_r16;
     if (!strcmp(e, "full8")) return ab_wdecode_full8_r16;
+    if (!strcmp(e, "spec6")) return M2_flag() ? ab_wdecode_m2spec6_r16 : ab_wdecode_spec6_r16;
+    if (!strcmp(e, "spec7")) return M2_flag() ? ab_wdecode_m2spec7_r16 : ab_wdecode_spec7_r16;
   }
   return L > 16 ? kvr_gdn_wdecode_f32_v_d128_r32 : kvr_gdn_wdecode_f32_v_d128_r16;
 }

@@ -55,7 +55,9 @@
 // a copy of the parameters with the dtypes, rule, dt mode, conv and ring length of the
 // engines' calls made constants (FdFix, FdFixM2 below): a step that is a chain of latencies
 // loses the run-time dispatch in front of its first arithmetic (H200: 1.2-1.5x at B <= 8,
-// BENCHMARKS.md).
+// BENCHMARKS.md). The two launches have such builds too (kvr_gdn_dprep_d128_r<L>_<spec>,
+// kvr_gdn_wdecode_<state>_v_d128_r<L>_<spec>): the state kernel's work behind its wait is
+// what a step waits for at every batch size.
 #pragma once
 #include "gdn_common.cuh"
 
@@ -155,15 +157,17 @@ __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int 
 // window. `p.stages` is the number of shares. With one, the CTA writes the row's new metadata
 // at its end; with more, the state kernel does (one thread, once its griddepcontrol.wait has
 // seen every prep CTA end: they all read it).
+// (ids_inline: p.ids_inline of the kernel's parameters, so that a specialized build's copy of
+// them, below, is never indexed at run time and stays in registers.)
 template <int DK, int LU>
-__device__ void dprep_body(const StepParams& p) {
+__device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
   pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
   const int shares = p.stages > 1 ? p.stages : 1, nkh = p.hk / shares;
   const int b = blockIdx.x / shares, share = blockIdx.x - b * shares, kh0 = share * nkh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-  const int seq = p.ids ? p.ids[b] : p.ids_inline[b];
+  const int seq = p.ids ? p.ids[b] : ids_inline[b];
   if (seq < 0) return;
   const int L = p.l;
   const int Lc = L > 0 ? L : 1;
@@ -861,7 +865,7 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
 #define KVR_GDN_DPREP(DK, LU)                                                                 \
   extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS, 2)                    \
       kvr_gdn_dprep_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) {           \
-    kvr::gdn::dprep_body<DK, LU>(p);                                                          \
+    kvr::gdn::dprep_body<DK, LU>(p, p.ids_inline);                                            \
   }
 // 4 warps a CTA (32 rows of one head); rings of up to LU slots. Resident CTAs per SM the
 // registers aim for: at dk 128, 6 (80 registers) measured faster than 4 and 8 on the H200.
@@ -891,6 +895,25 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
     FIX::apply(c, LU);                                                                        \
     kvr::gdn::wdecode_body<SD, DK, LU / 16, kvr::gdn::kWFused>(c, p.ids_inline);              \
   }
+// The two launches specialized the same way (kvr_gdn_dprep_d128_r<LU>_<FN>,
+// kvr_gdn_wdecode_<state>_v_d128_r<LU>_<FN>; the host pairs them for the calls that
+// `fdecode_spec` accepts). The state kernel's per-row work behind its wait is the chain a
+// step waits for: without the run-time dtype dispatch and flags a step took 178 against 201 us
+// (GDN, B = 256) and 185 against 202 (Mamba-2, B = 128) on the H200 (BENCHMARKS.md).
+#define KVR_GDN_DPREP_FIX(LU, FIX, FN)                                                        \
+  extern "C" __global__ void __launch_bounds__(KVR_GDN_DPREP_THREADS, 2)                    \
+      kvr_gdn_dprep_d128_r##LU##_##FN(const __grid_constant__ kvr::gdn::StepParams p) {      \
+    kvr::gdn::StepParams c = p;                                                               \
+    FIX::apply(c, LU);                                                                        \
+    kvr::gdn::dprep_body<128, LU>(c, p.ids_inline);                                           \
+  }
+#define KVR_GDN_WDECODE_FIX(SD, SN, LU, FIX, FN)                                              \
+  extern "C" __global__ void __launch_bounds__(128, 6)                                        \
+      kvr_gdn_wdecode_##SN##_v_d128_r##LU##_##FN(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::StepParams c = p;                                                               \
+    FIX::apply(c, LU);                                                                        \
+    kvr::gdn::wdecode_body<SD, 128, LU / 16, kvr::gdn::kWPrep>(c, p.ids_inline);              \
+  }
 #define KVR_GDN_WDECODE_DK(DK, MB)                      \
   KVR_GDN_DPREP(DK, 16)                                 \
   KVR_GDN_DPREP(DK, 32)                                 \
@@ -907,7 +930,14 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
 #define KVR_GDN_FDECODE_SPECS(SD, SN, LU)                                            \
   KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdBf16, xbf16)                                \
   KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdF32, xf32)                                  \
-  KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdM2Bf16, m2bf16)
+  KVR_GDN_FDECODE_FIX(SD, SN, 128, LU, kvr::gdn::FdM2Bf16, m2bf16)                             \
+  KVR_GDN_WDECODE_FIX(SD, SN, LU, kvr::gdn::FdBf16, xbf16)                                     \
+  KVR_GDN_WDECODE_FIX(SD, SN, LU, kvr::gdn::FdF32, xf32)                                       \
+  KVR_GDN_WDECODE_FIX(SD, SN, LU, kvr::gdn::FdM2Bf16, m2bf16)
+#define KVR_GDN_DPREP_SPECS(LU)                                                       \
+  KVR_GDN_DPREP_FIX(LU, kvr::gdn::FdBf16, xbf16)                                               \
+  KVR_GDN_DPREP_FIX(LU, kvr::gdn::FdF32, xf32)                                                 \
+  KVR_GDN_DPREP_FIX(LU, kvr::gdn::FdM2Bf16, m2bf16)
 KVR_GDN_WDECODE_DK(64, 8)
 KVR_GDN_WDECODE_DK(128, 6)
 KVR_GDN_WDECODE_DK(256, 2)
@@ -929,6 +959,11 @@ KVR_GDN_FDECODE_SPECS(float, f32, 16)
 KVR_GDN_FDECODE_SPECS(float, f32, 32)
 KVR_GDN_FDECODE_SPECS(__nv_bfloat16, bf16, 16)
 KVR_GDN_FDECODE_SPECS(__nv_bfloat16, bf16, 32)
+KVR_GDN_DPREP_SPECS(16)
+KVR_GDN_DPREP_SPECS(32)
+#undef KVR_GDN_DPREP_SPECS
+#undef KVR_GDN_DPREP_FIX
+#undef KVR_GDN_WDECODE_FIX
 #undef KVR_GDN_FDECODE_SPECS
 #undef KVR_GDN_FDECODE_FIX
 #undef KVR_GDN_WDECODE_DK

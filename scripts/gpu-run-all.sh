@@ -111,6 +111,10 @@ if [ -x bin/gpu_gdn ]; then
   # ... and on its general build where a specialized one applies (kvr_gdn_wverify_*_<spec>).
   job gpu_gdn-wverify-generic test "KVR_GDN_WVERIFY_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   [ -x bin/gpu_ssm ] && job gpu_ssm-wverify-generic test "KVR_GDN_WVERIFY_SPEC=0" bin/gpu_ssm --test-threads=1 --nocapture
+  # The two launches at every batch without their specialized builds (kvr_gdn_dprep_d128_*_x*,
+  # kvr_gdn_wdecode_*_x*): the general pair.
+  job gpu_gdn-wdecode-generic test "KVR_GDN_DECODE=wdecode KVR_GDN_WDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
+  [ -x bin/gpu_ssm ] && job gpu_ssm-wdecode-generic test "KVR_GDN_DECODE=wdecode KVR_GDN_WDECODE_SPEC=0" bin/gpu_ssm --test-threads=1 --nocapture
   # The one-launch kernel at every batch without its specialized builds (kvr_gdn_fdecode_*_x*).
   job gpu_gdn-fused-generic test "KVR_GDN_DECODE=fused KVR_GDN_FDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   # The stateless recurrent step with one-token calls on the general kernel too.

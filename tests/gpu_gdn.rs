@@ -1018,6 +1018,75 @@ fn gpu_graph_replays_verify_commit_decode() {
     println!("graph (verify + device-count commit + decode) over 40 replays: max relative error {worst:.2e}, {transitions} KV-only transitions inside replays");
 }
 
+/// A CUDA Graph of decode steps replayed across flushes on the engines' shape and dtypes
+/// (Qwen3-Next's layer, ring 16, f32 entries and inputs): 12 rows take the specialized two
+/// launches (kvr_gdn_dprep_d128_r16_xf32, kvr_gdn_wdecode_f32_v_d128_r16_xf32), the forced
+/// runs of gpu-run-all.sh the one-launch and the general builds.
+#[test]
+fn gpu_graph_replays_engine_decode() {
+    let Some(g) = gpu_ctx("gpu_graph_replays_engine_decode") else {
+        return;
+    };
+    let mut rng = Rng::new(43);
+    let mut c = cfg(
+        16,
+        32,
+        128,
+        16,
+        0,
+        StateLayout::VMajor,
+        DType::F32,
+        DType::F32,
+    );
+    c.max_seqs = 12;
+    let p = Pair::new(&g, c, DType::F32);
+    let ids: Vec<i32> = (0..12).map(|_| p.add()).collect();
+    let b = ids.len();
+    let stream = RawStream::new(&g);
+    let s = Stream(stream.ptr() as usize);
+    let x = random_tokens(&mut rng, &c, b, 1);
+    let inp = Inputs::new(&g, &c, &x, DType::F32);
+    let views = inp.views(DType::F32, true);
+    let od = alloc(&g, b * c.v_heads * c.dv * 4);
+    let odv = TensorView::contiguous(
+        od.addr(),
+        DType::F32,
+        MemoryKind::Cuda,
+        &[b, 1, c.v_heads, c.dv],
+    )
+    .unwrap();
+    let idh = ids_host(&ids);
+    let opts = GdnOptions {
+        scale: None,
+        l2norm_qk: true,
+    };
+    g.load_kernels().unwrap();
+    let graph = stream.capture(|| {
+        let io = io_of(&idh, &views, &odv, None);
+        p.gpu.decode(1, &io, &opts, s).unwrap();
+    });
+    let mut worst = 0f64;
+    let steps = sanitizer_scaled(40, 18);
+    for round in 0..steps {
+        let x = random_tokens(&mut rng, &c, b, 1);
+        let (want, _) = cpu_only(&p, &ids, &x, false);
+        stream.sync();
+        for (i, part) in [&x.q, &x.k, &x.v, &x.g, &x.beta].iter().enumerate() {
+            inp.dev[i].upload(&encode(DType::F32, part)).unwrap();
+        }
+        graph.launch(&stream);
+        stream.sync();
+        let got = download_f32(&od, want.len());
+        let e = err(&want, &got, c.dv);
+        assert!(e < tol(&c), "replay {round}: {e:e}");
+        worst = worst.max(e);
+        for &id in &ids {
+            p.same_meta(id, &format!("replay {round}"));
+        }
+    }
+    println!("graph of engine-dtype decode steps over {steps} replays (flushes every 16): max relative error {worst:.2e}");
+}
+
 fn cpu_only(p: &Pair, ids: &[i32], x: &Tokens, verify: bool) -> (Vec<f32>, ()) {
     let c = p.c();
     let inp_host: Vec<Vec<u8>> = [&x.q, &x.k, &x.v, &x.g, &x.beta, &x.conv]

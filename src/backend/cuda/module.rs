@@ -166,6 +166,16 @@ pub(crate) enum Kernel {
         spec: FdSpec,
         ring16: bool,
     },
+    /// `kvr_gdn_wdecode_<state>_v_d128_r<16|32>_<spec>` (kernels/gdn_wdecode.cu): the state
+    /// kernel of the two-launch decode specialized like [`Kernel::GdnFDecodeX`].
+    GdnWDecodeX {
+        state: DType,
+        ring32: bool,
+        spec: FdSpec,
+    },
+    /// `kvr_gdn_dprep_d128_r<16|32>_<spec>` (kernels/gdn_wdecode.cu): its prep kernel,
+    /// specialized the same way.
+    GdnDPrepX { ring32: bool, spec: FdSpec },
 }
 
 /// What a specialized one-launch decode kernel ([`Kernel::GdnFDecodeX`]) fixes besides its
@@ -231,7 +241,9 @@ const GDN_WVPREP_BASE: usize = 219;
 const GDN_WVERIFY_BASE: usize = 221;
 const GDN_WVERIFY_X_BASE: usize = 237;
 const GDN_WVPREP_R16: usize = 261;
-const KERNEL_COUNT: usize = 262;
+const GDN_WDECODE_X_BASE: usize = 262;
+const GDN_DPREP_X_BASE: usize = 274;
+const KERNEL_COUNT: usize = 280;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -423,6 +435,22 @@ impl Kernel {
             dk: 128,
             ring16: true,
         });
+        for state in [DType::F32, DType::BF16] {
+            for ring32 in [false, true] {
+                for spec in FdSpec::ALL {
+                    v.push(Kernel::GdnWDecodeX {
+                        state,
+                        ring32,
+                        spec,
+                    });
+                }
+            }
+        }
+        for ring32 in [false, true] {
+            for spec in FdSpec::ALL {
+                v.push(Kernel::GdnDPrepX { ring32, spec });
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -551,12 +579,14 @@ impl Kernel {
                 state,
                 ring32,
                 spec,
-            } => {
-                let n = FdSpec::ALL.len();
-                GDN_FDECODE_X_BASE
-                    + if state == DType::BF16 { 2 * n } else { 0 }
-                    + n * ring32 as usize
-                    + FdSpec::ALL.iter().position(|&s| s == spec).unwrap_or(0)
+            } => GDN_FDECODE_X_BASE + fd_x_slot(state, ring32, spec),
+            Kernel::GdnWDecodeX {
+                state,
+                ring32,
+                spec,
+            } => GDN_WDECODE_X_BASE + fd_x_slot(state, ring32, spec),
+            Kernel::GdnDPrepX { ring32, spec } => {
+                GDN_DPREP_X_BASE + fd_x_slot(DType::F32, ring32, spec)
             }
         }
     }
@@ -662,8 +692,31 @@ impl Kernel {
                 if ring32 { 32 } else { 16 },
                 spec.name()
             ),
+            Kernel::GdnWDecodeX {
+                state,
+                ring32,
+                spec,
+            } => format!(
+                "kvr_gdn_wdecode_{}_v_d128_r{}_{}",
+                state.name(),
+                if ring32 { 32 } else { 16 },
+                spec.name()
+            ),
+            Kernel::GdnDPrepX { ring32, spec } => format!(
+                "kvr_gdn_dprep_d128_r{}_{}",
+                if ring32 { 32 } else { 16 },
+                spec.name()
+            ),
         }
     }
+}
+
+/// Offset of a specialized decode build inside its family (state, then ring, then spec).
+fn fd_x_slot(state: DType, ring32: bool, spec: FdSpec) -> usize {
+    let n = FdSpec::ALL.len();
+    (if state == DType::BF16 { 2 * n } else { 0 })
+        + n * ring32 as usize
+        + FdSpec::ALL.iter().position(|&s| s == spec).unwrap_or(0)
 }
 
 /// Offset of a GDN decode variant inside its kernel family (dk, then state, then layout).

@@ -242,6 +242,10 @@ struct WDecode {
     /// warp (`kvr_gdn_wrec`) instead of the recurrent kind of `kvr_gdn_wdecode`
     /// (KVR_GDN_WREC=0: the latter, for benchmarking).
     wrec: bool,
+    /// The two launches take their specialized builds where a call fits one
+    /// (`fdecode_spec`; dk 128, a ring of exactly 16 or 32, f32 entries;
+    /// KVR_GDN_WDECODE_SPEC=0: never).
+    two_x: bool,
 }
 
 /// The warp-streaming verify of a pool: V-major states, no KV-only mode, dk in
@@ -675,6 +679,24 @@ impl ReplayCuda {
                 && matches!(cfg.ring_len, 16 | 32)
                 && cfg.entry_dtype == DType::F32
                 && std::env::var("KVR_GDN_FDECODE_SPEC").as_deref() != Ok("0");
+            // The specialized two launches (the same shapes, also where the one-launch
+            // kernel does not fit).
+            let mut two_x = cfg.dk == 128
+                && matches!(cfg.ring_len, 16 | 32)
+                && cfg.entry_dtype == DType::F32
+                && std::env::var("KVR_GDN_WDECODE_SPEC").as_deref() != Ok("0");
+            if two_x {
+                for spec in FdSpec::ALL {
+                    let prep = Kernel::GdnDPrepX { ring32, spec };
+                    let main = Kernel::GdnWDecodeX {
+                        state: cfg.state_dtype,
+                        ring32,
+                        spec,
+                    };
+                    two_x &= cuda.prepare_kernel(prep, prep_smem, DPREP_THREADS)? > 0
+                        && cuda.prepare_kernel(main, 0, (32 * WDECODE_WARPS) as u32)? > 0;
+                }
+            }
             let mut x_occ = 0;
             if spec_shape {
                 x_occ = u32::MAX;
@@ -739,6 +761,7 @@ impl ReplayCuda {
                 fused_rows_x,
                 fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
                 wrec,
+                two_x,
             })
         } else {
             None
@@ -1148,10 +1171,22 @@ impl ReplayCuda {
             };
             return self.launch_rows_grid(kernel, p, rows, 0, w.fused_pdl, stream);
         }
+        // The specialized pair where the call fits one (replay pools: a prep runs).
+        let spec = if w.two_x && cfg.ring_len > 0 {
+            fdecode_spec(p)
+        } else {
+            None
+        };
         if prep {
-            let kernel = Kernel::GdnDPrep {
-                dk: cfg.dk,
-                ring32: w.ring32,
+            let kernel = match spec {
+                Some(spec) => Kernel::GdnDPrepX {
+                    ring32: w.ring32,
+                    spec,
+                },
+                None => Kernel::GdnDPrep {
+                    dk: cfg.dk,
+                    ring32: w.ring32,
+                },
             };
             // p.stages: the prep CTAs per batch row, for both kernels (which of them writes
             // the metadata).
@@ -1167,10 +1202,17 @@ impl ReplayCuda {
             p.stages = shares as i32;
             self.run(kernel, rows * shares, threads, smem, p, stream)?;
         }
-        let kernel = Kernel::GdnWDecode {
-            state: cfg.state_dtype,
-            dk: cfg.dk,
-            ring: wdecode_ring(cfg.ring_len),
+        let kernel = match spec {
+            Some(spec) => Kernel::GdnWDecodeX {
+                state: cfg.state_dtype,
+                ring32: w.ring32,
+                spec,
+            },
+            None => Kernel::GdnWDecode {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+                ring: wdecode_ring(cfg.ring_len),
+            },
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let shape = (grid, (32 * WDECODE_WARPS) as u32, 0);
