@@ -13,11 +13,14 @@ gate. On the same inputs, under CUDA Graph replay with states rotating over sets
   verify   T = 4 drafts + commit (device-side accepted count 2): replay vs recurrent with
            per-draft snapshots, B = 32, 128.
   linattn  plain linear attention (32 heads, d 128, fp32 state), replay vs recurrent at
-           ring m in {8, 16, 23, 32, 64}, B = 128.
+           ring m in {8, 16, 23, 32, 64}, B = 128; against KVBuffer's Eq. 9 (verify of m = 2,
+           4, 8 drafts, all accepted) and Eq. 10 (KV-only decode at contexts 8..120 against
+           chunkwise decode with m = 16), B = 128.
 
     python3 bench_mamba2.py   # writes $OUT/mamba2_bench.json and $OUT/h200-mamba2.json (keys) when $OUT is set
     python3 bench_mamba2.py --decode-only [--batches 1,8]   # the decode sweep only (kernel A/B runs; no files)
     python3 bench_mamba2.py --verify-only                   # the verify sweep only (no files)
+    python3 bench_mamba2.py --linattn-eqs                   # the Eq. 9 / Eq. 10 comparison only (no files)
 """
 
 import json
@@ -232,6 +235,76 @@ def ring_sweep(b=128, rings=(8, 16, 23, 32, 64)):
     return out
 
 
+def linattn_eq9_eq10(b=128, ts=(2, 4, 8), ctxs=(8, 32, 64, 120)):
+    """Linear attention (ring_sweep's shape and pools) against KVBuffer's Eq. 9 and Eq. 10:
+    verify of m = T drafts, all accepted, plus the commit, on a ring-16 pool against the
+    recurrent form with per-draft states (a ring-0 pool); KV-only decode (bf16 entries,
+    threshold 127) at context L against chunkwise decode with m = 16 (f32 entries, as
+    ring_sweep's). Eq. 9: ((m+1) d + 2m) / (3d + 4m); Eq. 10: (d + 2d/m + m/2 + 7/2) / (L + 2)."""
+    global H, P, G, N, TA, TD, TBIAS
+    saved, keep = (H, P, G, N), (TA, TD, TBIAS)
+    H, P, G, N = 32, 128, 32, 128
+    d = N
+    n = max(2, min(32, math.ceil(4 * L2 / (b * H * P * N * 4))))
+    a, dd, bias = -torch.full((H,), 0.05, device=DEV), torch.zeros(H, device=DEV), torch.zeros(H, device=DEV)
+    TA, TD, TBIAS = (kvr.torch_tensor(x) for x in (a, dd, bias))
+    out = {}
+    ids_cpu = torch.arange(b, dtype=torch.int32)  # verify takes host ids (kept alive here)
+    ids_h = kvr.torch_tensor(ids_cpu)
+    for t in ts:
+        inp = Inputs(b, t, n, seed=4)
+        acc = kvr.torch_tensor(torch.full((b,), t, dtype=torch.int32, device=DEV))
+        row = {}
+        for name, ring in (("snapshots_us", 0), ("replay_us", 16)):
+            p, seqs = kvr_pool(b, ring, n, drafts=t)
+            tss = [tensors(ids_h, inp, i) for i in range(n)]
+            lib.check(lib.mamba2_step(True, p, 0, tss[0], cur_stream()), "verify")
+            lib.check(lib.mamba2_commit(p, 0, ids_h, acc, cur_stream()), "commit")
+
+            def rnd(i):
+                lib.mamba2_step(True, p, i, tss[i], cur_stream())
+                lib.mamba2_commit(p, i, ids_h, acc, cur_stream())
+
+            row[name] = time_graph(rnd, n, n * 16)
+            lib.lib.kvr_mamba2_pool_free(p)
+        out[f"verify_t{t}_speedup"] = row["snapshots_us"] / row["replay_us"]
+        out[f"verify_t{t}_eq9"] = ((t + 1) * d + 2 * t) / (3 * d + 4 * t)
+        out.update({f"verify_t{t}_{k}": v for k, v in row.items()})
+    # KV-only at context L (every sequence at L after the warm-up; the timed graph's steps
+    # run at L + 1 .. L + 4) against the m = 16 replay step.
+    ids_dev = torch.arange(b, dtype=torch.int32, device=DEV)
+    ids = kvr.torch_tensor(ids_dev)
+    inp = Inputs(b, 1, n, seed=5)
+    tss = [tensors(ids, inp, i, t_dim=False) for i in range(n)]
+    p, _ = kvr_pool(b, 16, n)
+    m16 = time_graph(lambda i: lib.mamba2_step(False, p, i, tss[i], cur_stream()), n, n * 16)
+    lib.lib.kvr_mamba2_pool_free(p)
+    thr = kvr.kv_only_threshold(d, P, 4, 2)
+    kp = lib.mamba2_pool(ctx, n_layers=n, n_heads=H, head_dim=P, n_groups=G, d_state=N, ring_len=16,
+                         kv_only_threshold=thr, max_drafts=0, max_seqs=b, layout=kvr.STATE_V_MAJOR,
+                         entry_dtype=kvr.DTYPE_BF16)
+    seqs = [lib.mamba2_seq_add(kp, cur_stream()) for _ in range(b)]
+    out["m16_us"] = m16
+    out["kvonly_threshold"] = thr
+    for c in ctxs:
+        for s in seqs:
+            lib.check(lib.lib.kvr_mamba2_pool_seq_reset(kp, s, kvr.ctypes.c_void_p(cur_stream())), "reset")
+        for _ in range(c - 1):
+            for i in range(n):
+                lib.mamba2_step(False, kp, i, tss[i], cur_stream())
+        torch.cuda.synchronize()
+        t_kv = time_graph(lambda i: lib.mamba2_step(False, kp, i, tss[i], cur_stream()), n, n * 4,
+                          replays=1, warm=False)
+        out[f"kvonly_ctx{c}_us"] = t_kv
+        out[f"kvonly_ctx{c}_speedup"] = m16 / t_kv
+        out[f"kvonly_ctx{c}_eq10"] = (d + 2 * d / 16 + 16 / 2 + 7 / 2) / (c + 2)
+    lib.lib.kvr_mamba2_pool_free(kp)
+    H, P, G, N = saved
+    TA, TD, TBIAS = keep
+    print(" ".join(f"{k}={v:.3g}" for k, v in out.items()), flush=True)
+    return out
+
+
 def summary(res):
     """The flat figures issue 10 lists (bench/results/h200.json)."""
     dec = {r["B"]: r for r in res["decode"]}
@@ -257,8 +330,11 @@ def main():
     if "--verify-only" in sys.argv:
         verify_sweep()
         return
+    if "--linattn-eqs" in sys.argv:
+        linattn_eq9_eq10()
+        return
     res = {"ceiling_tbs": ceiling, "decode": decode_sweep(ceiling), "verify": verify_sweep(),
-           "linattn_b128": ring_sweep()}
+           "linattn_b128": ring_sweep(), "linattn_eqs_b128": linattn_eq9_eq10()}
     print(json.dumps(summary(res), indent=1))
     out = os.environ.get("OUT")
     if out:
