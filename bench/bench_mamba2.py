@@ -171,6 +171,25 @@ def decode_sweep(ceiling):
     return rows
 
 
+def verify_rounds(b, t, n, inp, ids, acc, calls):
+    """µs per round of T drafts verified plus the commit of `acc`, on a ring-0 pool (the
+    recurrent form with per-draft states: snapshots_us) and on a ring-16 pool (replay_us)."""
+    row = {}
+    for name, ring in (("snapshots_us", 0), ("replay_us", 16)):
+        p, seqs = kvr_pool(b, ring, n, drafts=t)
+        tss = [tensors(ids, inp, i) for i in range(n)]
+        lib.check(lib.mamba2_step(True, p, 0, tss[0], cur_stream()), "verify")
+        lib.check(lib.mamba2_commit(p, 0, ids, acc, cur_stream()), "commit")
+
+        def rnd(i):
+            lib.mamba2_step(True, p, i, tss[i], cur_stream())
+            lib.mamba2_commit(p, i, ids, acc, cur_stream())
+
+        row[name] = time_graph(rnd, n, calls)
+        lib.lib.kvr_mamba2_pool_free(p)
+    return row
+
+
 def verify_sweep(t=4):
     rows = []
     for b in (32, 128):
@@ -179,19 +198,7 @@ def verify_sweep(t=4):
         ids_h = torch.arange(b, dtype=torch.int32)  # verify takes host ids
         ids = kvr.torch_tensor(ids_h)
         acc = kvr.torch_tensor(torch.full((b,), t // 2, dtype=torch.int32, device=DEV))
-        row = {"B": b, "T": t}
-        for name, ring in (("snapshots_us", 0), ("replay_us", 16)):
-            p, seqs = kvr_pool(b, ring, n, drafts=t)
-            tss = [tensors(ids, inp, i) for i in range(n)]
-            lib.check(lib.mamba2_step(True, p, 0, tss[0], cur_stream()), "verify")
-            lib.check(lib.mamba2_commit(p, 0, ids, acc, cur_stream()), "commit")
-
-            def rnd(i):
-                lib.mamba2_step(True, p, i, tss[i], cur_stream())
-                lib.mamba2_commit(p, i, ids, acc, cur_stream())
-
-            row[name] = time_graph(rnd, n, n * 8)
-            lib.lib.kvr_mamba2_pool_free(p)
+        row = {"B": b, "T": t, **verify_rounds(b, t, n, inp, ids, acc, n * 8)}
         row["speedup"] = row["snapshots_us"] / row["replay_us"]
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
@@ -253,20 +260,8 @@ def linattn_eq9_eq10(b=128, ts=(2, 4, 8), ctxs=(8, 32, 64, 120)):
     ids_h = kvr.torch_tensor(ids_cpu)
     for t in ts:
         inp = Inputs(b, t, n, seed=4)
-        acc = kvr.torch_tensor(torch.full((b,), t, dtype=torch.int32, device=DEV))
-        row = {}
-        for name, ring in (("snapshots_us", 0), ("replay_us", 16)):
-            p, seqs = kvr_pool(b, ring, n, drafts=t)
-            tss = [tensors(ids_h, inp, i) for i in range(n)]
-            lib.check(lib.mamba2_step(True, p, 0, tss[0], cur_stream()), "verify")
-            lib.check(lib.mamba2_commit(p, 0, ids_h, acc, cur_stream()), "commit")
-
-            def rnd(i):
-                lib.mamba2_step(True, p, i, tss[i], cur_stream())
-                lib.mamba2_commit(p, i, ids_h, acc, cur_stream())
-
-            row[name] = time_graph(rnd, n, n * 16)
-            lib.lib.kvr_mamba2_pool_free(p)
+        acc_dev = torch.full((b,), t, dtype=torch.int32, device=DEV)
+        row = verify_rounds(b, t, n, inp, ids_h, kvr.torch_tensor(acc_dev), n * 16)
         out[f"verify_t{t}_speedup"] = row["snapshots_us"] / row["replay_us"]
         out[f"verify_t{t}_eq9"] = ((t + 1) * d + 2 * t) / (3 * d + 4 * t)
         out.update({f"verify_t{t}_{k}": v for k, v in row.items()})
