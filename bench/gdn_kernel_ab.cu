@@ -62,8 +62,9 @@ struct AbFixM2 {
 };
 #define AB_SPEC(LU, FIX, NAME)                                                                        \
   extern "C" __global__ void __launch_bounds__(128, KVR_FDECODE_MINB)                               \
-      ab_fdecode_##NAME##_r##LU(const __grid_constant__ StepParams p) {                              \
-    StepParams c = p;                                                                                \
+      ab_fdecode_##NAME##_r##LU(const __grid_constant__ kvr_gdn_fdecode_args p) {                    \
+    StepParams c = {};                                                                               \
+    kvr::gdn::from_fdecode_args(c, p);                                                               \
     FIX::apply(c, LU);                                                                               \
     kvr::gdn::wdecode_body<float, 128, LU / 16, kvr::gdn::kWFused>(c, p.ids_inline);                 \
   }
@@ -71,6 +72,29 @@ AB_SPEC(16, AbFix, spec)
 AB_SPEC(32, AbFix, spec)
 AB_SPEC(16, AbFixM2, m2spec)
 AB_SPEC(32, AbFixM2, m2spec)
+
+// The specialized one-launch kernels' parameters (kvr_gdn_fdecode_args, as the library's
+// fdecode_args in src/linear/replay/cuda.rs).
+static kvr_gdn_fdecode_args fdecode_args_of(const StepParams& p) {
+  kvr_gdn_fdecode_args c;
+  memset(&c, 0, sizeof c);
+  c.state = p.state; c.ring_u = p.ring_u; c.ring_k = p.ring_k; c.ring_g = p.ring_g; c.meta = p.meta;
+  c.ids = p.ids;
+  c.q = p.q.p; c.k = p.k.p; c.v = p.v.p; c.g = p.g.p; c.beta = p.beta.p; c.out = p.out.p;
+  c.seq_stride = p.seq_stride;
+  c.q_s0 = p.q.s[0]; c.q_s2 = p.q.s[2]; c.k_s0 = p.k.s[0]; c.k_s1 = p.k.s[1]; c.k_s2 = p.k.s[2];
+  c.v_s0 = p.v.s[0]; c.v_s2 = p.v.s[2]; c.g_s0 = p.g.s[0]; c.g_s1 = p.g.s[1]; c.g_s2 = p.g.s[2];
+  c.beta_s0 = p.beta.s[0]; c.beta_s1 = p.beta.s[1]; c.beta_s2 = p.beta.s[2];
+  c.out_s0 = p.out.s[0]; c.out_s2 = p.out.s[2]; c.out_s3 = p.out.s[3];
+  c.skip = p.skip.p; c.gate = p.gate.p; c.a = p.a.p; c.dt_bias = p.dt_bias.p;
+  c.skip_s0 = p.skip.s[0]; c.gate_s0 = p.gate.s[0]; c.gate_s2 = p.gate.s[2]; c.gate_s3 = p.gate.s[3];
+  c.a_s0 = p.a.s[0]; c.dt_bias_s0 = p.dt_bias.s[0];
+  c.op = p.op; c.t = p.t; c.hk = p.hk; c.hv = p.hv; c.dk = p.dk; c.dv = p.dv; c.tv = p.tv;
+  c.tiles = p.tiles; c.auto_commit = p.auto_commit; c.l2norm = p.l2norm; c.scale = p.scale;
+  c.dt_min = p.dt_min; c.dt_max = p.dt_max;
+  memcpy(c.ids_inline, p.ids_inline, sizeof c.ids_inline);
+  return c;
+}
 
 // The library's state kernel body under other register bounds (resident CTAs an SM), and with
 // the fold compiled out (kWPlain: wrong at a flush step, timed on plain steps alone).
@@ -343,7 +367,7 @@ int main(int argc, char** argv) {
       StepParams p = params(3, set, o);
       p.tv = 32;
       p.tiles = DV / 32;
-      SPEC<<<dim3(DV / 32, HV, B), 128, L * D * 4, st>>>(p);
+      SPEC<<<dim3(DV / 32, HV, B), 128, L * D * 4, st>>>(fdecode_args_of(p));
     };
     // correctness: 40 steps
     double e_out = 0, e_fout = 0, e_sout = 0;

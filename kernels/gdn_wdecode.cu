@@ -756,6 +756,63 @@ struct FdFixM2 {
   }
 };
 
+// The specialized one-launch kernel's parameters (kvr_gdn_fdecode_args) as the kvr_gdn_step_args
+// its body reads; the fields it does not carry are zero (FIX sets the ones the build fixes).
+__device__ __forceinline__ void from_fdecode_args(StepParams& c, const kvr_gdn_fdecode_args& a) {
+  c.state = a.state;
+  c.ring_u = a.ring_u;
+  c.ring_k = a.ring_k;
+  c.ring_g = a.ring_g;
+  c.meta = a.meta;
+  c.ids = a.ids;
+  c.q.p = a.q;
+  c.k.p = a.k;
+  c.v.p = a.v;
+  c.g.p = a.g;
+  c.beta.p = a.beta;
+  c.out.p = a.out;
+  c.skip.p = a.skip;
+  c.gate.p = a.gate;
+  c.a.p = a.a;
+  c.dt_bias.p = a.dt_bias;
+  c.seq_stride = a.seq_stride;
+  c.q.s[0] = a.q_s0;
+  c.q.s[2] = a.q_s2;
+  c.k.s[0] = a.k_s0;
+  c.k.s[1] = a.k_s1;
+  c.k.s[2] = a.k_s2;
+  c.v.s[0] = a.v_s0;
+  c.v.s[2] = a.v_s2;
+  c.g.s[0] = a.g_s0;
+  c.g.s[1] = a.g_s1;
+  c.g.s[2] = a.g_s2;
+  c.beta.s[0] = a.beta_s0;
+  c.beta.s[1] = a.beta_s1;
+  c.beta.s[2] = a.beta_s2;
+  c.out.s[0] = a.out_s0;
+  c.out.s[2] = a.out_s2;
+  c.out.s[3] = a.out_s3;
+  c.skip.s[0] = a.skip_s0;
+  c.gate.s[0] = a.gate_s0;
+  c.gate.s[2] = a.gate_s2;
+  c.gate.s[3] = a.gate_s3;
+  c.a.s[0] = a.a_s0;
+  c.dt_bias.s[0] = a.dt_bias_s0;
+  c.op = a.op;
+  c.t = a.t;
+  c.hk = a.hk;
+  c.hv = a.hv;
+  c.dk = a.dk;
+  c.dv = a.dv;
+  c.tv = a.tv;
+  c.tiles = a.tiles;
+  c.auto_commit = a.auto_commit;
+  c.l2norm = a.l2norm;
+  c.scale = a.scale;
+  c.dt_min = a.dt_min;
+  c.dt_max = a.dt_max;
+}
+
 // The specializations built: Gated DeltaNet with bf16 inputs, f32 decays and a bf16 output
 // (torch engines) or f32 throughout (ggml); Mamba-2 with bf16 x, B, C, z and output.
 using FdBf16 = FdFix<KVR_DT_BF16, KVR_DT_F32>;
@@ -887,11 +944,14 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
 // parameters with the fields FIX fixes replaced by constants, so that the chain in front of
 // the first arithmetic loses its run-time dtype dispatch, flags and ring-length arithmetic
 // (the host launches it only where those fields hold these values:
-// src/linear/replay/cuda.rs, FdSpec). The compiler keeps the copy in registers.
+// src/linear/replay/cuda.rs, FdSpec). Its parameters are the compact kvr_gdn_fdecode_args (the
+// fields these builds read, in fewer constant-cache lines: at one sequence the parameter
+// loads at entry were the largest stall); the compiler keeps the rebuilt copy in registers.
 #define KVR_GDN_FDECODE_FIX(SD, SN, DK, LU, FIX, FN)                                          \
   extern "C" __global__ void __launch_bounds__(128, (DK) > 128 ? 2 : KVR_FDECODE_MINB)       \
-      kvr_gdn_fdecode_##SN##_v_d##DK##_r##LU##_##FN(const __grid_constant__ kvr::gdn::StepParams p) { \
-    kvr::gdn::StepParams c = p;                                                               \
+      kvr_gdn_fdecode_##SN##_v_d##DK##_r##LU##_##FN(const __grid_constant__ kvr_gdn_fdecode_args p) { \
+    kvr::gdn::StepParams c = {};                                                              \
+    kvr::gdn::from_fdecode_args(c, p);                                                        \
     FIX::apply(c, LU);                                                                        \
     kvr::gdn::wdecode_body<SD, DK, LU / 16, kvr::gdn::kWFused>(c, p.ids_inline);              \
   }

@@ -407,6 +407,67 @@ typedef struct {
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_step_args;
 
+/* kvr_gdn_fdecode_<state>_v_d128_r<16|32>_<spec> (the specialized one-launch decode): the
+ * fields of kvr_gdn_step_args those builds read, the others being constants of the build or
+ * unused (the kernel rebuilds a kvr_gdn_step_args from it in registers). Gated DeltaNet's fields
+ * first, Mamba-2's after them: a GDN step's CTAs read 5 constant-cache lines of parameters at
+ * entry instead of 9 (B = 1: 4.20 -> 3.98 us, BENCHMARKS.md). Tensor strides s[i] as <t>_s<i>. */
+typedef struct {
+  KVR_PTR(char) state;
+  KVR_PTR(char) ring_u;
+  KVR_PTR(char) ring_k;
+  KVR_PTR(float) ring_g;
+  KVR_PTR(int32_t) meta;
+  KVR_PTR(const int32_t) ids;
+  KVR_PTR(void) q;
+  KVR_PTR(void) k;
+  KVR_PTR(void) v;
+  KVR_PTR(void) g;
+  KVR_PTR(void) beta;
+  KVR_PTR(void) out;
+  int64_t seq_stride;
+  int64_t q_s0;
+  int64_t q_s2;
+  int64_t k_s0;
+  int64_t k_s1;
+  int64_t k_s2;
+  int64_t v_s0;
+  int64_t v_s2;
+  int64_t g_s0;
+  int64_t g_s1;
+  int64_t g_s2;
+  int64_t beta_s0;
+  int64_t beta_s1;
+  int64_t beta_s2;
+  int64_t out_s0;
+  int64_t out_s2;
+  int64_t out_s3;
+  KVR_PTR(void) skip;
+  KVR_PTR(void) gate;
+  KVR_PTR(void) a;
+  KVR_PTR(void) dt_bias;
+  int64_t skip_s0;
+  int64_t gate_s0;
+  int64_t gate_s2;
+  int64_t gate_s3;
+  int64_t a_s0;
+  int64_t dt_bias_s0;
+  int32_t op;
+  int32_t t;
+  int32_t hk;
+  int32_t hv;
+  int32_t dk;
+  int32_t dv;
+  int32_t tv;
+  int32_t tiles;
+  int32_t auto_commit;
+  int32_t l2norm;
+  float scale;
+  float dt_min, dt_max;
+  int32_t pad;
+  int32_t ids_inline[KVR_GDN_MAX_INLINE];
+} kvr_gdn_fdecode_args;
+
 /* kvr_gdn_commit: layers [layer0, layer0 + gridDim.z). */
 typedef struct {
   KVR_PTR(const kvr_gdn_layer_state) layers;

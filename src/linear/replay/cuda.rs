@@ -11,14 +11,14 @@ use std::sync::Arc;
 
 use crate::abi::{
     dtype_code as code, gdn_decode_smem_bytes, gdn_step_smem_bytes as smem_bytes,
-    GdnCommitArgs as CommitParams, GdnLayerState as LayerState, GdnStepArgs as StepParams,
-    GdnTensor as DevTensor, KVR_GDN_COMMIT_THREADS, KVR_GDN_DECODE_MAX_WARPS,
-    KVR_GDN_DECODE_ROWS_PER_WARP, KVR_GDN_DT_GATE, KVR_GDN_DT_NONE, KVR_GDN_DT_SOFTPLUS,
-    KVR_GDN_FINISH_THREADS as FINISH_THREADS, KVR_GDN_MAX_COMMIT_INLINE as MAX_COMMIT_INLINE,
-    KVR_GDN_MAX_INLINE as MAX_INLINE, KVR_GDN_MAX_NV as MAX_NV, KVR_GDN_NARROW_NV as NARROW_NV,
-    KVR_GDN_OP_EXPORT as OP_EXPORT, KVR_GDN_OP_FLUSH as OP_FLUSH, KVR_GDN_OP_STEP as OP_STEP,
-    KVR_GDN_RULE_ADDITIVE, KVR_GDN_RULE_DELTA, KVR_GDN_STREAM_THREADS as STREAM_THREADS,
-    KVR_GDN_THREADS as THREADS,
+    GdnCommitArgs as CommitParams, GdnFDecodeArgs as FDecodeArgs, GdnLayerState as LayerState,
+    GdnStepArgs as StepParams, GdnTensor as DevTensor, KVR_GDN_COMMIT_THREADS,
+    KVR_GDN_DECODE_MAX_WARPS, KVR_GDN_DECODE_ROWS_PER_WARP, KVR_GDN_DT_GATE, KVR_GDN_DT_NONE,
+    KVR_GDN_DT_SOFTPLUS, KVR_GDN_FINISH_THREADS as FINISH_THREADS,
+    KVR_GDN_MAX_COMMIT_INLINE as MAX_COMMIT_INLINE, KVR_GDN_MAX_INLINE as MAX_INLINE,
+    KVR_GDN_MAX_NV as MAX_NV, KVR_GDN_NARROW_NV as NARROW_NV, KVR_GDN_OP_EXPORT as OP_EXPORT,
+    KVR_GDN_OP_FLUSH as OP_FLUSH, KVR_GDN_OP_STEP as OP_STEP, KVR_GDN_RULE_ADDITIVE,
+    KVR_GDN_RULE_DELTA, KVR_GDN_STREAM_THREADS as STREAM_THREADS, KVR_GDN_THREADS as THREADS,
 };
 use crate::abi::{
     gdn_dscratch_floats, gdn_wvrec_floats, gdn_wvscratch_floats,
@@ -315,6 +315,66 @@ fn fdecode_spec(p: &StepParams) -> Option<FdSpec> {
         && absent_or(&p.skip, f32)
         && absent_or(&p.gate, bf16);
     mamba2.then_some(FdSpec::Mamba2Bf16)
+}
+
+/// The specialized one-launch kernel's parameters from the step's (the fields its builds read).
+fn fdecode_args(p: &StepParams) -> FDecodeArgs {
+    FDecodeArgs {
+        state: p.state,
+        ring_u: p.ring_u,
+        ring_k: p.ring_k,
+        ring_g: p.ring_g,
+        meta: p.meta,
+        ids: p.ids,
+        q: p.q.p,
+        k: p.k.p,
+        v: p.v.p,
+        g: p.g.p,
+        beta: p.beta.p,
+        out: p.out.p,
+        skip: p.skip.p,
+        gate: p.gate.p,
+        a: p.a.p,
+        dt_bias: p.dt_bias.p,
+        seq_stride: p.seq_stride,
+        q_s0: p.q.s[0],
+        q_s2: p.q.s[2],
+        k_s0: p.k.s[0],
+        k_s1: p.k.s[1],
+        k_s2: p.k.s[2],
+        v_s0: p.v.s[0],
+        v_s2: p.v.s[2],
+        g_s0: p.g.s[0],
+        g_s1: p.g.s[1],
+        g_s2: p.g.s[2],
+        beta_s0: p.beta.s[0],
+        beta_s1: p.beta.s[1],
+        beta_s2: p.beta.s[2],
+        out_s0: p.out.s[0],
+        out_s2: p.out.s[2],
+        out_s3: p.out.s[3],
+        skip_s0: p.skip.s[0],
+        gate_s0: p.gate.s[0],
+        gate_s2: p.gate.s[2],
+        gate_s3: p.gate.s[3],
+        a_s0: p.a.s[0],
+        dt_bias_s0: p.dt_bias.s[0],
+        op: p.op,
+        t: p.t,
+        hk: p.hk,
+        hv: p.hv,
+        dk: p.dk,
+        dv: p.dv,
+        tv: p.tv,
+        tiles: p.tiles,
+        auto_commit: p.auto_commit,
+        l2norm: p.l2norm,
+        scale: p.scale,
+        dt_min: p.dt_min,
+        dt_max: p.dt_max,
+        pad: 0,
+        ids_inline: p.ids_inline,
+    }
 }
 
 /// One tile width of the streaming decode kernel and its resident CTAs per SM with one
@@ -1143,19 +1203,28 @@ impl ReplayCuda {
             None
         };
         if cfg.ring_len > 0 && (rows < w.fused_rows || spec.is_some()) {
-            let kernel = match spec {
-                Some(spec) => Kernel::GdnFDecodeX {
-                    state: cfg.state_dtype,
-                    ring32: w.ring32,
-                    spec,
-                },
-                None => Kernel::GdnFDecode {
-                    state: cfg.state_dtype,
-                    dk: cfg.dk,
-                    ring32: w.ring32,
-                },
+            let (smem, pdl) = (w.fused_smem, w.fused_pdl);
+            return match spec {
+                Some(spec) => {
+                    // The specialized builds take the compact kvr_gdn_fdecode_args.
+                    let kernel = Kernel::GdnFDecodeX {
+                        state: cfg.state_dtype,
+                        ring32: w.ring32,
+                        spec,
+                    };
+                    let mut a = fdecode_args(p);
+                    let args = &mut a as *mut FDecodeArgs as *mut c_void;
+                    self.launch_grid(kernel, (p.tiles, rows), args, smem, pdl, stream)
+                }
+                None => {
+                    let kernel = Kernel::GdnFDecode {
+                        state: cfg.state_dtype,
+                        dk: cfg.dk,
+                        ring32: w.ring32,
+                    };
+                    self.launch_rows_grid(kernel, p, rows, smem, pdl, stream)
+                }
             };
-            return self.launch_rows_grid(kernel, p, rows, w.fused_smem, w.fused_pdl, stream);
         }
         // Recurrent pools without a conv window need no prep: the state kernel counts the step.
         let prep = cfg.ring_len > 0 || cfg.conv_dim > 0;
@@ -1233,8 +1302,23 @@ impl ReplayCuda {
         pdl: bool,
         stream: Stream,
     ) -> Result<()> {
-        let grid = (p.tiles as u32, self.lay.cfg.v_heads as u32, rows as u32);
-        let mut args = [p as *mut StepParams as *mut c_void];
+        let args = p as *mut StepParams as *mut c_void;
+        self.launch_grid(kernel, (p.tiles, rows), args, smem, pdl, stream)
+    }
+
+    /// `launch_rows_grid` with the kernel's parameter block `args` (grid (tiles, value
+    /// heads, rows)).
+    fn launch_grid(
+        &self,
+        kernel: Kernel,
+        (tiles, rows): (i32, usize),
+        args: *mut c_void,
+        smem: u32,
+        pdl: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        let grid = (tiles as u32, self.lay.cfg.v_heads as u32, rows as u32);
+        let mut args = [args];
         self.cuda.launch_ex(
             kernel,
             grid,
