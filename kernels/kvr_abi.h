@@ -411,7 +411,7 @@ typedef struct {
  * fields of kvr_gdn_step_args those builds read, the others being constants of the build or
  * unused (the kernel rebuilds a kvr_gdn_step_args from it in registers). Gated DeltaNet's fields
  * first, Mamba-2's after them: a GDN step's CTAs read 5 constant-cache lines of parameters at
- * entry instead of 9 (B = 1: 4.20 -> 3.98 us, BENCHMARKS.md). Tensor strides s[i] as <t>_s<i>. */
+ * entry instead of 9 (B = 1: 4.20 -> 3.94 us, BENCHMARKS.md). Tensor strides s[i] as <t>_s<i>. */
 typedef struct {
   KVR_PTR(char) state;
   KVR_PTR(char) ring_u;
@@ -442,16 +442,6 @@ typedef struct {
   int64_t out_s0;
   int64_t out_s2;
   int64_t out_s3;
-  KVR_PTR(void) skip;
-  KVR_PTR(void) gate;
-  KVR_PTR(void) a;
-  KVR_PTR(void) dt_bias;
-  int64_t skip_s0;
-  int64_t gate_s0;
-  int64_t gate_s2;
-  int64_t gate_s3;
-  int64_t a_s0;
-  int64_t dt_bias_s0;
   int32_t op;
   int32_t t;
   int32_t hk;
@@ -463,8 +453,18 @@ typedef struct {
   int32_t auto_commit;
   int32_t l2norm;
   float scale;
-  float dt_min, dt_max;
   int32_t pad;
+  KVR_PTR(void) skip;
+  KVR_PTR(void) gate;
+  KVR_PTR(void) a;
+  KVR_PTR(void) dt_bias;
+  int64_t skip_s0;
+  int64_t gate_s0;
+  int64_t gate_s2;
+  int64_t gate_s3;
+  int64_t a_s0;
+  int64_t dt_bias_s0;
+  float dt_min, dt_max;
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_fdecode_args;
 
