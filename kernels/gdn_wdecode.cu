@@ -5,7 +5,9 @@
 // for V-major states in pools without KV-only mode, ring length 0 (recurrent) or up to
 // KVR_GDN_WDECODE_MAX_RING (src/linear/replay/cuda.rs picks it). Recurrent pools without a
 // conv window (no prep kernel) take kvr_gdn_wrec_<state>_v_d<dk> instead: the state stream
-// alone, in fewer registers (below).
+// alone, in fewer registers (below). K-major pools take the same prep kernel and
+//   kvr_gdn_wdecode_<state>_k_d<dk>  a lane per value row, a warp per quarter of the keys
+// (kdecode_body, below), in two launches at every batch.
 //
 // What limits decode is keeping enough state bytes in flight: a plain read of the states
 // through registers, 8 rows a warp, runs at the GPU's read ceiling from B = 32 on (H200:
@@ -916,6 +918,268 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
   if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
 }
 
+
+// K-major states ([dk][dv] per head, fla's layout): kvr_gdn_wdecode_<state>_k_d<dk>_r<ring>,
+// the replay kind after the prep kernel (same records) and the recurrent kind, on the same
+// grid as the V-major kernels (a CTA per 32 value rows of a (row, value head): `p.tv` 32).
+// A key row of a K-major head is dv contiguous values, so here a lane owns one value row
+// (a column of the state) and a warp a quarter of the keys: each state load is one
+// 128-byte line per warp (a V-major warp's 8 rows x dk keys map onto 32-byte pieces of 128
+// key rows here, half a sector per lane: measured up to 1.9x slower). The warp's key share
+// (dk / 4 values per lane) is loaded first, before the wait for the prep kernel; the dot
+// products are partial over the warp's keys and meet in shared memory (one CTA barrier,
+// after the stream), where the ring's terms join them (each warp takes a quarter of the
+// slots). A flush folds the ring into the warp's keys by rank-one updates from shared memory
+// (each slot's keys of the warp's share), e^G S + sum_p w_p k_p u_p^T, and stores them.
+// Same arithmetic as wdecode_body (replay) and its recurrent kind.
+template <typename SD>
+__device__ __forceinline__ float ld_state1(const SD* p) {
+  if constexpr (sizeof(SD) == 4) {
+    return __ldcs(reinterpret_cast<const float*>(p));
+  } else {
+    const unsigned short r = __ldcs(reinterpret_cast<const unsigned short*>(p));
+    return __bfloat162float(__ushort_as_bfloat16(r));
+  }
+}
+template <typename SD>
+__device__ __forceinline__ void st_state1(SD* p, float x) {
+  if constexpr (sizeof(SD) == 4)
+    *reinterpret_cast<float*>(p) = x;
+  else
+    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x);
+}
+
+template <typename SD, int DK, int LU, int KIND>
+__device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
+  constexpr bool REC = KIND == kWRec;
+  static_assert(KIND == kWRec || KIND == kWPrep, "the K-major kinds");
+  constexpr int KW = DK / 4;              // keys per warp
+  constexpr int LC = LU > 0 ? LU : 1;     // ring slots (compiled)
+  constexpr int LO = (LC + 3) / 4;        // slots per warp in the ring's terms
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (REC && p.conv_dim == 0) {
+    // No prep kernel: a programmatic dependent of the stream's previous kernel, which may
+    // have written everything read here.
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  const int tile = static_cast<int>(blockIdx.x % p.tiles);
+  const int hb = static_cast<int>(blockIdx.x / p.tiles);
+  const int h = hb % p.hv, b = hb / p.hv;
+  const int dv = p.dv, L = p.l;
+  const int kh = h / (p.hv / p.hk);
+  const int col = tile * p.tv + lane;
+  const int k0 = warp * KW;
+  const int seq = p.ids ? p.ids[b] : ids_inline[b];
+  const Tensor& out = p.out;
+  const int64_t out_at = b * out.s[0] + h * out.s[2] + col * out.s[3];
+  if (seq < 0) {
+    if (warp == 0) stx(out.p, out.dtype, out_at, 0.f);
+    return;
+  }
+  SD* hs = reinterpret_cast<SD*>(p.state + (static_cast<int64_t>(seq) * p.seq_stride +
+                                            static_cast<int64_t>(h) * DK * dv) *
+                                               static_cast<int64_t>(sizeof(SD))) +
+           static_cast<int64_t>(k0) * dv + col;
+  float s[KW];
+#pragma unroll
+  for (int i = 0; i < KW; ++i) s[i] = ld_state1<SD>(hs + static_cast<int64_t>(i) * dv);
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  // The warp's share of the ring's slots (warp + 4 j), its column, before the metadata.
+  const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
+  const int64_t ustride = static_cast<int64_t>(p.hv) * dv;
+  float uo[LO];
+#pragma unroll
+  for (int j = 0; j < LO; ++j) {
+    const int sl = warp + 4 * j;
+    uo[j] = !REC && sl < L ? ldx(ubase, p.entry_dtype, sl * ustride + col) : 0.f;
+  }
+  __shared__ __align__(16) float qks[4][2][KW];  // the warp's keys of q and k
+  __shared__ float red[2][4][32];  // partial (S q), (S k) by warp and column
+  int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+  const bool counter = REC && h == 0 && tile == 0 && threadIdx.x == 0;
+  int4 m0 = make_int4(0, 0, 0, 0);
+  int conv_end = 0;
+  if (counter) {
+    m0 = __ldcg(reinterpret_cast<const int4*>(meta));
+    conv_end = __ldcg(meta + kMetaConvEnd);
+  }
+  float a, bt, kq, vt, eG = 1.f;
+  int4 hdr = make_int4(0, 0, 0, 0);
+  float cA = 0.f, cB = 0.f;
+  const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
+  const float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+  EpilogueIn epi{0.f, 0.f};
+  // Recurrent: q and k of the warp's keys as given (the L2 norms are scalar factors: their
+  // sums of squares meet in shared memory with the dot products, below).
+  float nq = 0.f, nk = 0.f, nkq = 0.f;
+  if constexpr (REC) {
+    vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + col * p.v.s[3]);
+    const float2 gb = token_gb(p, b, 0, h);
+    if (warp == 0) epi = epilogue_in(p, b, 0, h, col);
+    for (int i = lane; i < KW; i += 32) {
+      const float qv = ldx(p.q.p, p.q.dtype, b * p.q.s[0] + kh * p.q.s[2] + (k0 + i) * p.q.s[3]);
+      const float kv = ldx(p.k.p, p.k.dtype, b * p.k.s[0] + kh * p.k.s[2] + (k0 + i) * p.k.s[3]);
+      qks[warp][0][i] = qv;
+      qks[warp][1][i] = kv;
+      nq += qv * qv;
+      nk += kv * kv;
+      nkq += kv * qv;
+    }
+    a = expf(gb.x);
+    bt = gb.y;
+    kq = 0.f;
+  } else {
+    pdl_wait();
+    // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
+    if (p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
+      const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+      finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
+    }
+    hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
+    const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
+    eG = r0.x;
+    a = r0.y;
+    bt = r0.z;
+    kq = r0.w;
+    cA = lane < L ? __ldcg(rec + 4 + lane) : 0.f;
+    cB = lane < L ? __ldcg(rec + 4 + L + lane) : 0.f;
+    const float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
+    for (int i = lane; i < KW; i += 32) {
+      qks[warp][0][i] = __ldcg(qk + k0 + i);
+      qks[warp][1][i] = __ldcg(qk + DK + k0 + i);
+    }
+    if (warp == 0) {
+      const char* vrow = reinterpret_cast<const char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * dv * 4;
+      vt = ldx(vrow, p.v.dtype, static_cast<int64_t>(h) * dv + col);
+      epi = epilogue_in(p, b, 0, h, col);
+    }
+  }
+  __syncwarp();
+  // The warp's part of (S q) and (S k) of its column.
+  float sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int i = 0; i < KW; i += 4) {
+    const float4 q4 = *reinterpret_cast<const float4*>(&qks[warp][0][i]);
+    const float4 k4 = *reinterpret_cast<const float4*>(&qks[warp][1][i]);
+    sq += s[i] * q4.x + s[i + 1] * q4.y + s[i + 2] * q4.z + s[i + 3] * q4.w;
+    sk += s[i] * k4.x + s[i + 1] * k4.y + s[i + 2] * k4.z + s[i + 3] * k4.w;
+  }
+  const bool delta = p.rule == KVR_GDN_RULE_DELTA;
+  const int start = hdr.x, nbuf = hdr.y, base = hdr.w;
+  const bool flush = hdr.z != 0;
+  if constexpr (!REC) {
+    // e^G (S q) + the warp's slots' terms sum_p A/B_p u_p (slots holding no buffered entry
+    // masked by selects: one may be being rewritten).
+    sq *= eG;
+    sk *= eG;
+#pragma unroll
+    for (int j = 0; j < LO; ++j) {
+      const int sl = warp + 4 * j;
+      const int jj = sl - start + (sl < start ? L : 0);
+      const bool live = sl < L && jj < nbuf;
+      const float ca = __shfl_sync(0xffffffffu, cA, sl & 31), cb = __shfl_sync(0xffffffffu, cB, sl & 31);
+      sq += pick(live, ca * uo[j], 0.f);
+      sk += pick(live, cb * uo[j], 0.f);
+    }
+  }
+  red[0][warp][lane] = sq;
+  red[1][warp][lane] = sk;
+  __shared__ float nrm[4][3];
+  if constexpr (REC) {
+    nq = warp_sum(nq);
+    nk = warp_sum(nk);
+    nkq = warp_sum(nkq);
+    if (lane == 0) {
+      nrm[warp][0] = nq;
+      nrm[warp][1] = nk;
+      nrm[warp][2] = nkq;
+    }
+  }
+  if constexpr (!REC) {
+    if (flush) {
+      // Every slot is buffered. Each slot's keys of the warp's share to shared memory (the
+      // base slot's, displaced by the new entry's, from the scratch) and w_p u_p of the
+      // CTA's columns (each warp its slots, already loaded), then the rank-one updates:
+      // e^G S + sum_p w_p k_p u_p^T.
+      __shared__ __align__(16) float fk[4][LC][KW];
+      __shared__ float fwu[LC][32];
+      const float cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
+#pragma unroll
+      for (int j = 0; j < LO; ++j) {
+        const int sl = warp + 4 * j;
+        const float w = __shfl_sync(0xffffffffu, cW, sl & 31);
+        if (sl < L) fwu[sl][lane] = w * uo[j];
+      }
+      const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+      const int64_t kstride = static_cast<int64_t>(p.hk) * DK;
+      const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
+      for (int i = lane; i < L * KW; i += 32) {
+        const int sl = i / KW, x = i - sl * KW;
+        fk[warp][sl][x] = sl == base ? __ldcg(moved + k0 + x) : ldx(kbase, p.entry_dtype, sl * kstride + k0 + x);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < KW; ++i) s[i] *= eG;
+#pragma unroll
+      for (int sl = 0; sl < LC; ++sl) {
+        if (sl < L) {
+          const float wu = fwu[sl][lane];
+#pragma unroll
+          for (int i = 0; i < KW; i += 4) {
+            const float4 k4 = *reinterpret_cast<const float4*>(&fk[warp][sl][i]);
+            s[i] += wu * k4.x;
+            s[i + 1] += wu * k4.y;
+            s[i + 2] += wu * k4.z;
+            s[i + 3] += wu * k4.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < KW; ++i) st_state1<SD>(hs + static_cast<int64_t>(i) * dv, s[i]);
+    }
+  }
+  __syncthreads();
+  float tq = 0.f, tk = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    tq += red[0][w][lane];
+    tk += red[1][w][lane];
+  }
+  if constexpr (REC) {
+    // q = q / |q| (if asked) scaled, k = k / |k|; S <- e^g S; every warp needs u for its
+    // keys' update.
+    float sqq = 0.f, skk = 0.f, skq = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      sqq += nrm[w][0];
+      skk += nrm[w][1];
+      skq += nrm[w][2];
+    }
+    const float fq = (p.l2norm ? 1.f / sqrtf(sqq + 1e-6f) : 1.f) * p.scale;
+    const float fk = p.l2norm ? 1.f / sqrtf(skk + 1e-6f) : 1.f;
+    kq = fq * fk * skq;
+    tq *= a * fq;
+    tk *= a * fk;
+    const float u = delta ? bt * (vt - tk) : bt * vt;
+    const float y = tq + kq * u;
+    const float uk = u * fk;
+#pragma unroll
+    for (int i = 0; i < KW; ++i) s[i] = a * s[i] + uk * qks[warp][1][i];
+#pragma unroll
+    for (int i = 0; i < KW; ++i) st_state1<SD>(hs + static_cast<int64_t>(i) * dv, s[i]);
+    if (warp == 0) stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+    if (p.conv_dim > 0) pdl_wait();
+    if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
+  } else if (warp == 0) {
+    const float u = delta ? bt * (vt - a * tk) : bt * vt;
+    const float y = a * tq + kq * u;
+    char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + base) * p.hv + h) * dv * ee;
+    stx(dst, p.entry_dtype, col, u);
+    stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+  }
+}
+
 }  // namespace gdn
 }  // namespace kvr
 
@@ -1015,6 +1279,44 @@ KVR_GDN_WREC(__nv_bfloat16, bf16, 64)
 KVR_GDN_WREC(__nv_bfloat16, bf16, 128)
 KVR_GDN_WREC(__nv_bfloat16, bf16, 256)
 #undef KVR_GDN_WREC
+// K-major states (kdecode_body): the recurrent kind (ring 0) and the replay kind after the
+// prep kernel (rings of up to 16 or 32), grid and prep records as kvr_gdn_wdecode_*_v_*.
+#define KVR_GDN_KDECODE(SD, SN, DK, LU, MB)                                                   \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                       \
+      kvr_gdn_wdecode_##SN##_k_d##DK##_r##LU(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::kdecode_body<SD, DK, LU, LU == 0 ? kvr::gdn::kWRec : kvr::gdn::kWPrep>(p, p.ids_inline); \
+  }
+// Specialized like KVR_GDN_WDECODE_FIX (kvr_gdn_wdecode_<state>_k_d128_r<LU>_<FN>, paired with
+// kvr_gdn_dprep_d128_r<LU>_<FN>).
+#define KVR_GDN_KDECODE_FIX(SD, SN, LU, FIX, FN)                                              \
+  extern "C" __global__ void __launch_bounds__(128, 6)                                        \
+      kvr_gdn_wdecode_##SN##_k_d128_r##LU##_##FN(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::StepParams c = p;                                                               \
+    FIX::apply(c, LU);                                                                        \
+    kvr::gdn::kdecode_body<SD, 128, LU, kvr::gdn::kWPrep>(c, p.ids_inline);                   \
+  }
+#define KVR_GDN_KDECODE_SPECS(SD, SN, LU)                              \
+  KVR_GDN_KDECODE_FIX(SD, SN, LU, kvr::gdn::FdBf16, xbf16)            \
+  KVR_GDN_KDECODE_FIX(SD, SN, LU, kvr::gdn::FdF32, xf32)              \
+  KVR_GDN_KDECODE_FIX(SD, SN, LU, kvr::gdn::FdM2Bf16, m2bf16)
+KVR_GDN_KDECODE_SPECS(float, f32, 16)
+KVR_GDN_KDECODE_SPECS(float, f32, 32)
+KVR_GDN_KDECODE_SPECS(__nv_bfloat16, bf16, 16)
+KVR_GDN_KDECODE_SPECS(__nv_bfloat16, bf16, 32)
+#undef KVR_GDN_KDECODE_SPECS
+#undef KVR_GDN_KDECODE_FIX
+#define KVR_GDN_KDECODE_DK(DK, MB)                \
+  KVR_GDN_KDECODE(float, f32, DK, 0, (DK) > 128 ? MB : 8)     \
+  KVR_GDN_KDECODE(float, f32, DK, 16, MB)         \
+  KVR_GDN_KDECODE(float, f32, DK, 32, MB)         \
+  KVR_GDN_KDECODE(__nv_bfloat16, bf16, DK, 0, (DK) > 128 ? MB : 8) \
+  KVR_GDN_KDECODE(__nv_bfloat16, bf16, DK, 16, MB) \
+  KVR_GDN_KDECODE(__nv_bfloat16, bf16, DK, 32, MB)
+KVR_GDN_KDECODE_DK(64, 8)
+KVR_GDN_KDECODE_DK(128, 6)
+KVR_GDN_KDECODE_DK(256, 2)
+#undef KVR_GDN_KDECODE_DK
+#undef KVR_GDN_KDECODE
 KVR_GDN_FDECODE_SPECS(float, f32, 16)
 KVR_GDN_FDECODE_SPECS(float, f32, 32)
 KVR_GDN_FDECODE_SPECS(__nv_bfloat16, bf16, 16)

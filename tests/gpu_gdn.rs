@@ -498,6 +498,12 @@ fn gpu_decode_matches_cpu_across_flushes() {
         (2, 2, 64, 8, 30, K, BF16, BF16, F32),
         (16, 32, 128, 16, 127, V, F32, BF16, BF16),
         (1, 2, 128, 0, 0, K, F32, F32, F32), // recurrent
+        // K-major pools on the warp-streaming decode's K-major state kernel: Qwen3-Next's
+        // layer, a ring of 32, a ring of 12 with bf16 entries, recurrent with a bf16 state.
+        (16, 32, 128, 16, 0, K, F32, F32, BF16),
+        (2, 4, 128, 32, 0, K, F32, F32, F32),
+        (2, 4, 128, 12, 0, K, F32, BF16, BF16),
+        (2, 4, 128, 0, 0, K, BF16, F32, F32),
         (1, 1, 64, 0, 0, V, BF16, F32, F32), // recurrent, bf16 state
         // Recurrent V-major pools on kvr_gdn_wrec: Qwen3-Next's layer, dk 256.
         (16, 32, 128, 0, 0, V, F32, F32, BF16),

@@ -116,6 +116,14 @@ pub(crate) enum Kernel {
         dk: usize,
         ring: usize,
     },
+    /// `kvr_gdn_wdecode_<state>_k_d<dk>_r<ring>` (kernels/gdn_wdecode.cu): the same decode
+    /// for K-major states (a lane per value row, a warp per quarter of the keys); `ring` as
+    /// for [`Kernel::GdnWDecode`].
+    GdnKDecode {
+        state: DType,
+        dk: usize,
+        ring: usize,
+    },
     /// `kvr_wgkv_scatter` (kernels/wgkv.cu): row copies of the write-gated KV mode.
     WgKvScatter,
     /// `kvr_gdn_wrec_<state>_v_d<dk>` (kernels/gdn_wdecode.cu): the recurrent pools' state
@@ -176,6 +184,13 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_dprep_d128_r<16|32>_<spec>` (kernels/gdn_wdecode.cu): its prep kernel,
     /// specialized the same way.
     GdnDPrepX { ring32: bool, spec: FdSpec },
+    /// `kvr_gdn_wdecode_<state>_k_d128_r<16|32>_<spec>` (kernels/gdn_wdecode.cu):
+    /// [`Kernel::GdnKDecode`] specialized like [`Kernel::GdnWDecodeX`].
+    GdnKDecodeX {
+        state: DType,
+        ring32: bool,
+        spec: FdSpec,
+    },
 }
 
 /// What a specialized one-launch decode kernel ([`Kernel::GdnFDecodeX`]) fixes besides its
@@ -243,7 +258,9 @@ const GDN_WVERIFY_X_BASE: usize = 237;
 const GDN_WVPREP_R16: usize = 261;
 const GDN_WDECODE_X_BASE: usize = 262;
 const GDN_DPREP_X_BASE: usize = 274;
-const KERNEL_COUNT: usize = 280;
+const GDN_KDECODE_BASE: usize = 280;
+const GDN_KDECODE_X_BASE: usize = 298;
+const KERNEL_COUNT: usize = 310;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -451,6 +468,24 @@ impl Kernel {
                 v.push(Kernel::GdnDPrepX { ring32, spec });
             }
         }
+        for dk in GDN_DECODE_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for ring in GDN_WDECODE_RINGS {
+                    v.push(Kernel::GdnKDecode { state, dk, ring });
+                }
+            }
+        }
+        for state in [DType::F32, DType::BF16] {
+            for ring32 in [false, true] {
+                for spec in FdSpec::ALL {
+                    v.push(Kernel::GdnKDecodeX {
+                        state,
+                        ring32,
+                        spec,
+                    });
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -588,6 +623,18 @@ impl Kernel {
             Kernel::GdnDPrepX { ring32, spec } => {
                 GDN_DPREP_X_BASE + fd_x_slot(DType::F32, ring32, spec)
             }
+            Kernel::GdnKDecode { state, dk, ring } => {
+                let r = GDN_WDECODE_RINGS.iter().position(|&x| x == ring);
+                GDN_KDECODE_BASE
+                    + 6 * dk_slot(dk)
+                    + if state == DType::BF16 { 3 } else { 0 }
+                    + r.expect("a compiled ring length")
+            }
+            Kernel::GdnKDecodeX {
+                state,
+                ring32,
+                spec,
+            } => GDN_KDECODE_X_BASE + fd_x_slot(state, ring32, spec),
         }
     }
 
@@ -647,6 +694,9 @@ impl Kernel {
             Kernel::GdnWDecode { state, dk, ring } => {
                 format!("kvr_gdn_wdecode_{}_v_d{dk}_r{ring}", state.name())
             }
+            Kernel::GdnKDecode { state, dk, ring } => {
+                format!("kvr_gdn_wdecode_{}_k_d{dk}_r{ring}", state.name())
+            }
             Kernel::WgKvScatter => "kvr_wgkv_scatter".into(),
             Kernel::GdnWRec { state, dk } => format!("kvr_gdn_wrec_{}_v_d{dk}", state.name()),
             Kernel::WgKvStep => "kvr_wgkv_step".into(),
@@ -698,6 +748,16 @@ impl Kernel {
                 spec,
             } => format!(
                 "kvr_gdn_wdecode_{}_v_d128_r{}_{}",
+                state.name(),
+                if ring32 { 32 } else { 16 },
+                spec.name()
+            ),
+            Kernel::GdnKDecodeX {
+                state,
+                ring32,
+                spec,
+            } => format!(
+                "kvr_gdn_wdecode_{}_k_d128_r{}_{}",
                 state.name(),
                 if ring32 { 32 } else { 16 },
                 spec.name()

@@ -202,6 +202,12 @@ pub(crate) struct ReplayCuda {
 /// Warps per CTA of the warp-streaming decode kernel.
 const WDECODE_WARPS: usize = 4;
 
+/// K-major pools take the specialized state kernel below this many batch rows: it spills
+/// (80 registers) where the generic build does not, and measured slower from 32 rows on
+/// (H200, B = 128: 118.5 against 102.6 us) but faster at 1 and 8 (6.2 / 13.9 against
+/// 7.8 / 14.9 us; BENCHMARKS.md).
+const KDECODE_SPEC_ROWS: usize = 16;
+
 /// The compiled ring length of the warp-streaming decode kernel for a pool's ring.
 fn wdecode_ring(ring_len: usize) -> usize {
     match ring_len {
@@ -211,8 +217,9 @@ fn wdecode_ring(ring_len: usize) -> usize {
     }
 }
 
-/// The warp-streaming decode of a pool: V-major states, no KV-only mode, rings of up to
-/// `KVR_GDN_WDECODE_MAX_RING` entries (or none).
+/// The warp-streaming decode of a pool: no KV-only mode, rings of up to
+/// `KVR_GDN_WDECODE_MAX_RING` entries (or none); V-major states, or K-major ones in two
+/// launches.
 struct WDecode {
     /// The kernels for rings of 17..=32 entries (else up to 16).
     ring32: bool,
@@ -246,6 +253,35 @@ struct WDecode {
     /// (`fdecode_spec`; dk 128, a ring of exactly 16 or 32, f32 entries;
     /// KVR_GDN_WDECODE_SPEC=0: never).
     two_x: bool,
+    /// K-major states: the state kernel is `Kernel::GdnKDecode`.
+    kmajor: bool,
+}
+
+/// The state kernel of the warp-streaming decode (two launches) for a pool's layout.
+fn wdecode_kernel(kmajor: bool, state: DType, dk: usize, ring_len: usize) -> Kernel {
+    let ring = wdecode_ring(ring_len);
+    if kmajor {
+        Kernel::GdnKDecode { state, dk, ring }
+    } else {
+        Kernel::GdnWDecode { state, dk, ring }
+    }
+}
+
+/// Its specialized build (`fdecode_spec`; dk 128, rings of 16 or 32 f32 entries).
+fn wdecode_kernel_x(kmajor: bool, state: DType, ring32: bool, spec: FdSpec) -> Kernel {
+    if kmajor {
+        Kernel::GdnKDecodeX {
+            state,
+            ring32,
+            spec,
+        }
+    } else {
+        Kernel::GdnWDecodeX {
+            state,
+            ring32,
+            spec,
+        }
+    }
 }
 
 /// The warp-streaming verify of a pool: V-major states, no KV-only mode, dk in
@@ -680,8 +716,11 @@ impl ReplayCuda {
         let prep_bytes =
             |nkh: usize| (2 * lc + cfg.dk + 1) * nkh * 4 + nkh * group * (lc + cfg.dv + 2) * 4 + 16;
         let prep_smem = prep_bytes(cfg.k_heads);
-        let wdecode = if cfg.layout == StateLayout::VMajor
-            && cfg.kv_only_threshold == 0
+        // K-major pools take the same prep kernel and a state kernel of their own
+        // (`Kernel::GdnKDecode`), in two launches at every batch (no one-launch or specialized
+        // builds, no `kvr_gdn_wrec`).
+        let kmajor = cfg.layout == StateLayout::KMajor;
+        let wdecode = if cfg.kv_only_threshold == 0
             && GDN_DECODE_DKS.contains(&cfg.dk)
             && cfg.ring_len <= KVR_GDN_WDECODE_MAX_RING
             && cfg.dv % (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS) == 0
@@ -698,11 +737,7 @@ impl ReplayCuda {
                 DPREP_THREADS,
             )?;
             let main = cuda.prepare_kernel(
-                Kernel::GdnWDecode {
-                    state: cfg.state_dtype,
-                    dk: cfg.dk,
-                    ring: wdecode_ring(cfg.ring_len),
-                },
+                wdecode_kernel(kmajor, cfg.state_dtype, cfg.dk, cfg.ring_len),
                 0,
                 (32 * WDECODE_WARPS) as u32,
             )?;
@@ -718,7 +753,7 @@ impl ReplayCuda {
             // The one-launch kernel for small batches of replay pools: every slot's key of
             // one key head in shared memory.
             let fused_smem = (cfg.ring_len * cfg.dk * cfg.entry_dtype.size()) as u32;
-            let fused_occ = if cfg.ring_len > 0 {
+            let fused_occ = if cfg.ring_len > 0 && !kmajor {
                 cuda.prepare_kernel(
                     Kernel::GdnFDecode {
                         state: cfg.state_dtype,
@@ -748,11 +783,7 @@ impl ReplayCuda {
             if two_x {
                 for spec in FdSpec::ALL {
                     let prep = Kernel::GdnDPrepX { ring32, spec };
-                    let main = Kernel::GdnWDecodeX {
-                        state: cfg.state_dtype,
-                        ring32,
-                        spec,
-                    };
+                    let main = wdecode_kernel_x(kmajor, cfg.state_dtype, ring32, spec);
                     two_x &= cuda.prepare_kernel(prep, prep_smem, DPREP_THREADS)? > 0
                         && cuda.prepare_kernel(main, 0, (32 * WDECODE_WARPS) as u32)? > 0;
                 }
@@ -789,7 +820,8 @@ impl ReplayCuda {
                         fused_rows_one_wave(row_ctas, waves * wave)
                     }),
             };
-            let wrec = cfg.ring_len == 0
+            let wrec = !kmajor
+                && cfg.ring_len == 0
                 && cfg.conv_dim == 0
                 && std::env::var("KVR_GDN_WREC").as_deref() != Ok("0")
                 && cuda.prepare_kernel(
@@ -809,9 +841,10 @@ impl ReplayCuda {
                 rows,
                 prep_smem,
                 prep_smem_split: prep_bytes(1) as u32,
-                // Without the one-launch kernel, replay below 8 rows measured faster on the
-                // streaming kernel.
-                min_rows: if cfg.ring_len > 0 && which != "wdecode" && !fused {
+                // Without the one-launch kernel, V-major replay below 8 rows measured faster
+                // on the streaming kernel; K-major replay is faster in the two launches at
+                // every batch (H200, B = 1: 7.8 against 13.5 us, BENCHMARKS.md).
+                min_rows: if cfg.ring_len > 0 && which != "wdecode" && !fused && !kmajor {
                     8
                 } else {
                     1
@@ -822,6 +855,7 @@ impl ReplayCuda {
                 fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
                 wrec,
                 two_x,
+                kmajor,
             })
         } else {
             None
@@ -1241,7 +1275,7 @@ impl ReplayCuda {
             return self.launch_rows_grid(kernel, p, rows, 0, w.fused_pdl, stream);
         }
         // The specialized pair where the call fits one (replay pools: a prep runs).
-        let spec = if w.two_x && cfg.ring_len > 0 {
+        let spec = if w.two_x && cfg.ring_len > 0 && (!w.kmajor || rows < KDECODE_SPEC_ROWS) {
             fdecode_spec(p)
         } else {
             None
@@ -1272,16 +1306,8 @@ impl ReplayCuda {
             self.run(kernel, rows * shares, threads, smem, p, stream)?;
         }
         let kernel = match spec {
-            Some(spec) => Kernel::GdnWDecodeX {
-                state: cfg.state_dtype,
-                ring32: w.ring32,
-                spec,
-            },
-            None => Kernel::GdnWDecode {
-                state: cfg.state_dtype,
-                dk: cfg.dk,
-                ring: wdecode_ring(cfg.ring_len),
-            },
+            Some(spec) => wdecode_kernel_x(w.kmajor, cfg.state_dtype, w.ring32, spec),
+            None => wdecode_kernel(w.kmajor, cfg.state_dtype, cfg.dk, cfg.ring_len),
         };
         let grid = rows * cfg.v_heads * p.tiles as usize;
         let shape = (grid, (32 * WDECODE_WARPS) as u32, 0);
