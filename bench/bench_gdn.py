@@ -535,7 +535,11 @@ def summary(v, k=None):
             if B in kd:
                 out[f"gdn_decode_replay16_vs_fla_b{B}_kmajor"] = ratio(kd[B].get("fla_us"), kd[B]["replay16_us"])
         if 256 in kd:
-            out["gdn_recurrent_vs_fla_b256_kmajor"] = ratio(kd[256].get("fla_us"), kd[256]["recurrent_us"])
+            r = kd[256]
+            out["gdn_recurrent_vs_fla_b256_kmajor"] = ratio(r.get("fla_us"), r["recurrent_us"])
+            kceil = k["copy_tbs"] * 1e6
+            out["gdn_decode_replay16_floor_frac_b256_kmajor"] = round(r["replay16_bytes"] / kceil / r["replay16_us"], 3)
+            out["gdn_recurrent_floor_frac_b256_kmajor"] = round(r["recurrent_bytes"] / kceil / r["recurrent_us"], 3)
     if dec:
         out["gdn_copy_ceiling_tbs"] = round(v["copy_tbs"], 3)
     return out
