@@ -478,6 +478,7 @@ impl ReplayCuda {
         // A recurrent-only K-major pool stays on the general kernel: there the decode
         // kernel's 16-byte-per-lane reads of 32-byte key rows measured 609 vs 878 us
         // (H100, B = 256, BENCHMARKS.md); everywhere else the decode kernel is faster.
+        // (Where the warp-streaming decode below applies, it comes first, both layouts.)
         let recurrent_kmajor = cfg.ring_len == 0 && cfg.layout == StateLayout::KMajor;
         let which = std::env::var("KVR_GDN_DECODE").unwrap_or_default();
         let decode_rows =
@@ -707,8 +708,9 @@ impl ReplayCuda {
             buf.fill_async(cuda, 0, Stream::DEFAULT)?;
             Some(buf)
         };
-        // The warp-streaming decode: V-major pools without KV-only mode whose states take
-        // 16-byte loads. KVR_GDN_DECODE=stream (or warp, general) selects the older kernels.
+        // The warp-streaming decode: pools without KV-only mode whose states are 16-byte
+        // aligned, V-major or K-major (a state kernel of its own). KVR_GDN_DECODE=stream (or
+        // warp, general) selects the older kernels.
         let lc = cfg.ring_len.max(1);
         // The prep kernel's shared memory for a CTA of `nkh` key heads: key products,
         // normalized keys, k . q; the new token's (g, beta), ring decays and v of their
