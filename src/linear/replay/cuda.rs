@@ -719,8 +719,8 @@ impl ReplayCuda {
             |nkh: usize| (2 * lc + cfg.dk + 1) * nkh * 4 + nkh * group * (lc + cfg.dv + 2) * 4 + 16;
         let prep_smem = prep_bytes(cfg.k_heads);
         // K-major pools take the same prep kernel and a state kernel of their own
-        // (`Kernel::GdnKDecode`), in two launches at every batch (no one-launch or specialized
-        // builds, no `kvr_gdn_wrec`).
+        // (`Kernel::GdnKDecode`; its specialized builds below `KDECODE_SPEC_ROWS` rows), in
+        // two launches at every batch (no one-launch kernel, no `kvr_gdn_wrec`).
         let kmajor = cfg.layout == StateLayout::KMajor;
         let wdecode = if cfg.kv_only_threshold == 0
             && GDN_DECODE_DKS.contains(&cfg.dk)
