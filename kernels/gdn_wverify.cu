@@ -3,8 +3,9 @@
 //   kvr_gdn_wvprep_d<dk>                     one CTA per (batch row, key head): the bookkeeping
 //   kvr_gdn_wverify_<state>_v_d<dk>_t<4|8>   one warp per 8 value rows of a (row, value head):
 //   kvr_gdn_wverify_..._add                  the state stream and everything per value row
-// for V-major states in pools without KV-only mode, rings of up to KVR_GDN_WVERIFY_MAX_RING
-// entries (src/linear/replay/cuda.rs picks it; other pools verify on gdn_sverify.cu).
+//   kvr_gdn_wverify_<state>_k_d<dk>_t<4|8>   K-major states (kverify_body, below)
+// for pools without KV-only mode, rings of up to KVR_GDN_WVERIFY_MAX_RING entries
+// (src/linear/replay/cuda.rs picks it; other pools verify on gdn_sverify.cu).
 //
 // gdn_sverify.cu's verify stages each state tile in shared memory and runs a chain of
 // dependent phases per CTA behind barriers (metadata, records, tile, readouts, sums, rows):
@@ -232,6 +233,41 @@ __device__ void wvprep_body(const StepParams& p) {
   }
 }
 
+// The state kernels' start past their wait (wverify_body, kverify_body): the prep kernel's
+// record of (row b, value head h) and the drafts' q, k of key head kh copied to shared memory
+// (rec, sqk); one thread a row ends the step (every prep CTA has read the metadata). Returns
+// the record's header.
+struct WvHead {
+  int start, nbuf, base;
+  bool flush;
+  float eG;
+};
+template <int DK>
+__device__ __forceinline__ WvHead wv_stage(const StepParams& p, int b, int h, int kh, int tile, int seq,
+                                           const kvr_gdn_wvscratch& lay, const kvr_gdn_wvrec& rl, float* rec,
+                                           float* sqk) {
+  const int T = p.t, Tm = p.max_drafts, L = p.l;
+  const float* grec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
+  const float* gqk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * Tm * DK;
+  for (int i = threadIdx.x; i < rl.floats / 4; i += blockDim.x) cp_async_16(rec + 4 * i, grec + 4 * i, 16);
+  const int per = T * DK / 4;
+  for (int i = threadIdx.x; i < 2 * per; i += blockDim.x) {
+    const int x = i >= per, o = 4 * (i - x * per);
+    cp_async_16(sqk + x * Tm * DK + o, gqk + x * Tm * DK + o, 16);
+  }
+  cp_async_commit();
+  if (h == 0 && tile == 0 && threadIdx.x == 0) {
+    int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
+    const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
+    const Place pl{m.z + 2 * T > L, false, (m.y + m.z) % L};
+    finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), pl);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int* hdr = reinterpret_cast<const int*>(rec);
+  return WvHead{hdr[0], hdr[1], hdr[3], hdr[2] != 0, rec[rl.eg]};
+}
+
 // (S x)[row lane & 7] in every lane, for a warp's 8 state rows (rows8_dots with one vector).
 template <int KL>
 __device__ __forceinline__ float rows8_dot(const float (&s)[8][KL], const float (&x)[KL], int lane) {
@@ -298,30 +334,12 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   extern __shared__ __align__(16) float wvsm[];
   const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
   const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout_r(Tm, 4 * NS);
-  const float* grec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
-  const float* gqk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * Tm * DK;
   float* rec = wvsm;
   float* sqk = wvsm + lay.rec_floats;
-  for (int i = threadIdx.x; i < rl.floats / 4; i += blockDim.x) cp_async_16(rec + 4 * i, grec + 4 * i, 16);
-  const int per = T * DK / 4;
-  for (int i = threadIdx.x; i < 2 * per; i += blockDim.x) {
-    const int x = i >= per, o = 4 * (i - x * per);
-    cp_async_16(sqk + x * Tm * DK + o, gqk + x * Tm * DK + o, 16);
-  }
-  cp_async_commit();
-  // One thread a row ends the step (every prep CTA has read the metadata).
-  if (h == 0 && tile == 0 && threadIdx.x == 0) {
-    int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
-    const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
-    const Place pl{m.z + 2 * T > L, false, (m.y + m.z) % L};
-    finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), pl);
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  const int* hdr = reinterpret_cast<const int*>(rec);
-  const int start = hdr[0], nbuf = hdr[1], base = hdr[3];
-  const bool flush = hdr[2] != 0;
-  const float eG = rec[rl.eg];
+  const WvHead hd = wv_stage<DK>(p, b, h, kh, tile, seq, lay, rl, rec, sqk);
+  const int start = hd.start, nbuf = hd.nbuf, base = hd.base;
+  const bool flush = hd.flush;
+  const float eG = hd.eG;
   // Slots that hold no buffered entry: 0 (a select: a stale value may be anything).
 #pragma unroll
   for (int i = 0; i < NS; ++i) {
@@ -428,6 +446,228 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   }
 }
 
+
+// K-major states (kverify_body): the head's state is [dk][dv]; a CTA takes 32 value rows
+// (columns: 128 bytes of each key row) and warp w the keys w dk / 4 .. (w + 1) dk / 4 - 1 of
+// them. Lane 8 p + g holds columns 4 g .. 4 g + 3 of KP = dk / 16 keys (p: a part of the warp's
+// keys) as float4 rows, so that each state load reads four whole 128-byte lines a warp (the
+// V-major kernel's bytes per instruction). Ring slots are spread over the 16 (warp, part)
+// owners: owner o = 4 w + p holds slots o + 16 j of its 4 columns. Per draft, each lane's
+// parts of e^G (S q_x), e^G (S k_x) and of the ring's terms are summed over the warp's parts
+// by shuffles and meet in shared memory by warp (one CTA barrier, which also publishes the
+// flush's w_p u_p); warp 0 (a column a lane) then runs the forward substitution, writes the
+// outputs and the drafts' ring entries. A flush stages KVR_GDN_KVERIFY_FLUSH_SLOTS slots' keys
+// at a time in shared memory (CTA barriers) and folds them, e^G S + sum_p w_p k_p u_p^T. Same
+// prep kernel, record and arithmetic as wverify_body. NJ: slots per owner (1: rings of up to
+// 16 entries; 4: up to 64); the records have 64 slots either way (the generic prep's).
+template <typename SD, int DK, int TM, bool ADD, int NJ = kWvSlots / 16>
+__device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
+  constexpr int KP = DK / 16, NSL = kWvSlots, CH = KVR_GDN_KVERIFY_FLUSH_SLOTS;
+  static_assert(NJ == 1 || NJ == kWvSlots / 16, "rings of up to 16 or 64 entries");
+  static_assert(KP % 4 == 0 && CH % 4 == 0, "float4 reads of a lane's keys");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane & 7, part = lane >> 3, owner = 4 * warp + part;
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int T = p.t, Tm = p.max_drafts, L = p.l, dv = p.dv;
+  const int kh = h / (p.hv / p.hk);
+  const int col0 = tile * p.tv, k0 = warp * (DK / 4) + part * KP;
+  const int seq = p.ids ? p.ids[b] : ids_inline[b];
+  const Tensor& out = p.out;
+  const int64_t out0 = b * out.s[0] + h * out.s[2] + (col0 + lane) * out.s[3];
+  auto out_at = [&](int s) { return out0 + s * out.s[1]; };
+  if (seq < 0) {
+    if (warp == 0)
+      for (int s = 0; s < T; ++s) stx(out.p, out.dtype, out_at(s), 0.f);
+    return;
+  }
+  SD* hs = reinterpret_cast<SD*>(p.state + (static_cast<int64_t>(seq) * p.seq_stride +
+                                            static_cast<int64_t>(h) * DK * dv) *
+                                               static_cast<int64_t>(sizeof(SD))) +
+           static_cast<int64_t>(k0) * dv + col0 + 4 * g;
+  float s[KP][4];
+#pragma unroll
+  for (int i = 0; i < KP; ++i) ld_state<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+  // The u values of the owner's slots in the lane's columns; the drafts' v (warp 0, which
+  // writes the outputs: a column a lane).
+  const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
+  char* const ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
+  const int64_t ustride = static_cast<int64_t>(p.hv) * dv;
+  float u[NJ][4];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int sl = owner + 16 * j;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[j][c] = 0.f;
+    if (sl < L) ld_entry<4>(ubase, p.entry_dtype, sl * ustride + col0 + 4 * g, u[j]);
+  }
+  float vt[TM];
+#pragma unroll
+  for (int x = 0; x < TM; ++x) {
+    const bool mine = warp == 0 && x < T;
+    vt[x] = mine ? ldx(p.v.p, p.v.dtype, b * p.v.s[0] + x * p.v.s[1] + h * p.v.s[2] + (col0 + lane) * p.v.s[3])
+                 : 0.f;
+  }
+  pdl_wait();
+  // The prep kernel's record of this (row, value head) and the drafts' q, k of the key head.
+  extern __shared__ __align__(16) float kvsm[];
+  const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
+  const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout_r(Tm, NSL);
+  float* rec = kvsm;
+  float* sqk = kvsm + lay.rec_floats;                   // the drafts' q, k; a flush's keys
+  float* red = sqk + (2 * Tm > CH ? 2 * Tm : CH) * DK;  // [draft][q, k][warp][column]
+  float* fwu = red + 2 * Tm * 4 * 32;                   // [slot][column]: w_p u_p
+  const WvHead hd = wv_stage<DK>(p, b, h, kh, tile, seq, lay, rl, rec, sqk);
+  const int start = hd.start, nbuf = hd.nbuf, base = hd.base;
+  const bool flush = hd.flush;
+  const float eG = hd.eG;
+  // Slots that hold no buffered entry: 0 (a select: a stale value may be anything).
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int sl = owner + 16 * j;
+    const int jj = sl - start + (sl < start ? L : 0);
+    const bool live = sl < L && jj < nbuf;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[j][c] = pick(live, u[j][c], 0.f);
+  }
+  // Per draft: e^G (S q_x) + sum_p A_xp u_p (and with k_x, B) of the lane's columns, over
+  // its keys and slots, summed over the warp's parts, to shared memory.
+#pragma unroll
+  for (int x = 0; x < TM; ++x) {
+    if (x >= T) continue;
+    float tq[4] = {0.f, 0.f, 0.f, 0.f}, tk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < KP; i += 4) {
+      const float4 q4 = *reinterpret_cast<const float4*>(sqk + x * DK + k0 + i);
+      const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tq[c] += s[i + e][c] * qv[e];
+      if constexpr (!ADD) {
+        const float4 k4 = *reinterpret_cast<const float4*>(sqk + (Tm + x) * DK + k0 + i);
+        const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) tk[c] += s[i + e][c] * kv[e];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      tq[c] *= eG;
+      tk[c] *= eG;
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int sl = owner + 16 * j;
+      const int at = wv_slot_at<NSL>(sl);
+      const float ca = rec[rl.a + x * NSL + at], cb = ADD ? 0.f : rec[rl.b + x * NSL + at];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        tq[c] += ca * u[j][c];
+        if constexpr (!ADD) tk[c] += cb * u[j][c];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      tq[c] += __shfl_xor_sync(0xffffffffu, tq[c], 8);
+      tq[c] += __shfl_xor_sync(0xffffffffu, tq[c], 16);
+      if constexpr (!ADD) {
+        tk[c] += __shfl_xor_sync(0xffffffffu, tk[c], 8);
+        tk[c] += __shfl_xor_sync(0xffffffffu, tk[c], 16);
+      }
+    }
+    if (part == 0) {
+      *reinterpret_cast<float4*>(red + ((2 * x) * 4 + warp) * 32 + 4 * g) = make_float4(tq[0], tq[1], tq[2], tq[3]);
+      if constexpr (!ADD)
+        *reinterpret_cast<float4*>(red + ((2 * x + 1) * 4 + warp) * 32 + 4 * g) = make_float4(tk[0], tk[1], tk[2], tk[3]);
+    }
+  }
+  const float* W = rec + rl.w;
+  if (flush) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int sl = owner + 16 * j;
+      if (sl < L) {
+        const float w = W[sl];
+        *reinterpret_cast<float4*>(fwu + sl * 32 + 4 * g) = make_float4(w * u[j][0], w * u[j][1], w * u[j][2], w * u[j][3]);
+      }
+    }
+  }
+  __syncthreads();  // the parts, w_p u_p; every warp is past its reads of q and k
+  if (warp == 0) {
+    // Each column's forward substitution over the earlier drafts, its output and ring entry.
+    float ut[TM];
+#pragma unroll
+    for (int x = 0; x < TM; ++x) {
+      ut[x] = 0.f;
+      if (x >= T) continue;
+      float tq = 0.f, tk = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        tq += red[((2 * x) * 4 + w) * 32 + lane];
+        if constexpr (!ADD) tk += red[((2 * x + 1) * 4 + w) * 32 + lane];
+      }
+      const float eg = rec[rl.egam + x], bt = rec[rl.beta + x];
+      float uu = ADD ? bt * vt[x] : bt * (vt[x] - eg * tk);
+      if constexpr (!ADD) {
+#pragma unroll
+        for (int y = 0; y < x; ++y) uu -= rec[rl.ca + x * Tm + y] * ut[y];
+      }
+      ut[x] = uu;
+      float yv = eg * tq;
+#pragma unroll
+      for (int y = 0; y <= x; ++y) yv += rec[rl.cb + x * Tm + y] * ut[y];
+      stx(out.p, out.dtype, out_at(x), epilogue(p, epilogue_in(p, b, x, h, col0 + lane), vt[x], yv));
+      const int sl = base + x < L ? base + x : base + x - L;  // (base + x) % L: base < L, x < T <= L
+      stx(ubase, p.entry_dtype, sl * ustride + col0 + lane, uu);
+    }
+  }
+  if (flush) {
+    // e^G S + sum_p w_p k_p u_p^T into the lane's keys; a slot a draft took holds its old key
+    // in the scratch (the prep kernel moved it). The CTA stages CH slots' keys at a time in
+    // the q, k space (free past the barrier above).
+#pragma unroll
+    for (int i = 0; i < KP; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[i][c] *= eG;
+    const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+    const int64_t kstride = static_cast<int64_t>(p.hk) * DK;
+    const float* moved = p.scratch + lay.moved + (static_cast<int64_t>(b) * p.hk + kh) * Tm * DK;
+#pragma unroll 1
+    for (int c0 = 0; c0 < L; c0 += CH) {
+      if (c0 > 0) __syncthreads();  // the previous chunk's fold
+      for (int i = threadIdx.x; i < CH * DK; i += blockDim.x) {
+        const int j = i / DK, x = i - j * DK, sl = c0 + j;
+        if (sl >= L || W[sl] == 0.f) continue;
+        const int sd = sl - base + (sl < base ? L : 0);  // (sl - base) mod L
+        sqk[i] = sd < T ? moved[sd * DK + x] : ldx(kbase, p.entry_dtype, sl * kstride + x);
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int j = 0; j < CH; ++j) {
+        const int sl = c0 + j;
+        if (sl >= L || W[sl] == 0.f) continue;
+        const float4 wu = *reinterpret_cast<const float4*>(fwu + sl * 32 + 4 * g);
+#pragma unroll
+        for (int i = 0; i < KP; i += 4) {
+          const float4 k4 = *reinterpret_cast<const float4*>(sqk + j * DK + k0 + i);
+          const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[i + e][0] += wu.x * kv[e];
+            s[i + e][1] += wu.y * kv[e];
+            s[i + e][2] += wu.z * kv[e];
+            s[i + e][3] += wu.w * kv[e];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+  }
+}
+
 }  // namespace gdn
 }  // namespace kvr
 
@@ -451,6 +691,34 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
   KVR_GDN_WVERIFY(__nv_bfloat16, bf16, DK, 8, KVR_GDN_WVERIFY_MINB8)
 KVR_GDN_WVERIFY_DK(64)
 KVR_GDN_WVERIFY_DK(128)
+// K-major states (kverify_body): kvr_gdn_wverify_<state>_k_d<dk>_t<4|8>[_add][_r16], after the
+// same prep kernel; the `_r16` builds (rings of up to 16) in the registers of one more CTA an SM.
+#define KVR_GDN_KVERIFY(SD, SN, DK, TM, MB, MB16)                                                    \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                          \
+      kvr_gdn_wverify_##SN##_k_d##DK##_t##TM(const __grid_constant__ kvr::gdn::StepParams p) {   \
+    kvr::gdn::kverify_body<SD, DK, TM, false>(p, p.ids_inline);                                  \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128, MB)                                          \
+      kvr_gdn_wverify_##SN##_k_d##DK##_t##TM##_add(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::kverify_body<SD, DK, TM, true>(p, p.ids_inline);                                   \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128, MB16)                                        \
+      kvr_gdn_wverify_##SN##_k_d##DK##_t##TM##_r16(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::kverify_body<SD, DK, TM, false, 1>(p, p.ids_inline);                               \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128, MB16)                                        \
+      kvr_gdn_wverify_##SN##_k_d##DK##_t##TM##_add_r16(const __grid_constant__ kvr::gdn::StepParams p) { \
+    kvr::gdn::kverify_body<SD, DK, TM, true, 1>(p, p.ids_inline);                                \
+  }
+#define KVR_GDN_KVERIFY_DK(DK)                                       \
+  KVR_GDN_KVERIFY(float, f32, DK, 4, 5, 6)                            \
+  KVR_GDN_KVERIFY(float, f32, DK, 8, 4, 5)                            \
+  KVR_GDN_KVERIFY(__nv_bfloat16, bf16, DK, 4, 5, 6)                  \
+  KVR_GDN_KVERIFY(__nv_bfloat16, bf16, DK, 8, 4, 5)
+KVR_GDN_KVERIFY_DK(64)
+KVR_GDN_KVERIFY_DK(128)
+#undef KVR_GDN_KVERIFY_DK
+#undef KVR_GDN_KVERIFY
 // The prep of the `_r16` state kernels: records of 16 slots, the registers of 4 CTAs an SM.
 // The host pairs it with those only (engine dtypes: f32 entries, no conv window).
 extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS, 4)

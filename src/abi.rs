@@ -149,6 +149,9 @@ abi_consts! {
     KVR_GDN_WVERIFY_MAX_RING: usize = 64;
     KVR_GDN_WVERIFY_MINB4: usize = 6;
     KVR_GDN_WVERIFY_MINB8: usize = 5;
+    /// Ring slots a CTA of the K-major verify stages per step of a flush (the shared memory
+    /// of its state kernel holds at least this many slots of keys).
+    KVR_GDN_KVERIFY_FLUSH_SLOTS: usize = 16;
     KVR_GDN_WVPREP_THREADS: u32 = 256;
     KVR_GDN_DPREP_THREADS: u32 = 512;
     /// Threads of the KV-only decode kernel (a CTA per batch row and value head), and the

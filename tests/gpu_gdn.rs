@@ -615,6 +615,9 @@ fn gpu_verify_and_commit_match_cpu() {
         (1, 2, 128, 16, 0, V, BF16, BF16, 4, 8),
         (2, 4, 64, 24, 0, K, F32, BF16, 5, 0),
         (4, 8, 128, 64, 0, V, F32, F32, 8, 12), // several heads per key head, wide ring
+        (4, 8, 128, 64, 0, K, F32, F32, 8, 12),
+        (2, 4, 128, 40, 0, K, BF16, BF16, 3, 0),
+        (1, 2, 64, 12, 0, K, BF16, F32, 8, 0),
     ];
     let mut report = Vec::new();
     for &(hk, hv, d, ring, tau, layout, state, entry, drafts, conv) in &cases {
@@ -630,23 +633,27 @@ fn gpu_verify_and_commit_match_cpu() {
     }
     // The specialized warp-streaming verify builds (dk 128, f32 entries, no conv window) with
     // the dtypes engines pass: bf16 q, k, v, beta and output, f32 g; both state dtypes; rings
-    // of more than 16 entries and (the `_r16` builds) up to 16.
-    for (ring, state) in [
-        (32, F32),
-        (32, BF16),
-        (16, F32),
-        (16, BF16),
-        (12, F32),
-        (8, F32),
+    // of more than 16 entries and (the `_r16` builds) up to 16. K-major: the same calls on
+    // its state kernel (generic builds; `_r16` up to 16 entries).
+    for (ring, state, layout) in [
+        (32, F32, V),
+        (32, BF16, V),
+        (16, F32, V),
+        (16, BF16, V),
+        (12, F32, V),
+        (8, F32, V),
+        (16, F32, K),
+        (16, BF16, K),
+        (32, F32, K),
     ] {
-        let mut c = cfg(2, 4, 128, ring, 0, V, state, F32);
+        let mut c = cfg(2, 4, 128, ring, 0, layout, state, F32);
         c.max_drafts = 8;
         c.conv_dim = 0;
         let mut p = Pair::new(&g, c, BF16);
         p.mixed = true;
         let e = spec_run(&p, sanitizer_scaled(60, 20), &mut rng);
         report.push(format!(
-            "L{ring} VMajor 2/4 d128 T<=8 engine dtypes {state}: {e:.1e}"
+            "L{ring} {layout:?} 2/4 d128 T<=8 engine dtypes {state}: {e:.1e}"
         ));
     }
     println!(

@@ -142,7 +142,7 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
         }
     }
     // Head dims the streaming kernels take (dk 64: the warp-streaming decode, its prep kernel
-    // with 4 warps per group of 8 heads, the streaming verify of both layouts; recurrent
+    // with 4 warps per group of 8 heads, the warp-streaming verify of both layouts; recurrent
     // decode on the warp kernel), every kind.
     for (i, kind) in kinds.into_iter().enumerate() {
         for (j, (ring, layout, conv)) in [

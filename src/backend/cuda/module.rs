@@ -191,6 +191,18 @@ pub(crate) enum Kernel {
         ring32: bool,
         spec: FdSpec,
     },
+    /// `kvr_gdn_wverify_<state>_k_d<dk>_t<4|8>[_add][_r16]` (kernels/gdn_wverify.cu): the
+    /// warp-streaming verify of K-major states (a warp per quarter of the keys, float4 rows of
+    /// 4 value rows a lane), after [`Kernel::GdnWVprep`] (not `ring16`: its records have 64
+    /// slots); with `ring16`, rings of up to 16 entries (one slot per (warp, part) owner instead
+    /// of 4). dk in [`GDN_WVERIFY_DKS`].
+    GdnKVerify {
+        state: DType,
+        dk: usize,
+        t8: bool,
+        additive: bool,
+        ring16: bool,
+    },
 }
 
 /// What a specialized one-launch decode kernel ([`Kernel::GdnFDecodeX`]) fixes besides its
@@ -260,7 +272,8 @@ const GDN_WDECODE_X_BASE: usize = 262;
 const GDN_DPREP_X_BASE: usize = 274;
 const GDN_KDECODE_BASE: usize = 280;
 const GDN_KDECODE_X_BASE: usize = 298;
-const KERNEL_COUNT: usize = 310;
+const GDN_KVERIFY_BASE: usize = 310;
+const KERNEL_COUNT: usize = 342;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -486,6 +499,23 @@ impl Kernel {
                 }
             }
         }
+        for dk in GDN_WVERIFY_DKS {
+            for state in [DType::F32, DType::BF16] {
+                for t8 in [false, true] {
+                    for additive in [false, true] {
+                        for ring16 in [false, true] {
+                            v.push(Kernel::GdnKVerify {
+                                state,
+                                dk,
+                                t8,
+                                additive,
+                                ring16,
+                            });
+                        }
+                    }
+                }
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -635,6 +665,20 @@ impl Kernel {
                 ring32,
                 spec,
             } => GDN_KDECODE_X_BASE + fd_x_slot(state, ring32, spec),
+            Kernel::GdnKVerify {
+                state,
+                dk,
+                t8,
+                additive,
+                ring16,
+            } => {
+                GDN_KVERIFY_BASE
+                    + 16 * wv_dk_slot(dk)
+                    + if state == DType::BF16 { 8 } else { 0 }
+                    + 4 * t8 as usize
+                    + 2 * additive as usize
+                    + ring16 as usize
+            }
         }
     }
 
@@ -761,6 +805,19 @@ impl Kernel {
                 state.name(),
                 if ring32 { 32 } else { 16 },
                 spec.name()
+            ),
+            Kernel::GdnKVerify {
+                state,
+                dk,
+                t8,
+                additive,
+                ring16,
+            } => format!(
+                "kvr_gdn_wverify_{}_k_d{dk}_t{}{}{}",
+                state.name(),
+                if t8 { 8 } else { 4 },
+                if additive { "_add" } else { "" },
+                if ring16 { "_r16" } else { "" }
             ),
             Kernel::GdnDPrepX { ring32, spec } => format!(
                 "kvr_gdn_dprep_d128_r{}_{}",

@@ -22,9 +22,9 @@ use crate::abi::{
 };
 use crate::abi::{
     gdn_dscratch_floats, gdn_wvrec_floats, gdn_wvscratch_floats,
-    KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVONLY_MAX, KVR_GDN_KVONLY_THREADS,
-    KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS, KVR_GDN_WREC_ROWS, KVR_GDN_WVERIFY_MAX_RING,
-    KVR_GDN_WVPREP_THREADS,
+    KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVERIFY_FLUSH_SLOTS, KVR_GDN_KVONLY_MAX,
+    KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS, KVR_GDN_WREC_ROWS,
+    KVR_GDN_WVERIFY_MAX_RING, KVR_GDN_WVPREP_THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{FdSpec, Kernel, GDN_DECODE_DKS, GDN_WVERIFY_DKS};
@@ -284,10 +284,13 @@ fn wdecode_kernel_x(kmajor: bool, state: DType, ring32: bool, spec: FdSpec) -> K
     }
 }
 
-/// The warp-streaming verify of a pool: V-major states, no KV-only mode, dk in
-/// `GDN_WVERIFY_DKS`, rings of 1..=`KVR_GDN_WVERIFY_MAX_RING` entries.
+/// The warp-streaming verify of a pool: no KV-only mode, dk in `GDN_WVERIFY_DKS`, rings of
+/// 1..=`KVR_GDN_WVERIFY_MAX_RING` entries; V-major states or (`kmajor`) K-major ones, on a
+/// state kernel of their own after the same prep kernel.
 #[derive(Clone, Copy)]
 struct WVerify {
+    /// K-major states: [`Kernel::GdnKVerify`] (its `ring16` builds for rings of up to 16).
+    kmajor: bool,
     /// Dynamic shared memory of the prep kernel (the group's ring decays and drafts' scalars).
     prep_smem: u32,
     /// Dynamic shared memory of the state kernel (a record and the drafts' q and k).
@@ -625,11 +628,11 @@ impl ReplayCuda {
                 }
             }
         }
-        // The warp-streaming verify: V-major replay pools without KV-only mode, rings of up
-        // to 64 entries (KVR_GDN_VERIFY=stream or general: the older kernels).
+        // The warp-streaming verify: replay pools without KV-only mode, rings of up to 64
+        // entries, either layout (KVR_GDN_VERIFY=stream or general: the older kernels).
         let group = cfg.v_heads / cfg.k_heads.max(1);
-        let wverify = if cfg.layout == StateLayout::VMajor
-            && GDN_WVERIFY_DKS.contains(&cfg.dk)
+        let kmajor = cfg.layout == StateLayout::KMajor;
+        let wverify = if GDN_WVERIFY_DKS.contains(&cfg.dk)
             && (1..=KVR_GDN_WVERIFY_MAX_RING).contains(&cfg.ring_len)
             && cfg.kv_only_threshold == 0
             && cfg.v_heads % cfg.k_heads == 0
@@ -640,10 +643,18 @@ impl ReplayCuda {
                 Ok("general" | "stream")
             ) {
             let prep_smem = (group * (cfg.ring_len + 2 * cfg.max_drafts) * 4) as u32;
-            // The state kernel: a record and the drafts' q and k (or a flush's u values: 4 warps
-            // x 64 slots x 8 rows).
-            let qk_floats = (2 * cfg.max_drafts * cfg.dk)
-                .max(WDECODE_WARPS * KVR_GDN_WDECODE_ROWS * KVR_GDN_WVERIFY_MAX_RING);
+            // The state kernel: a record and the drafts' q and k, or in a flush, V-major: the u
+            // values (4 warps x 64 slots x 8 rows); K-major: KVR_GDN_KVERIFY_FLUSH_SLOTS slots'
+            // keys, then each draft's two products by warp (2 x 4 warps x 32 columns a draft)
+            // and a flush's w_p u_p (64 slots x 32 columns; kernels/gdn_wverify.cu kverify_body).
+            let qk_floats = if kmajor {
+                (2 * cfg.max_drafts).max(KVR_GDN_KVERIFY_FLUSH_SLOTS) * cfg.dk
+                    + 2 * cfg.max_drafts * WDECODE_WARPS * 32
+                    + KVR_GDN_WVERIFY_MAX_RING * 32
+            } else {
+                (2 * cfg.max_drafts * cfg.dk)
+                    .max(WDECODE_WARPS * KVR_GDN_WDECODE_ROWS * KVR_GDN_WVERIFY_MAX_RING)
+            };
             let smem = ((gdn_wvrec_floats(cfg.max_drafts) + qk_floats) * 4) as u32;
             let mut fits = cuda.prepare_kernel(
                 Kernel::GdnWVprep {
@@ -654,15 +665,27 @@ impl ReplayCuda {
                 KVR_GDN_WVPREP_THREADS,
             )? > 0;
             for (t8, additive) in [(false, false), (false, true), (true, false), (true, true)] {
-                let k = Kernel::GdnWVerify {
-                    state: cfg.state_dtype,
-                    dk: cfg.dk,
-                    t8,
-                    additive,
+                let k = if kmajor {
+                    Kernel::GdnKVerify {
+                        state: cfg.state_dtype,
+                        dk: cfg.dk,
+                        t8,
+                        additive,
+                        ring16: cfg.ring_len <= 16,
+                    }
+                } else {
+                    Kernel::GdnWVerify {
+                        state: cfg.state_dtype,
+                        dk: cfg.dk,
+                        t8,
+                        additive,
+                    }
                 };
                 fits &= cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
             }
-            let mut spec = cfg.dk == 128
+            // The specialized builds are V-major.
+            let mut spec = !kmajor
+                && cfg.dk == 128
                 && cfg.entry_dtype == DType::F32
                 && std::env::var("KVR_GDN_WVERIFY_SPEC").as_deref() != Ok("0");
             for t8 in [false, true] {
@@ -684,6 +707,7 @@ impl ReplayCuda {
                 spec = cuda.prepare_kernel(prep, prep_smem, KVR_GDN_WVPREP_THREADS)? > 0;
             }
             fits.then_some(WVerify {
+                kmajor,
                 prep_smem,
                 smem,
                 spec,
@@ -1032,7 +1056,15 @@ impl ReplayCuda {
         let cfg = &self.lay.cfg;
         p.scratch = self.scratch.as_ref().map_or(0, |s| s.addr() as u64);
         let t8 = p.t > 4;
+        let additive = p.rule == KVR_GDN_RULE_ADDITIVE;
         let kernel = match fdecode_spec(p).filter(|_| w.spec) {
+            _ if w.kmajor => Kernel::GdnKVerify {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+                t8,
+                additive,
+                ring16: cfg.ring_len <= 16,
+            },
             Some(spec) => Kernel::GdnWVerifyX {
                 state: cfg.state_dtype,
                 t8,
@@ -1043,7 +1075,7 @@ impl ReplayCuda {
                 state: cfg.state_dtype,
                 dk: cfg.dk,
                 t8,
-                additive: p.rule == KVR_GDN_RULE_ADDITIVE,
+                additive,
             },
         };
         // The `ring16` state kernels read records of 16 slots, written by their own prep.
