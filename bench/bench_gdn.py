@@ -530,7 +530,15 @@ def summary(v, k=None):
             out[f"gdn_kvonly_vs_recurrent_ctx{want}"] = round(r["speedup"], 3)
             out[f"gdn_kvonly_ctx{want}_measured_at"] = r["context"]
     if k is not None:
-        kd = {r["B"]: r for r in k["decode"]}
+        kd = {r["B"]: r for r in k.get("decode", [])}
+        # K-major verify (a `--verify-only` run of the default layout): ring 16 and 64.
+        kver = {(r["B"], r["T"]): r for r in k.get("verify", [])}
+        for (B, T), r in sorted(kver.items()):
+            for ring, suffix in ((16, ""), (64, "_ring64")):
+                if B in (32, 128) and T in (4, 8) and f"speedup{ring}" in r:
+                    out[f"gdn_verify_speedup_t{T}_b{B}{suffix}_kmajor"] = round(r[f"speedup{ring}"], 3)
+                if (B, T) == (128, 4) and f"over_decode{ring}" in r:
+                    out[f"gdn_verify_t4_over_decode_b128{suffix}_kmajor"] = round(r[f"over_decode{ring}"], 3)
         for B in (1, 8, 128, 256):
             if B in kd:
                 out[f"gdn_decode_replay16_vs_fla_b{B}_kmajor"] = ratio(kd[B].get("fla_us"), kd[B]["replay16_us"])
