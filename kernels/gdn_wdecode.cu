@@ -6,8 +6,9 @@
 // KVR_GDN_WDECODE_MAX_RING (src/linear/replay/cuda.rs picks it). Recurrent pools without a
 // conv window (no prep kernel) take kvr_gdn_wrec_<state>_v_d<dk> instead: the state stream
 // alone, in fewer registers (below). K-major pools take the same prep kernel and
-//   kvr_gdn_wdecode_<state>_k_d<dk>  a lane per value row, a warp per quarter of the keys
-// (kdecode_body, below), in two launches at every batch.
+//   kvr_gdn_wdecode_<state>_k_d<dk>  a warp per quarter of the keys, float4 rows of 4 value
+//                                    rows a lane (kdecode_body, below)
+// in two launches at every batch.
 //
 // What limits decode is keeping enough state bytes in flight: a plain read of the states
 // through registers, 8 rows a warp, runs at the GPU's read ceiling from B = 32 on (H200:
@@ -922,41 +923,32 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
 // K-major states ([dk][dv] per head, fla's layout): kvr_gdn_wdecode_<state>_k_d<dk>_r<ring>,
 // the replay kind after the prep kernel (same records) and the recurrent kind, on the same
 // grid as the V-major kernels (a CTA per 32 value rows of a (row, value head): `p.tv` 32).
-// A key row of a K-major head is dv contiguous values, so here a lane owns one value row
-// (a column of the state) and a warp a quarter of the keys: each state load is one
-// 128-byte line per warp (a V-major warp's 8 rows x dk keys map onto 32-byte pieces of 128
-// key rows here, half a sector per lane: measured up to 1.9x slower). The warp's key share
-// (dk / 4 values per lane) is loaded first, before the wait for the prep kernel; the dot
-// products are partial over the warp's keys and meet in shared memory (one CTA barrier,
-// after the stream), where the ring's terms join them (each warp takes a quarter of the
-// slots). A flush folds the ring into the warp's keys by rank-one updates from shared memory
-// (each slot's keys of the warp's share), e^G S + sum_p w_p k_p u_p^T, and stores them.
+// A key row of a K-major head is dv contiguous values: the CTA's 32 value rows (columns) are
+// 128 bytes of each key row. Warp w takes the keys w dk / 4 .. (w + 1) dk / 4 - 1; lane 8 p + g
+// holds columns 4 g .. 4 g + 3 of KP = dk / 16 of them (p: a part of the warp's keys) as float4
+// rows, so that each state load reads four whole 128-byte lines a warp (the V-major kernel's
+// bytes per load instruction; a lane per column, one line a load, ran at 72-74 % of the floor
+// at B >= 128 against 79-83 % V-major). The lane's state rows and the u values of its owner's
+// ring slots (owner o = 4 w + p: slots o + 16 j) of its columns are loaded first, before the
+// wait for the prep kernel; each lane's parts of (S q), (S k) and of the ring's terms are
+// summed over the warp's parts by shuffles and meet in shared memory by warp, with a flush's
+// w_p u_p and staged keys (one CTA barrier). Warp 0 (a column a lane) then writes the output
+// and the new ring entry; a flush folds the ring into every lane's keys by rank-one updates
+// from shared memory, e^G S + sum_p w_p k_p u_p^T, and stores them. In the recurrent kind
+// every warp computes u of column `lane` from the same sums, and each lane takes its 4
+// columns' by shuffles (S <- e^g S + u k^T).
 // Same arithmetic as wdecode_body (replay) and its recurrent kind.
-template <typename SD>
-__device__ __forceinline__ float ld_state1(const SD* p) {
-  if constexpr (sizeof(SD) == 4) {
-    return __ldcs(reinterpret_cast<const float*>(p));
-  } else {
-    const unsigned short r = __ldcs(reinterpret_cast<const unsigned short*>(p));
-    return __bfloat162float(__ushort_as_bfloat16(r));
-  }
-}
-template <typename SD>
-__device__ __forceinline__ void st_state1(SD* p, float x) {
-  if constexpr (sizeof(SD) == 4)
-    *reinterpret_cast<float*>(p) = x;
-  else
-    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x);
-}
-
 template <typename SD, int DK, int LU, int KIND>
 __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr bool REC = KIND == kWRec;
   static_assert(KIND == kWRec || KIND == kWPrep, "the K-major kinds");
   constexpr int KW = DK / 4;              // keys per warp
+  constexpr int KP = DK / 16;             // keys per lane (a part of the warp's keys)
   constexpr int LC = LU > 0 ? LU : 1;     // ring slots (compiled)
-  constexpr int LO = (LC + 3) / 4;        // slots per warp in the ring's terms
+  constexpr int NJ = (LC + 15) / 16;      // slots per owner
+  static_assert(KP % 4 == 0, "float4 reads of a lane's keys");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane & 7, part = lane >> 3, owner = 4 * warp + part;
   if (REC && p.conv_dim == 0) {
     // No prep kernel: a programmatic dependent of the stream's previous kernel, which may
     // have written everything read here.
@@ -968,8 +960,8 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
   const int h = hb % p.hv, b = hb / p.hv;
   const int dv = p.dv, L = p.l;
   const int kh = h / (p.hv / p.hk);
-  const int col = tile * p.tv + lane;
-  const int k0 = warp * KW;
+  const int col0 = tile * p.tv, col = col0 + lane, c4 = col0 + 4 * g;
+  const int kw0 = warp * KW, k0 = kw0 + part * KP;
   const int seq = p.ids ? p.ids[b] : ids_inline[b];
   const Tensor& out = p.out;
   const int64_t out_at = b * out.s[0] + h * out.s[2] + col * out.s[3];
@@ -980,22 +972,24 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
   SD* hs = reinterpret_cast<SD*>(p.state + (static_cast<int64_t>(seq) * p.seq_stride +
                                             static_cast<int64_t>(h) * DK * dv) *
                                                static_cast<int64_t>(sizeof(SD))) +
-           static_cast<int64_t>(k0) * dv + col;
-  float s[KW];
+           static_cast<int64_t>(k0) * dv + c4;
+  float s[KP][4];
 #pragma unroll
-  for (int i = 0; i < KW; ++i) s[i] = ld_state1<SD>(hs + static_cast<int64_t>(i) * dv);
+  for (int i = 0; i < KP; ++i) ld_state<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
-  // The warp's share of the ring's slots (warp + 4 j), its column, before the metadata.
+  // The owner's ring slots, the lane's columns, before the metadata.
   const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
   const int64_t ustride = static_cast<int64_t>(p.hv) * dv;
-  float uo[LO];
+  float uo[NJ][4];
 #pragma unroll
-  for (int j = 0; j < LO; ++j) {
-    const int sl = warp + 4 * j;
-    uo[j] = !REC && sl < L ? ldx(ubase, p.entry_dtype, sl * ustride + col) : 0.f;
+  for (int j = 0; j < NJ; ++j) {
+    const int sl = owner + 16 * j;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) uo[j][c] = 0.f;
+    if (!REC && sl < L) ld_entry<4>(ubase, p.entry_dtype, sl * ustride + c4, uo[j]);
   }
   __shared__ __align__(16) float qks[4][2][KW];  // the warp's keys of q and k
-  __shared__ float red[2][4][32];  // partial (S q), (S k) by warp and column
+  __shared__ __align__(16) float red[2][4][32];  // partial (S q), (S k) by warp and column
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   const bool counter = REC && h == 0 && tile == 0 && threadIdx.x == 0;
   int4 m0 = make_int4(0, 0, 0, 0);
@@ -1004,7 +998,7 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
     m0 = __ldcg(reinterpret_cast<const int4*>(meta));
     conv_end = __ldcg(meta + kMetaConvEnd);
   }
-  float a, bt, kq, vt, eG = 1.f;
+  float a, bt, kq, vt = 0.f, eG = 1.f;
   int4 hdr = make_int4(0, 0, 0, 0);
   float cA = 0.f, cB = 0.f;
   const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
@@ -1014,12 +1008,13 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
   // sums of squares meet in shared memory with the dot products, below).
   float nq = 0.f, nk = 0.f, nkq = 0.f;
   if constexpr (REC) {
+    // v of column `lane` in every warp (each lane's u of its 4 columns comes by shuffles).
     vt = ldx(p.v.p, p.v.dtype, b * p.v.s[0] + h * p.v.s[2] + col * p.v.s[3]);
     const float2 gb = token_gb(p, b, 0, h);
     if (warp == 0) epi = epilogue_in(p, b, 0, h, col);
     for (int i = lane; i < KW; i += 32) {
-      const float qv = ldx(p.q.p, p.q.dtype, b * p.q.s[0] + kh * p.q.s[2] + (k0 + i) * p.q.s[3]);
-      const float kv = ldx(p.k.p, p.k.dtype, b * p.k.s[0] + kh * p.k.s[2] + (k0 + i) * p.k.s[3]);
+      const float qv = ldx(p.q.p, p.q.dtype, b * p.q.s[0] + kh * p.q.s[2] + (kw0 + i) * p.q.s[3]);
+      const float kv = ldx(p.k.p, p.k.dtype, b * p.k.s[0] + kh * p.k.s[2] + (kw0 + i) * p.k.s[3]);
       qks[warp][0][i] = qv;
       qks[warp][1][i] = kv;
       nq += qv * qv;
@@ -1046,8 +1041,8 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
     cB = lane < L ? __ldcg(rec + 4 + L + lane) : 0.f;
     const float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
     for (int i = lane; i < KW; i += 32) {
-      qks[warp][0][i] = __ldcg(qk + k0 + i);
-      qks[warp][1][i] = __ldcg(qk + DK + k0 + i);
+      qks[warp][0][i] = __ldcg(qk + kw0 + i);
+      qks[warp][1][i] = __ldcg(qk + DK + kw0 + i);
     }
     if (warp == 0) {
       const char* vrow = reinterpret_cast<const char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * dv * 4;
@@ -1056,35 +1051,58 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
     }
   }
   __syncwarp();
-  // The warp's part of (S q) and (S k) of its column.
-  float sq = 0.f, sk = 0.f;
+  // The lane's part of (S q) and (S k) of its 4 columns.
+  const float* lq = &qks[warp][0][part * KP];
+  const float* lk = &qks[warp][1][part * KP];
+  float tq[4] = {0.f, 0.f, 0.f, 0.f}, tk[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < KW; i += 4) {
-    const float4 q4 = *reinterpret_cast<const float4*>(&qks[warp][0][i]);
-    const float4 k4 = *reinterpret_cast<const float4*>(&qks[warp][1][i]);
-    sq += s[i] * q4.x + s[i + 1] * q4.y + s[i + 2] * q4.z + s[i + 3] * q4.w;
-    sk += s[i] * k4.x + s[i + 1] * k4.y + s[i + 2] * k4.z + s[i + 3] * k4.w;
+  for (int i = 0; i < KP; i += 4) {
+    const float4 q4 = *reinterpret_cast<const float4*>(lq + i);
+    const float4 k4 = *reinterpret_cast<const float4*>(lk + i);
+    const float qv[4] = {q4.x, q4.y, q4.z, q4.w}, kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        tq[c] += s[i + e][c] * qv[e];
+        tk[c] += s[i + e][c] * kv[e];
+      }
   }
   const bool delta = p.rule == KVR_GDN_RULE_DELTA;
   const int start = hdr.x, nbuf = hdr.y, base = hdr.w;
   const bool flush = hdr.z != 0;
   if constexpr (!REC) {
-    // e^G (S q) + the warp's slots' terms sum_p A/B_p u_p (slots holding no buffered entry
+    // e^G (S q) + the owner's slots' terms sum_p A/B_p u_p (slots holding no buffered entry
     // masked by selects: one may be being rewritten).
-    sq *= eG;
-    sk *= eG;
 #pragma unroll
-    for (int j = 0; j < LO; ++j) {
-      const int sl = warp + 4 * j;
+    for (int c = 0; c < 4; ++c) {
+      tq[c] *= eG;
+      tk[c] *= eG;
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int sl = owner + 16 * j;
       const int jj = sl - start + (sl < start ? L : 0);
       const bool live = sl < L && jj < nbuf;
       const float ca = __shfl_sync(0xffffffffu, cA, sl & 31), cb = __shfl_sync(0xffffffffu, cB, sl & 31);
-      sq += pick(live, ca * uo[j], 0.f);
-      sk += pick(live, cb * uo[j], 0.f);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        tq[c] += pick(live, ca * uo[j][c], 0.f);
+        tk[c] += pick(live, cb * uo[j][c], 0.f);
+      }
     }
   }
-  red[0][warp][lane] = sq;
-  red[1][warp][lane] = sk;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    tq[c] += __shfl_xor_sync(0xffffffffu, tq[c], 8);
+    tq[c] += __shfl_xor_sync(0xffffffffu, tq[c], 16);
+    tk[c] += __shfl_xor_sync(0xffffffffu, tk[c], 8);
+    tk[c] += __shfl_xor_sync(0xffffffffu, tk[c], 16);
+  }
+  if (part == 0) {
+    *reinterpret_cast<float4*>(&red[0][warp][4 * g]) = make_float4(tq[0], tq[1], tq[2], tq[3]);
+    *reinterpret_cast<float4*>(&red[1][warp][4 * g]) = make_float4(tk[0], tk[1], tk[2], tk[3]);
+  }
   __shared__ float nrm[4][3];
   if constexpr (REC) {
     nq = warp_sum(nq);
@@ -1096,59 +1114,53 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
       nrm[warp][2] = nkq;
     }
   }
+  // A flush: every slot is buffered. w_p u_p of the CTA's columns (each owner its slots) and
+  // every slot's keys (the base slot's, displaced by the new entry's, from the scratch) to
+  // shared memory before the barrier, the fold after it.
+  __shared__ __align__(16) float fk[REC ? 1 : LC][DK];
+  __shared__ __align__(16) float fwu[REC ? 1 : LC][32];
   if constexpr (!REC) {
     if (flush) {
-      // Every slot is buffered. Each slot's keys of the warp's share to shared memory (the
-      // base slot's, displaced by the new entry's, from the scratch) and w_p u_p of the
-      // CTA's columns (each warp its slots, already loaded), then the rank-one updates:
-      // e^G S + sum_p w_p k_p u_p^T.
-      __shared__ __align__(16) float fk[4][LC][KW];
-      __shared__ float fwu[LC][32];
       const float cW = lane < L ? __ldcg(rec + 4 + 2 * L + lane) : 0.f;
 #pragma unroll
-      for (int j = 0; j < LO; ++j) {
-        const int sl = warp + 4 * j;
+      for (int j = 0; j < NJ; ++j) {
+        const int sl = owner + 16 * j;
         const float w = __shfl_sync(0xffffffffu, cW, sl & 31);
-        if (sl < L) fwu[sl][lane] = w * uo[j];
+        if (sl < L)
+          *reinterpret_cast<float4*>(&fwu[sl][4 * g]) =
+              make_float4(w * uo[j][0], w * uo[j][1], w * uo[j][2], w * uo[j][3]);
       }
       const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
       const int64_t kstride = static_cast<int64_t>(p.hk) * DK;
       const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
-      for (int i = lane; i < L * KW; i += 32) {
-        const int sl = i / KW, x = i - sl * KW;
-        fk[warp][sl][x] = sl == base ? __ldcg(moved + k0 + x) : ldx(kbase, p.entry_dtype, sl * kstride + k0 + x);
-      }
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < KW; ++i) s[i] *= eG;
-#pragma unroll
-      for (int sl = 0; sl < LC; ++sl) {
-        if (sl < L) {
-          const float wu = fwu[sl][lane];
-#pragma unroll
-          for (int i = 0; i < KW; i += 4) {
-            const float4 k4 = *reinterpret_cast<const float4*>(&fk[warp][sl][i]);
-            s[i] += wu * k4.x;
-            s[i + 1] += wu * k4.y;
-            s[i + 2] += wu * k4.z;
-            s[i + 3] += wu * k4.w;
-          }
+      // 4 keys a copy (cp.async for f32 entries: every copy in flight at once).
+      for (int i = threadIdx.x; i < L * DK / 4; i += blockDim.x) {
+        const int sl = i / (DK / 4), x = 4 * (i - sl * (DK / 4));
+        if (sl == base) {
+          cp_async_16(&fk[sl][x], moved + x, 16);
+        } else if (p.entry_dtype == KVR_DT_F32) {
+          cp_async_16(&fk[sl][x], reinterpret_cast<const float*>(kbase) + sl * kstride + x, 16);
+        } else {
+          float t[4];
+          ld_entry<4>(kbase, p.entry_dtype, sl * kstride + x, t);
+          *reinterpret_cast<float4*>(&fk[sl][x]) = make_float4(t[0], t[1], t[2], t[3]);
         }
       }
-#pragma unroll
-      for (int i = 0; i < KW; ++i) st_state1<SD>(hs + static_cast<int64_t>(i) * dv, s[i]);
+      cp_async_commit();
+      cp_async_wait<0>();
     }
   }
   __syncthreads();
-  float tq = 0.f, tk = 0.f;
+  // Column `lane`'s sums (warp 0 writes the outputs).
+  float sq = 0.f, sk = 0.f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    tq += red[0][w][lane];
-    tk += red[1][w][lane];
+    sq += red[0][w][lane];
+    sk += red[1][w][lane];
   }
   if constexpr (REC) {
-    // q = q / |q| (if asked) scaled, k = k / |k|; S <- e^g S; every warp needs u for its
-    // keys' update.
+    // q = q / |q| (if asked) scaled, k = k / |k|; S <- e^g S + u k^T (every warp computes u
+    // of column `lane`; each lane takes its 4 columns' by shuffles).
     float sqq = 0.f, skk = 0.f, skq = 0.f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
@@ -1157,26 +1169,58 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
       skq += nrm[w][2];
     }
     const float fq = (p.l2norm ? 1.f / sqrtf(sqq + 1e-6f) : 1.f) * p.scale;
-    const float fk = p.l2norm ? 1.f / sqrtf(skk + 1e-6f) : 1.f;
-    kq = fq * fk * skq;
-    tq *= a * fq;
-    tk *= a * fk;
-    const float u = delta ? bt * (vt - tk) : bt * vt;
-    const float y = tq + kq * u;
-    const float uk = u * fk;
+    const float fkn = p.l2norm ? 1.f / sqrtf(skk + 1e-6f) : 1.f;
+    kq = fq * fkn * skq;
+    const float tqc = sq * a * fq, tkc = sk * a * fkn;
+    const float u = delta ? bt * (vt - tkc) : bt * vt;
+    float uk[4];
 #pragma unroll
-    for (int i = 0; i < KW; ++i) s[i] = a * s[i] + uk * qks[warp][1][i];
+    for (int c = 0; c < 4; ++c) uk[c] = __shfl_sync(0xffffffffu, u * fkn, 4 * g + c);
 #pragma unroll
-    for (int i = 0; i < KW; ++i) st_state1<SD>(hs + static_cast<int64_t>(i) * dv, s[i]);
-    if (warp == 0) stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+    for (int i = 0; i < KP; ++i) {
+      const float kv = lk[i];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[i][c] = a * s[i][c] + uk[c] * kv;
+    }
+#pragma unroll
+    for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+    if (warp == 0) stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, tqc + kq * u));
     if (p.conv_dim > 0) pdl_wait();
     if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
-  } else if (warp == 0) {
-    const float u = delta ? bt * (vt - a * tk) : bt * vt;
-    const float y = a * tq + kq * u;
-    char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + base) * p.hv + h) * dv * ee;
-    stx(dst, p.entry_dtype, col, u);
-    stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+  } else {
+    if (warp == 0) {
+      const float u = delta ? bt * (vt - a * sk) : bt * vt;
+      const float y = a * sq + kq * u;
+      char* dst = p.ring_u + ((static_cast<int64_t>(seq) * L + base) * p.hv + h) * dv * ee;
+      stx(dst, p.entry_dtype, col, u);
+      stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, y));
+    }
+    if (flush) {
+#pragma unroll
+      for (int i = 0; i < KP; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[i][c] *= eG;
+#pragma unroll
+      for (int sl = 0; sl < LC; ++sl) {
+        if (sl < L) {
+          const float4 wu = *reinterpret_cast<const float4*>(&fwu[sl][4 * g]);
+#pragma unroll
+          for (int i = 0; i < KP; i += 4) {
+            const float4 k4 = *reinterpret_cast<const float4*>(&fk[sl][k0 + i]);
+            const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[i + e][0] += wu.x * kv[e];
+              s[i + e][1] += wu.y * kv[e];
+              s[i + e][2] += wu.z * kv[e];
+              s[i + e][3] += wu.w * kv[e];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+    }
   }
 }
 

@@ -457,7 +457,8 @@ __device__ void wverify_body(const StepParams& p, const int32_t* ids_inline) {
 // by shuffles and meet in shared memory by warp (one CTA barrier, which also publishes the
 // flush's w_p u_p); warp 0 (a column a lane) then runs the forward substitution, writes the
 // outputs and the drafts' ring entries. A flush stages KVR_GDN_KVERIFY_FLUSH_SLOTS slots' keys
-// at a time in shared memory (CTA barriers) and folds them, e^G S + sum_p w_p k_p u_p^T. Same
+// at a time in shared memory of their own (the first slots' requested before the drafts'
+// products, by cp.async for f32 entries) and folds them, e^G S + sum_p w_p k_p u_p^T. Same
 // prep kernel, record and arithmetic as wverify_body. NJ: slots per owner (1: rings of up to
 // 16 entries; 4: up to 64); the records have 64 slots either way (the generic prep's).
 template <typename SD, int DK, int TM, bool ADD, int NJ = kWvSlots / 16>
@@ -513,13 +514,40 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
   const kvr_gdn_wvscratch lay = kvr_gdn_wvscratch_layout(p.b, p.hv, p.hk, DK, Tm);
   const kvr_gdn_wvrec rl = kvr_gdn_wvrec_layout_r(Tm, NSL);
   float* rec = kvsm;
-  float* sqk = kvsm + lay.rec_floats;                   // the drafts' q, k; a flush's keys
-  float* red = sqk + (2 * Tm > CH ? 2 * Tm : CH) * DK;  // [draft][q, k][warp][column]
-  float* fwu = red + 2 * Tm * 4 * 32;                   // [slot][column]: w_p u_p
+  float* sqk = kvsm + lay.rec_floats;  // the drafts' q, k
+  float* red = sqk + 2 * Tm * DK;      // [draft][q, k][warp][column]
+  float* fwu = red + 2 * Tm * 4 * 32;  // [slot][column]: w_p u_p
+  float* fks = fwu + NSL * 32;         // [CH][DK]: a flush's keys, CH slots at a time
   const WvHead hd = wv_stage<DK>(p, b, h, kh, tile, seq, lay, rl, rec, sqk);
   const int start = hd.start, nbuf = hd.nbuf, base = hd.base;
   const bool flush = hd.flush;
   const float eG = hd.eG;
+  const float* W = rec + rl.w;
+  // A flush's keys of slots c0 .. c0 + CH - 1 to shared memory (cp.async for f32 entries); a
+  // slot a draft took holds its old key in the scratch (the prep kernel moved it). The first
+  // CH slots' are requested now, behind the drafts' products.
+  const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
+  const int64_t kstride = static_cast<int64_t>(p.hk) * DK;
+  const float* moved = p.scratch + lay.moved + (static_cast<int64_t>(b) * p.hk + kh) * Tm * DK;
+  auto stage_keys = [&](int c0) {
+    for (int i = threadIdx.x; i < CH * DK / 4; i += blockDim.x) {
+      const int j = i / (DK / 4), x = 4 * (i - j * (DK / 4)), sl = c0 + j;
+      if (sl >= L || W[sl] == 0.f) continue;
+      const int sd = sl - base + (sl < base ? L : 0);  // (sl - base) mod L
+      float* d = fks + j * DK + x;
+      if (sd < T) {
+        cp_async_16(d, moved + sd * DK + x, 16);
+      } else if (p.entry_dtype == KVR_DT_F32) {
+        cp_async_16(d, reinterpret_cast<const float*>(kbase) + sl * kstride + x, 16);
+      } else {
+        float t[4];
+        ld_entry<4>(kbase, p.entry_dtype, sl * kstride + x, t);
+        *reinterpret_cast<float4*>(d) = make_float4(t[0], t[1], t[2], t[3]);
+      }
+    }
+    cp_async_commit();
+  };
+  if (flush) stage_keys(0);
   // Slots that hold no buffered entry: 0 (a select: a stale value may be anything).
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
@@ -583,7 +611,6 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
         *reinterpret_cast<float4*>(red + ((2 * x + 1) * 4 + warp) * 32 + 4 * g) = make_float4(tk[0], tk[1], tk[2], tk[3]);
     }
   }
-  const float* W = rec + rl.w;
   if (flush) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
@@ -594,7 +621,8 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
       }
     }
   }
-  __syncthreads();  // the parts, w_p u_p; every warp is past its reads of q and k
+  cp_async_wait<0>();
+  __syncthreads();  // the parts, w_p u_p, the first keys of a flush
   if (warp == 0) {
     // Each column's forward substitution over the earlier drafts, its output and ring entry.
     float ut[TM];
@@ -624,26 +652,19 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
     }
   }
   if (flush) {
-    // e^G S + sum_p w_p k_p u_p^T into the lane's keys; a slot a draft took holds its old key
-    // in the scratch (the prep kernel moved it). The CTA stages CH slots' keys at a time in
-    // the q, k space (free past the barrier above).
+    // e^G S + sum_p w_p k_p u_p^T into the lane's keys, CH slots at a time.
 #pragma unroll
     for (int i = 0; i < KP; ++i)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[i][c] *= eG;
-    const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
-    const int64_t kstride = static_cast<int64_t>(p.hk) * DK;
-    const float* moved = p.scratch + lay.moved + (static_cast<int64_t>(b) * p.hk + kh) * Tm * DK;
 #pragma unroll 1
     for (int c0 = 0; c0 < L; c0 += CH) {
-      if (c0 > 0) __syncthreads();  // the previous chunk's fold
-      for (int i = threadIdx.x; i < CH * DK; i += blockDim.x) {
-        const int j = i / DK, x = i - j * DK, sl = c0 + j;
-        if (sl >= L || W[sl] == 0.f) continue;
-        const int sd = sl - base + (sl < base ? L : 0);  // (sl - base) mod L
-        sqk[i] = sd < T ? moved[sd * DK + x] : ldx(kbase, p.entry_dtype, sl * kstride + x);
+      if (c0 > 0) {
+        __syncthreads();  // the previous chunk's fold
+        stage_keys(c0);
+        cp_async_wait<0>();
+        __syncthreads();
       }
-      __syncthreads();
 #pragma unroll 4
       for (int j = 0; j < CH; ++j) {
         const int sl = c0 + j;
@@ -651,7 +672,7 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
         const float4 wu = *reinterpret_cast<const float4*>(fwu + sl * 32 + 4 * g);
 #pragma unroll
         for (int i = 0; i < KP; i += 4) {
-          const float4 k4 = *reinterpret_cast<const float4*>(sqk + j * DK + k0 + i);
+          const float4 k4 = *reinterpret_cast<const float4*>(fks + j * DK + k0 + i);
           const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {

@@ -117,8 +117,8 @@ pub(crate) enum Kernel {
         ring: usize,
     },
     /// `kvr_gdn_wdecode_<state>_k_d<dk>_r<ring>` (kernels/gdn_wdecode.cu): the same decode
-    /// for K-major states (a lane per value row, a warp per quarter of the keys); `ring` as
-    /// for [`Kernel::GdnWDecode`].
+    /// for K-major states (a warp per quarter of the keys, float4 rows of 4 value rows a
+    /// lane); `ring` as for [`Kernel::GdnWDecode`].
     GdnKDecode {
         state: DType,
         dk: usize,

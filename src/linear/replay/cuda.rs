@@ -202,11 +202,11 @@ pub(crate) struct ReplayCuda {
 /// Warps per CTA of the warp-streaming decode kernel.
 const WDECODE_WARPS: usize = 4;
 
-/// K-major pools take the specialized state kernel below this many batch rows: it spills
-/// (80 registers) where the generic build does not, and measured slower from 32 rows on
-/// (H200, B = 128: 118.5 against 102.6 us) but faster at 1 and 8 (6.2 / 13.9 against
-/// 7.8 / 14.9 us; BENCHMARKS.md).
-const KDECODE_SPEC_ROWS: usize = 16;
+/// K-major pools take the specialized state kernel below this many batch rows. With the
+/// float4-row mapping neither build spills (f32 states); the specialized one measured faster
+/// at B = 32 (29.6 against 30.7 us), level at 64 (51.3 / 51.6) and slower from 128 (95.5 /
+/// 94.8, B = 256 186.9 / 181.6; H200, BENCHMARKS.md).
+const KDECODE_SPEC_ROWS: usize = 64;
 
 /// The compiled ring length of the warp-streaming decode kernel for a pool's ring.
 fn wdecode_ring(ring_len: usize) -> usize {
@@ -255,6 +255,9 @@ struct WDecode {
     two_x: bool,
     /// K-major states: the state kernel is `Kernel::GdnKDecode`.
     kmajor: bool,
+    /// K-major pools take the specialized builds below this many batch rows
+    /// (`KDECODE_SPEC_ROWS`; KVR_GDN_KDECODE_SPEC_ROWS overrides it, for benchmarking).
+    kspec_rows: usize,
 }
 
 /// The state kernel of the warp-streaming decode (two launches) for a pool's layout.
@@ -644,11 +647,12 @@ impl ReplayCuda {
             ) {
             let prep_smem = (group * (cfg.ring_len + 2 * cfg.max_drafts) * 4) as u32;
             // The state kernel: a record and the drafts' q and k, or in a flush, V-major: the u
-            // values (4 warps x 64 slots x 8 rows); K-major: KVR_GDN_KVERIFY_FLUSH_SLOTS slots'
-            // keys, then each draft's two products by warp (2 x 4 warps x 32 columns a draft)
-            // and a flush's w_p u_p (64 slots x 32 columns; kernels/gdn_wverify.cu kverify_body).
+            // values (4 warps x 64 slots x 8 rows); K-major: then each draft's two products by
+            // warp (2 x 4 warps x 32 columns a draft), a flush's w_p u_p (64 slots x 32
+            // columns) and KVR_GDN_KVERIFY_FLUSH_SLOTS slots' keys (kernels/gdn_wverify.cu
+            // kverify_body).
             let qk_floats = if kmajor {
-                (2 * cfg.max_drafts).max(KVR_GDN_KVERIFY_FLUSH_SLOTS) * cfg.dk
+                (2 * cfg.max_drafts + KVR_GDN_KVERIFY_FLUSH_SLOTS) * cfg.dk
                     + 2 * cfg.max_drafts * WDECODE_WARPS * 32
                     + KVR_GDN_WVERIFY_MAX_RING * 32
             } else {
@@ -882,6 +886,10 @@ impl ReplayCuda {
                 wrec,
                 two_x,
                 kmajor,
+                kspec_rows: std::env::var("KVR_GDN_KDECODE_SPEC_ROWS")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or(KDECODE_SPEC_ROWS),
             })
         } else {
             None
@@ -1309,7 +1317,7 @@ impl ReplayCuda {
             return self.launch_rows_grid(kernel, p, rows, 0, w.fused_pdl, stream);
         }
         // The specialized pair where the call fits one (replay pools: a prep runs).
-        let spec = if w.two_x && cfg.ring_len > 0 && (!w.kmajor || rows < KDECODE_SPEC_ROWS) {
+        let spec = if w.two_x && cfg.ring_len > 0 && (!w.kmajor || rows < w.kspec_rows) {
             fdecode_spec(p)
         } else {
             None
