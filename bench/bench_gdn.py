@@ -501,10 +501,12 @@ def summary(v, k=None):
     for B in (1, 128, 256):
         if B in dec:
             out[f"gdn_recurrent_b{B}_us"] = round(dec[B]["recurrent_us"], 2)
+    for B in (128, 256):
+        if B in dec:
+            r = dec[B]
+            out[f"gdn_decode_replay16_floor_frac_b{B}"] = round(r["replay16_bytes"] / ceil / r["replay16_us"], 3)
     if 256 in dec:
-        r = dec[256]
-        out["gdn_decode_replay16_floor_frac_b256"] = round(r["replay16_bytes"] / ceil / r["replay16_us"], 3)
-        out["gdn_recurrent_vs_fla_b256"] = ratio(r.get("fla_us"), r["recurrent_us"])
+        out["gdn_recurrent_vs_fla_b256"] = ratio(dec[256].get("fla_us"), dec[256]["recurrent_us"])
     # issue 14 target 2: recurrent mode at >= 80 % of the copy ceiling from B = 64
     for B in (64, 128):
         if B in dec:
@@ -542,12 +544,18 @@ def summary(v, k=None):
         for B in (1, 8, 128, 256):
             if B in kd:
                 out[f"gdn_decode_replay16_vs_fla_b{B}_kmajor"] = ratio(kd[B].get("fla_us"), kd[B]["replay16_us"])
-        if 256 in kd:
-            r = kd[256]
-            out["gdn_recurrent_vs_fla_b256_kmajor"] = ratio(r.get("fla_us"), r["recurrent_us"])
-            kceil = k["copy_tbs"] * 1e6
-            out["gdn_decode_replay16_floor_frac_b256_kmajor"] = round(r["replay16_bytes"] / kceil / r["replay16_us"], 3)
-            out["gdn_recurrent_floor_frac_b256_kmajor"] = round(r["recurrent_bytes"] / kceil / r["recurrent_us"], 3)
+                out[f"gdn_recurrent_vs_fla_b{B}_kmajor"] = ratio(kd[B].get("fla_us"), kd[B]["recurrent_us"])
+        for B in (1, 8):
+            if B in kd:
+                out[f"gdn_decode_replay16_b{B}_us_kmajor"] = round(kd[B]["replay16_us"], 2)
+                out[f"gdn_recurrent_b{B}_us_kmajor"] = round(kd[B]["recurrent_us"], 2)
+        kceil = k["copy_tbs"] * 1e6
+        for B in (64, 128, 256):
+            if B in kd:
+                r = kd[B]
+                if B >= 128:
+                    out[f"gdn_decode_replay16_floor_frac_b{B}_kmajor"] = round(r["replay16_bytes"] / kceil / r["replay16_us"], 3)
+                out[f"gdn_recurrent_floor_frac_b{B}_kmajor"] = round(r["recurrent_bytes"] / kceil / r["recurrent_us"], 3)
     if dec:
         out["gdn_copy_ceiling_tbs"] = round(v["copy_tbs"], 3)
     return out
