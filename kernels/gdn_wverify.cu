@@ -516,8 +516,8 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
   float* rec = kvsm;
   float* sqk = kvsm + lay.rec_floats;  // the drafts' q, k
   float* red = sqk + 2 * Tm * DK;      // [draft][q, k][warp][column]
-  float* fwu = red + 2 * Tm * 4 * 32;  // [slot][column]: w_p u_p
-  float* fks = fwu + NSL * 32;         // [CH][DK]: a flush's keys, CH slots at a time
+  float* fwu = red + 2 * Tm * 4 * 32;  // [slot][column]: w_p u_p (16 NJ slots)
+  float* fks = fwu + 16 * NJ * 32;     // [CH][DK]: a flush's keys, CH slots at a time
   const WvHead hd = wv_stage<DK>(p, b, h, kh, tile, seq, lay, rl, rec, sqk);
   const int start = hd.start, nbuf = hd.nbuf, base = hd.base;
   const bool flush = hd.flush;
@@ -732,10 +732,10 @@ KVR_GDN_WVERIFY_DK(128)
     kvr::gdn::kverify_body<SD, DK, TM, true, 1>(p, p.ids_inline);                                \
   }
 #define KVR_GDN_KVERIFY_DK(DK)                                       \
-  KVR_GDN_KVERIFY(float, f32, DK, 4, 5, 6)                            \
-  KVR_GDN_KVERIFY(float, f32, DK, 8, 4, 5)                            \
-  KVR_GDN_KVERIFY(__nv_bfloat16, bf16, DK, 4, 5, 6)                  \
-  KVR_GDN_KVERIFY(__nv_bfloat16, bf16, DK, 8, 4, 5)
+  KVR_GDN_KVERIFY(float, f32, DK, 4, 5, 7)                            \
+  KVR_GDN_KVERIFY(float, f32, DK, 8, 4, 6)                            \
+  KVR_GDN_KVERIFY(__nv_bfloat16, bf16, DK, 4, 5, 7)                  \
+  KVR_GDN_KVERIFY(__nv_bfloat16, bf16, DK, 8, 4, 6)
 KVR_GDN_KVERIFY_DK(64)
 KVR_GDN_KVERIFY_DK(128)
 #undef KVR_GDN_KVERIFY_DK

@@ -648,13 +648,18 @@ impl ReplayCuda {
             let prep_smem = (group * (cfg.ring_len + 2 * cfg.max_drafts) * 4) as u32;
             // The state kernel: a record and the drafts' q and k, or in a flush, V-major: the u
             // values (4 warps x 64 slots x 8 rows); K-major: then each draft's two products by
-            // warp (2 x 4 warps x 32 columns a draft), a flush's w_p u_p (64 slots x 32
-            // columns) and KVR_GDN_KVERIFY_FLUSH_SLOTS slots' keys (kernels/gdn_wverify.cu
-            // kverify_body).
+            // warp (2 x 4 warps x 32 columns a draft), a flush's w_p u_p (32 columns of 16
+            // slots in the `_r16` builds, else 64) and KVR_GDN_KVERIFY_FLUSH_SLOTS slots' keys
+            // (kernels/gdn_wverify.cu kverify_body).
+            let wu_slots = if cfg.ring_len <= 16 {
+                16
+            } else {
+                KVR_GDN_WVERIFY_MAX_RING
+            };
             let qk_floats = if kmajor {
                 (2 * cfg.max_drafts + KVR_GDN_KVERIFY_FLUSH_SLOTS) * cfg.dk
                     + 2 * cfg.max_drafts * WDECODE_WARPS * 32
-                    + KVR_GDN_WVERIFY_MAX_RING * 32
+                    + wu_slots * 32
             } else {
                 (2 * cfg.max_drafts * cfg.dk)
                     .max(WDECODE_WARPS * KVR_GDN_WDECODE_ROWS * KVR_GDN_WVERIFY_MAX_RING)
