@@ -938,6 +938,36 @@ __device__ __forceinline__ void wrec_body(const StepParams& p) {
 // every warp computes u of column `lane` from the same sums, and each lane takes its 4
 // columns' by shuffles (S <- e^g S + u k^T).
 // Same arithmetic as wdecode_body (replay) and its recurrent kind.
+// The K-major state kernels' float4 rows (kdecode_body, kverify_body): the u values of ring
+// slots owner + 16 j in a lane's 4 columns c4 .. c4 + 3 (0 where there is no slot, or `on`
+// is false), and one slot's rank-one update of a lane's rows, s[i][c] += wu[c] k[i].
+template <int NJ>
+__device__ __forceinline__ void kload_slots(float (&u)[NJ][4], const char* ubase, int dt, int64_t ustride,
+                                            int owner, int L, int c4, bool on) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int sl = owner + 16 * j;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u[j][c] = 0.f;
+    if (on && sl < L) ld_entry<4>(ubase, dt, sl * ustride + c4, u[j]);
+  }
+}
+template <int KP>
+__device__ __forceinline__ void kfold_slot(float (&s)[KP][4], float4 wu, const float* k) {
+#pragma unroll
+  for (int i = 0; i < KP; i += 4) {
+    const float4 k4 = *reinterpret_cast<const float4*>(k + i);
+    const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[i + e][0] += wu.x * kv[e];
+      s[i + e][1] += wu.y * kv[e];
+      s[i + e][2] += wu.z * kv[e];
+      s[i + e][3] += wu.w * kv[e];
+    }
+  }
+}
+
 template <typename SD, int DK, int LU, int KIND>
 __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr bool REC = KIND == kWRec;
@@ -981,13 +1011,7 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
   const char* ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
   const int64_t ustride = static_cast<int64_t>(p.hv) * dv;
   float uo[NJ][4];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int sl = owner + 16 * j;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) uo[j][c] = 0.f;
-    if (!REC && sl < L) ld_entry<4>(ubase, p.entry_dtype, sl * ustride + c4, uo[j]);
-  }
+  kload_slots<NJ>(uo, ubase, p.entry_dtype, ustride, owner, L, c4, !REC);
   __shared__ __align__(16) float qks[4][2][KW];  // the warp's keys of q and k
   __shared__ __align__(16) float red[2][4][32];  // partial (S q), (S k) by warp and column
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
@@ -1202,21 +1226,7 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
         for (int c = 0; c < 4; ++c) s[i][c] *= eG;
 #pragma unroll
       for (int sl = 0; sl < LC; ++sl) {
-        if (sl < L) {
-          const float4 wu = *reinterpret_cast<const float4*>(&fwu[sl][4 * g]);
-#pragma unroll
-          for (int i = 0; i < KP; i += 4) {
-            const float4 k4 = *reinterpret_cast<const float4*>(&fk[sl][k0 + i]);
-            const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s[i + e][0] += wu.x * kv[e];
-              s[i + e][1] += wu.y * kv[e];
-              s[i + e][2] += wu.z * kv[e];
-              s[i + e][3] += wu.w * kv[e];
-            }
-          }
-        }
+        if (sl < L) kfold_slot<KP>(s, *reinterpret_cast<const float4*>(&fwu[sl][4 * g]), &fk[sl][k0]);
       }
 #pragma unroll
       for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);

@@ -494,13 +494,7 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
   char* const ubase = p.ring_u + (static_cast<int64_t>(seq) * L * p.hv + h) * dv * ee;
   const int64_t ustride = static_cast<int64_t>(p.hv) * dv;
   float u[NJ][4];
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int sl = owner + 16 * j;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) u[j][c] = 0.f;
-    if (sl < L) ld_entry<4>(ubase, p.entry_dtype, sl * ustride + col0 + 4 * g, u[j]);
-  }
+  kload_slots<NJ>(u, ubase, p.entry_dtype, ustride, owner, L, col0 + 4 * g, true);
   float vt[TM];
 #pragma unroll
   for (int x = 0; x < TM; ++x) {
@@ -669,19 +663,7 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
       for (int j = 0; j < CH; ++j) {
         const int sl = c0 + j;
         if (sl >= L || W[sl] == 0.f) continue;
-        const float4 wu = *reinterpret_cast<const float4*>(fwu + sl * 32 + 4 * g);
-#pragma unroll
-        for (int i = 0; i < KP; i += 4) {
-          const float4 k4 = *reinterpret_cast<const float4*>(fks + j * DK + k0 + i);
-          const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[i + e][0] += wu.x * kv[e];
-            s[i + e][1] += wu.y * kv[e];
-            s[i + e][2] += wu.z * kv[e];
-            s[i + e][3] += wu.w * kv[e];
-          }
-        }
+        kfold_slot<KP>(s, *reinterpret_cast<const float4*>(fwu + sl * 32 + 4 * g), fks + j * DK + k0);
       }
     }
 #pragma unroll
