@@ -52,6 +52,24 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Thread block clusters (sm_90+): a barrier over all threads of the cluster (release /
+// acquire: shared-memory writes before it are visible to the cluster's CTAs after it), and
+// the address of the same shared-memory variable in the cluster's CTA `rank` (DSMEM).
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+template <typename T> __device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<const T*>(out);
+#else
+  return p;
+#endif
+}
+
 // Thread 0 of a CTA counts the CTA in on a device counter after a CTA barrier; true for the
 // last of `need`, which resets the counter for the next launch. acq_rel: the CTA's earlier
 // global writes (its partial, ordered before this by the barrier) are released to the last

@@ -188,6 +188,16 @@ __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
   }
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
   const bool ring = L > 0;
+  const kvr_gdn_dscratch lay0 = kvr_gdn_dscratch_layout(p.b, p.hv, p.hk, DK, p.dv, L);
+  if (p.kv_split) {
+    // Pools with KV-only mode where some row may be KV-only: the record first, so that such a
+    // row (kvr_gdn_kvdec_* ran its step) costs a round trip here, not this kernel's loads.
+    __syncthreads();
+    if (mi[0] == kModeKvOnly) {
+      if (share == 0 && tid == 0) reinterpret_cast<int*>(p.scratch + lay0.hdr)[4 * b + 1] = -1;
+      return;
+    }
+  }
   float* cq = dsm;
   float* ck = dsm + nkh * Lc;
   float* kn = ck + nkh * Lc;
@@ -280,6 +290,12 @@ __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
   const int mode = mi[0], start = mi[1], hcnt = mi[2], pending = mi[3], conv_end = mi[4];
   const bool recurrent = !ring || mode == kModeRecurrent;
   const Place pl = placement(p, mode, start, hcnt);
+  if (mode == kModeKvOnly) {
+    // Pools with KV-only mode: kvr_gdn_kvdec_* ran this row's step and advanced its record;
+    // the state kernel skips it.
+    if (share == 0 && tid == 0) reinterpret_cast<int*>(p.scratch + lay.hdr)[4 * b + 1] = -1;
+    return;
+  }
   if (ring) {
     char* vdst = reinterpret_cast<char*>(p.scratch + lay.vv) + static_cast<int64_t>(b) * p.hv * p.dv * 4 +
                  static_cast<int64_t>(h0) * p.dv * ves;
@@ -405,8 +421,14 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
   char* head = p.state + (static_cast<int64_t>(seq) * p.seq_stride + static_cast<int64_t>(h) * DK * dv) *
                              static_cast<int64_t>(sizeof(SD));
   SD* hs = reinterpret_cast<SD*>(head) + static_cast<int64_t>(row0) * DK;
+  // Pools with KV-only mode (`kv_split` 1: some row may be KV-only, kvr_gdn_kvdec's): the
+  // state once the record says the row has one (kvr_gdn_kvdec_* wrote it; it ended before
+  // the prep kernel, this kernel's primary, began; the one-launch kind reads it below).
+  const bool late = !REC && p.kv_split != 0;
+  if (late && !FUSED && __ldcg(p.meta + static_cast<int64_t>(seq) * kMetaInts + kMetaMode) == kModeKvOnly)
+    return;
   float s[RL][KL];
-  load_rows<SD, DK, RL>(hs, s, lane);
+  if (!late || !FUSED) load_rows<SD, DK, RL>(hs, s, lane);
   const int ee = p.entry_dtype == KVR_DT_F32 ? 4 : 2;
   int32_t* meta = p.meta + static_cast<int64_t>(seq) * kMetaInts;
   // Recurrent pools: the thread that counts the step reads the metadata now, so that its
@@ -417,6 +439,7 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
   if (counter || FUSED) {
     m0 = __ldcg(reinterpret_cast<const int4*>(meta));
     conv_end = __ldcg(meta + kMetaConvEnd);
+    if (FUSED && late && m0.x == kModeKvOnly) return;  // kvr_gdn_kvdec_*'s row (below)
   }
   // Fused: every slot's key of this key head into shared memory, and lane s's decay of slot s.
   extern __shared__ __align__(16) unsigned char fkeys[];
@@ -475,6 +498,8 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     kq = warp_sum(kq);
     cp_async_wait<0>();
     __syncthreads();  // every slot's key
+    if (m0.x == kModeKvOnly) return;  // kvr_gdn_kvdec_*'s row, record advanced (KV-only pools)
+    if (late) load_rows<SD, DK, RL>(hs, s, lane);
     float cq = 0.f, ck = 0.f;
     // Key products of every slot, CH slots a round, the rounds spread over the CTA's warps
     // (shared memory), then lane s takes slot s's (every warp taking all of them measured
@@ -528,9 +553,11 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
     if (p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
       const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
-      finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
+      if (m.x != kModeKvOnly)  // (kvr_gdn_kvdec_* advanced a KV-only row's record)
+        finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
     }
     hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
+    if (hdr.y < 0) return;  // kvr_gdn_kvdec's row (pools with KV-only mode)
     const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
     eG = r0.x;
     a = r0.y;
@@ -724,6 +751,7 @@ __device__ __forceinline__ void fd_fix_shared(StepParams& c, int ring) {
   c.entry_dtype = KVR_DT_F32;
   c.l = ring;
   c.conv_dim = 0;
+  c.kv_split = 0;  // the state first (a KV-only row of a pool with KV-only mode is still skipped)
 }
 
 // The Gated DeltaNet decode as engines call it: the fields above, beta of dtype X, g of
@@ -1003,6 +1031,11 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
                                             static_cast<int64_t>(h) * DK * dv) *
                                                static_cast<int64_t>(sizeof(SD))) +
            static_cast<int64_t>(k0) * dv + c4;
+  // Pools with KV-only mode (`kv_split` 1): the state once the record says the row has one,
+  // as wdecode_body.
+  if (!REC && p.kv_split != 0 &&
+      __ldcg(p.meta + static_cast<int64_t>(seq) * kMetaInts + kMetaMode) == kModeKvOnly)
+    return;
   float s[KP][4];
 #pragma unroll
   for (int i = 0; i < KP; ++i) ld_state<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
@@ -1053,9 +1086,11 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
     // A prep kernel of several CTAs per row only read the metadata: one thread ends the step.
     if (p.stages > 1 && h == 0 && tile == 0 && threadIdx.x == 0) {
       const int4 m = __ldcg(reinterpret_cast<const int4*>(meta));
-      finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
+      if (m.x != kModeKvOnly)  // (kvr_gdn_kvdec_* advanced a KV-only row's record)
+        finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
     }
     hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
+    if (hdr.y < 0) return;  // kvr_gdn_kvdec's row (pools with KV-only mode)
     const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
     eG = r0.x;
     a = r0.y;

@@ -188,24 +188,6 @@ __device__ __forceinline__ void store_out(const DecodeParams& p, int y, const Ro
   if (p.lse && d == 0) p.lse[rc.b * p.l_sb + t * p.l_st + hq * p.l_sh] = lse2 * kLn2;
 }
 
-// Thread block clusters (sm_90+): a barrier over all threads of the cluster (release /
-// acquire: shared-memory writes before it are visible to the cluster's CTAs after it), and
-// the address of the same shared-memory variable in the cluster's CTA `rank` (DSMEM).
-__device__ __forceinline__ void cluster_sync_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-template <typename T> __device__ __forceinline__ const T* cluster_map(const T* p, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint64_t out;
-  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
-  return reinterpret_cast<const T*>(out);
-#else
-  return p;
-#endif
-}
-
 // Folds n <= N partials of one output vector (each: base-2 log-sum-exp l and normalized
 // output x, from load(j, l, x)) into a running log-sum-exp merge (max M, denominator den,
 // unnormalized sum o): all loads issued first, one rescale when the max grows.

@@ -328,6 +328,7 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64..512 per key head) */
 #define KVR_GDN_KVONLY_THREADS 128     /* gdn_kvonly.cuh: one CTA per KV-only (batch row, value head) */
 #define KVR_GDN_KVONLY_MAX 256         /* ... entries and value rows at most */
+#define KVR_GDN_KVDEC_THREADS 128      /* gdn_kvdec.cu: kvr_gdn_kvdec_* (p.tiles CTAs a row and value head) */
 
 /* The per-(layer, sequence) metadata record: KVR_GDN_META_INTS int32, these slots. */
 #define KVR_GDN_META_MODE 0     /* KVR_GDN_KV_ONLY, KVR_GDN_REPLAY or KVR_GDN_RECURRENT */
@@ -395,7 +396,9 @@ typedef struct {
   int32_t thr, kv_cap, max_drafts, conv_dim, conv_slots, entry_dtype, conv_dtype, tv;
   int32_t tiles, auto_commit, l2norm, hmax, export_seq;
   int32_t stages;               /* gdn_stream.cu: state tiles per CTA (2: persistent CTAs);
-                                   gdn_wdecode.cu: prep CTAs per batch row (key-head shares) */
+                                   gdn_wdecode.cu: prep CTAs per batch row (key-head shares);
+                                   kvr_gdn_kvdec_*: 1 = fixed shares of the entries, copied
+                                   before the metadata */
   float scale;
   int32_t rule;                 /* KVR_GDN_RULE_* */
   int32_t dt_mode;              /* KVR_GDN_DT_* */
@@ -403,8 +406,15 @@ typedef struct {
   int32_t export_prefix;        /* export: entries folded into the state (-1: all) */
   int32_t kv_split;             /* kvr_gdn_decode_*: KV-only rows that do not materialize are
                                    kvr_gdn_kvonly_*'s, launched before it (1), or computed by
-                                   the head's first tile, of 128 threads (2); 0: per tile */
-  int32_t pad1;
+                                   the head's first tile, of 128 threads (2); 0: per tile.
+                                   kvr_gdn_fdecode_*, kvr_gdn_dprep_* and the state kernels
+                                   of kvr_gdn_wdecode_* in pools with KV-only mode (after
+                                   kvr_gdn_kvdec_*, which took the KV-only rows): 1 = some row
+                                   may be KV-only, so read the row's metadata before the state
+                                   (the prep kernel: before its loads) and skip such rows; 0 =
+                                   state first (a KV-only row is still skipped) */
+  int32_t vmajor;               /* 1: V-major states (kvr_gdn_kvdec_*; the other kernels are
+                                   built per layout) */
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_step_args;
 

@@ -123,6 +123,16 @@ if [ -x bin/gpu_gdn ]; then
   # kvr_gdn_wrec (GDN, Mamba-2 and linear-attention pools).
   job gpu_gdn-wrec-off test "KVR_GDN_WREC=0" bin/gpu_gdn --test-threads=1 --nocapture
   [ -x bin/gpu_ssm ] && job gpu_ssm-wrec-off test "KVR_GDN_WREC=0" bin/gpu_ssm --test-threads=1 --nocapture
+  # Pools with KV-only mode: kvr_gdn_kvdec at the fewest CTAs a head its shapes allow (1 or 2)
+  # and at 4, copying fixed shares of the entries before the metadata at every batch; and on
+  # the older kernels (kvr_gdn_kvonly + gdn_decode.cu).
+  job gpu_gdn-kvdec-split1 test "KVR_GDN_KVDEC_SPLIT=1" bin/gpu_gdn kv_only across_flushes graph_replays \
+    --test-threads=1 --nocapture
+  job gpu_gdn-kvdec-split4-early test "KVR_GDN_KVDEC_SPLIT=4 KVR_GDN_KVDEC_EARLY_ROWS=100000" \
+    bin/gpu_gdn kv_only across_flushes graph_replays --test-threads=1 --nocapture
+  [ -x bin/gpu_ssm ] && job gpu_ssm-kvdec-split1-early test "KVR_GDN_KVDEC_SPLIT=1 KVR_GDN_KVDEC_EARLY_ROWS=100000" \
+    bin/gpu_ssm --test-threads=1 --nocapture
+  job gpu_gdn-kvdec-off test "KVR_GDN_KVDEC=0" bin/gpu_gdn --test-threads=1 --nocapture
 fi
 # The paged decode tests with each decode kernel forced (the library picks the cluster,
 # split, batch or stream-K kernel by batch and context; every one must match the CPU backend),

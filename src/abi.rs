@@ -158,6 +158,9 @@ abi_consts! {
     /// most entries and value rows it takes.
     KVR_GDN_KVONLY_THREADS: u32 = 128;
     KVR_GDN_KVONLY_MAX: usize = 256;
+    /// Threads of a CTA of the KV-only rows' decode beside the warp-streaming decode
+    /// (`kvr_gdn_kvdec_*`, `tiles` CTAs per row and value head).
+    KVR_GDN_KVDEC_THREADS: u32 = 128;
 
     /// Slots of the per-(layer, sequence) metadata record of `KVR_GDN_META_INTS` i32.
     KVR_GDN_META_MODE: usize = 0;
@@ -418,6 +421,7 @@ abi_structs! {
     }
 
     /// `kvr_gdn_step_*`, `kvr_gdn_finish`, `kvr_gdn_decode_*`, `kvr_gdn_sdecode_*`.
+    #[derive(Clone)]
     struct GdnStepArgs = "kvr_gdn_step_args" {
         state: u64,
         snaps: u64,
@@ -479,7 +483,7 @@ abi_structs! {
         /// Decode kernel: KV-only rows that do not materialize are the KV-only kernel's,
         /// launched before it (1), or computed by the head's first tile (2); 0: per tile.
         kv_split: i32,
-        pad1: i32,
+        vmajor: i32,
         ids_inline: [i32; KVR_GDN_MAX_INLINE],
     }
 

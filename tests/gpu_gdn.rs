@@ -524,6 +524,75 @@ fn gpu_decode_matches_cpu_across_flushes() {
     );
 }
 
+/// Pools with KV-only mode at the Qwen3-Next shape (bf16 entries, threshold 127: what a
+/// head's f32 state memory holds) and host ids, so that the host knows every row's mode:
+/// rows that stay KV-only take kvr_gdn_kvdec (1, 2, 4 or 8 CTAs a head by batch size),
+/// rows that reach the threshold kvr_gdn_kvmat and then the replay kernels, which take
+/// the rows with a state in the same step. Sequences join every few steps, so one batch
+/// holds all three kinds and an unused row; both layouts.
+#[test]
+fn gpu_kv_only_rows_beside_replay_rows() {
+    let Some(g) = gpu_ctx("gpu_kv_only_rows_beside_replay_rows") else {
+        return;
+    };
+    let mut rng = Rng::new(41);
+    let mut report = Vec::new();
+    for (b, every, steps, layout) in [
+        (1usize, 0usize, 132usize, StateLayout::VMajor),
+        (3, 20, 150, StateLayout::KMajor),
+        (40, 3, 140, StateLayout::VMajor),
+        (12, 9, 140, StateLayout::KMajor),
+    ] {
+        let mut c = cfg(16, 32, 128, 16, 127, layout, DType::F32, DType::BF16);
+        c.max_seqs = b + 2;
+        let p = Pair::new(&g, c, DType::BF16);
+        let mut ids = vec![-1i32; b];
+        let (mut worst, mut worst_state) = (0f64, 0f64);
+        for step in 0..steps {
+            for (r, id) in ids.iter_mut().enumerate() {
+                // Row 1 stays unused (where the batch has more than one row).
+                if *id < 0 && (b == 1 || r != 1) && step >= every * r {
+                    *id = p.add();
+                }
+            }
+            let x = random_tokens(&mut rng, &c, b, 1);
+            let (want, got) = p.run(&ids, &x, false, false);
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "step {step}: non-finite output"
+            );
+            let e = err(&want, &got, c.dv);
+            assert!(
+                e < tol(&c),
+                "B {b} {layout:?} step {step}: output error {e:e}"
+            );
+            worst = worst.max(e);
+            if step % 25 == 24 || step + 1 == steps || step == 127 {
+                for &id in ids.iter().filter(|&&i| i >= 0) {
+                    p.same_meta(id, &format!("B {b} step {step}"));
+                }
+                let id = ids[0];
+                let (a, s) = p.export(id);
+                let d = if layout == StateLayout::KMajor {
+                    c.dv
+                } else {
+                    c.dk
+                };
+                let e = err(&a, &s, d);
+                assert!(e < tol(&c), "B {b} step {step}: state error {e:e}");
+                worst_state = worst_state.max(e);
+            }
+        }
+        report.push(format!(
+            "B {b} {layout:?}: outputs {worst:.1e}, states {worst_state:.1e}"
+        ));
+    }
+    println!(
+        "KV-only rows beside replay rows vs CPU (max relative error):\n  {}",
+        report.join("\n  ")
+    );
+}
+
 /// Speculative rounds with random accepted counts on both pools.
 fn spec_run(p: &Pair, rounds: usize, rng: &mut Rng) -> f64 {
     let c = p.c();
@@ -1031,6 +1100,128 @@ fn gpu_graph_replays_verify_commit_decode() {
     println!("graph (verify + device-count commit + decode) over 40 replays: max relative error {worst:.2e}, {transitions} KV-only transitions inside replays");
 }
 
+/// A CUDA Graph of one decode step of `ids` on the GPU pool of `p` (layer 1), reading f32
+/// inputs from fixed device buffers and writing an f32 output.
+struct DecodeGraph {
+    stream: RawStream,
+    graph: Graph,
+    inp: Inputs,
+    out: DeviceBuffer,
+}
+
+impl DecodeGraph {
+    fn capture(p: &Pair, ids: &[i32], rng: &mut Rng) -> DecodeGraph {
+        let (c, b) = (p.c(), ids.len());
+        let stream = RawStream::new(&p.g);
+        let s = Stream(stream.ptr() as usize);
+        let x = random_tokens(rng, &c, b, 1);
+        let inp = Inputs::new(&p.g, &c, &x, DType::F32);
+        let iv = inp.views(DType::F32, true);
+        let out = alloc(&p.g, b * c.v_heads * c.dv * 4);
+        let ov = TensorView::contiguous(
+            out.addr(),
+            DType::F32,
+            MemoryKind::Cuda,
+            &[b, 1, c.v_heads, c.dv],
+        )
+        .unwrap();
+        let idh = ids_host(ids);
+        let opts = GdnOptions {
+            scale: None,
+            l2norm_qk: true,
+        };
+        p.g.load_kernels().unwrap();
+        let graph = stream.capture(|| {
+            let io = io_of(&idh, &iv, &ov, None);
+            p.gpu.decode(1, &io, &opts, s).unwrap();
+        });
+        stream.sync();
+        DecodeGraph {
+            stream,
+            graph,
+            inp,
+            out,
+        }
+    }
+
+    /// New random tokens into the graph's inputs, one replay, the CPU pool's decode of the
+    /// same; every row's metadata compared. Returns the outputs' max relative error.
+    fn round(&self, p: &Pair, ids: &[i32], rng: &mut Rng, what: &str) -> f64 {
+        let c = p.c();
+        let x = random_tokens(rng, &c, ids.len(), 1);
+        let (want, _) = cpu_only(p, ids, &x, false);
+        self.stream.sync();
+        for (i, part) in [&x.q, &x.k, &x.v, &x.g, &x.beta].iter().enumerate() {
+            self.inp.dev[i].upload(&encode(DType::F32, part)).unwrap();
+        }
+        self.graph.launch(&self.stream);
+        self.stream.sync();
+        let got = download_f32(&self.out, want.len());
+        for &id in ids {
+            p.same_meta(id, what);
+        }
+        err(&want, &got, c.dv)
+    }
+}
+
+/// A pool with KV-only mode decodes through kvr_gdn_kvdec and the warp-streaming decode,
+/// which decide every row from the metadata: a graph of decode steps captured while every
+/// sequence has a state (the host then expects no KV-only row) stays right when it replays
+/// after a reset has put sequences back into KV-only mode, and across their materialization.
+#[test]
+fn gpu_graph_replays_kv_only_rows_after_a_reset() {
+    let Some(g) = gpu_ctx("gpu_graph_replays_kv_only_rows_after_a_reset") else {
+        return;
+    };
+    let mut rng = Rng::new(43);
+    let mut report = Vec::new();
+    // (rows, layout, threshold): the two-launch decode and (2 rows) the one-launch one.
+    for (b, layout, tau) in [
+        (12usize, StateLayout::VMajor, 10usize),
+        (12, StateLayout::KMajor, 10),
+        (2, StateLayout::VMajor, 6),
+    ] {
+        let mut c = cfg(2, 4, 128, 16, tau, layout, DType::F32, DType::F32);
+        c.max_seqs = b;
+        let p = Pair::new(&g, c, DType::F32);
+        let ids: Vec<i32> = (0..b).map(|_| p.add()).collect();
+        // Past the threshold eagerly: every sequence has a state.
+        for _ in 0..tau + 2 {
+            let x = random_tokens(&mut rng, &c, b, 1);
+            let (want, got) = p.run(&ids, &x, false, false);
+            assert!(err(&want, &got, c.dv) < tol(&c));
+        }
+        let dg = DecodeGraph::capture(&p, &ids, &mut rng);
+        // Sequences 0 and b / 2 start again, in KV-only mode; the graph decodes them up to and
+        // past the threshold beside the others.
+        for &id in [ids[0], ids[b / 2]].iter() {
+            p.cpu.seq_reset(id, Stream::DEFAULT).unwrap();
+            p.gpu.seq_reset(id, Stream::DEFAULT).unwrap();
+        }
+        g.synchronize(Stream::DEFAULT).unwrap();
+        let mut worst = 0f64;
+        for round in 0..tau + 6 {
+            let what = format!("B {b} {layout:?} replay {round}");
+            let e = dg.round(&p, &ids, &mut rng, &what);
+            assert!(e < tol(&c), "{what}: {e:e}");
+            worst = worst.max(e);
+        }
+        let (a, st) = p.export(ids[0]);
+        let d = if layout == StateLayout::KMajor {
+            c.dv
+        } else {
+            c.dk
+        };
+        worst = worst.max(err(&a, &st, d));
+        assert!(worst < tol(&c), "B {b} {layout:?}: {worst:e}");
+        report.push(format!("B {b} {layout:?} tau {tau}: {worst:.1e}"));
+    }
+    println!(
+        "decode graph replayed after resets into KV-only mode (max relative error): {}",
+        report.join(", ")
+    );
+}
+
 /// A CUDA Graph of decode steps replayed across flushes on the engines' shape and dtypes
 /// (Qwen3-Next's layer, ring 16, f32 entries and inputs): 12 rows take the specialized two
 /// launches (kvr_gdn_dprep_d128_r16_xf32, kvr_gdn_wdecode_f32_v_d128_r16_xf32), the forced
@@ -1054,48 +1245,13 @@ fn gpu_graph_replays_engine_decode() {
     c.max_seqs = 12;
     let p = Pair::new(&g, c, DType::F32);
     let ids: Vec<i32> = (0..12).map(|_| p.add()).collect();
-    let b = ids.len();
-    let stream = RawStream::new(&g);
-    let s = Stream(stream.ptr() as usize);
-    let x = random_tokens(&mut rng, &c, b, 1);
-    let inp = Inputs::new(&g, &c, &x, DType::F32);
-    let views = inp.views(DType::F32, true);
-    let od = alloc(&g, b * c.v_heads * c.dv * 4);
-    let odv = TensorView::contiguous(
-        od.addr(),
-        DType::F32,
-        MemoryKind::Cuda,
-        &[b, 1, c.v_heads, c.dv],
-    )
-    .unwrap();
-    let idh = ids_host(&ids);
-    let opts = GdnOptions {
-        scale: None,
-        l2norm_qk: true,
-    };
-    g.load_kernels().unwrap();
-    let graph = stream.capture(|| {
-        let io = io_of(&idh, &views, &odv, None);
-        p.gpu.decode(1, &io, &opts, s).unwrap();
-    });
+    let dg = DecodeGraph::capture(&p, &ids, &mut rng);
     let mut worst = 0f64;
     let steps = sanitizer_scaled(40, 18);
     for round in 0..steps {
-        let x = random_tokens(&mut rng, &c, b, 1);
-        let (want, _) = cpu_only(&p, &ids, &x, false);
-        stream.sync();
-        for (i, part) in [&x.q, &x.k, &x.v, &x.g, &x.beta].iter().enumerate() {
-            inp.dev[i].upload(&encode(DType::F32, part)).unwrap();
-        }
-        graph.launch(&stream);
-        stream.sync();
-        let got = download_f32(&od, want.len());
-        let e = err(&want, &got, c.dv);
+        let e = dg.round(&p, &ids, &mut rng, &format!("replay {round}"));
         assert!(e < tol(&c), "replay {round}: {e:e}");
         worst = worst.max(e);
-        for &id in &ids {
-            p.same_meta(id, &format!("replay {round}"));
-        }
     }
     println!("graph of engine-dtype decode steps over {steps} replays (flushes every 16): max relative error {worst:.2e}");
 }

@@ -145,41 +145,49 @@ fn gpu_mamba2_and_linear_attention_match_cpu() {
     // with 4 warps per group of 8 heads, the warp-streaming verify of both layouts; recurrent
     // decode on the warp kernel), every kind.
     for (i, kind) in kinds.into_iter().enumerate() {
-        for (j, (ring, layout, conv)) in [
-            (16usize, StateLayout::VMajor, 12usize),
-            (16, StateLayout::KMajor, 0),
-            (0, StateLayout::VMajor, 12),
-            (0, StateLayout::VMajor, 0),
+        for (j, (ring, tau, layout, conv)) in [
+            (16usize, 0usize, StateLayout::VMajor, 12usize),
+            (16, 0, StateLayout::KMajor, 0),
+            (0, 0, StateLayout::VMajor, 12),
+            (0, 0, StateLayout::VMajor, 0),
+            // KV-only mode on a shape of kvr_gdn_kvdec: the rows' decodes take it until
+            // they materialize (kvr_gdn_kvmat) mid-session.
+            (16, 24, StateLayout::VMajor, 12),
+            (16, 24, StateLayout::KMajor, 0),
         ]
         .into_iter()
         .enumerate()
         {
-            let mut c = config(ring, 0, layout, conv);
+            let mut c = config(ring, tau, layout, conv);
             (c.k_heads, c.v_heads, c.dk, c.dv) = (2, 16, 64, 64);
             let steps = sanitizer_scaled(40, 12);
             let e = pair_session(&g, c, kind, steps, 700 + 10 * i as u64 + j as u64);
-            assert!(e < 2e-4, "dk 64: {kind:?} ring {ring} {layout:?}: {e:e}");
+            assert!(
+                e < 2e-4,
+                "dk 64: {kind:?} ring {ring} tau {tau} {layout:?}: {e:e}"
+            );
             worst = worst.max(e);
             cases += 1;
         }
     }
-    // The Nemotron-H shape (128 heads of 64, 8 groups of 128), V-major, ring 16.
-    let mut c = config(16, 0, StateLayout::VMajor, 0);
-    (c.k_heads, c.v_heads, c.dk, c.dv, c.layers) = (8, 128, 128, 64, 1);
-    let e = pair_session(&g, c, MAMBA2, sanitizer_scaled(24, 8), 9);
-    assert!(e < 2e-4, "Nemotron-H shape: {e:e}");
-    worst = worst.max(e);
-    // The same in recurrent mode without a conv window (kvr_gdn_wrec, 64-row heads).
-    let mut c = config(0, 0, StateLayout::VMajor, 0);
-    (c.k_heads, c.v_heads, c.dk, c.dv, c.layers) = (8, 128, 128, 64, 1);
-    let e = pair_session(&g, c, MAMBA2, sanitizer_scaled(24, 8), 10);
-    assert!(e < 2e-4, "Nemotron-H shape, recurrent: {e:e}");
-    worst = worst.max(e);
-    cases += 1;
-    println!(
-        "{} configurations: GPU vs CPU max relative error {worst:.2e}",
-        cases + 1
-    );
+    // The Nemotron-H shape (128 heads of 64, 8 groups of 128), V-major: ring 16; the same with
+    // KV-only mode (threshold 20: kvr_gdn_kvdec at dk 128, dv 64, then the replay kernels;
+    // its worst difference, 5.4e-4 on the H200, is the same with the older kernels,
+    // KVR_GDN_KVDEC=0: the f32 sums of 128-key states built from 20 entries); recurrent mode
+    // without a conv window (kvr_gdn_wrec, 64-row heads).
+    for (what, ring, tau, steps, seed, bound) in [
+        ("ring 16", 16, 0, sanitizer_scaled(24, 8), 9, 2e-4),
+        ("KV-only mode", 16, 20, sanitizer_scaled(40, 12), 11, 1e-3),
+        ("recurrent", 0, 0, sanitizer_scaled(24, 8), 10, 2e-4),
+    ] {
+        let mut c = config(ring, tau, StateLayout::VMajor, 0);
+        (c.k_heads, c.v_heads, c.dk, c.dv, c.layers) = (8, 128, 128, 64, 1);
+        let e = pair_session(&g, c, MAMBA2, steps, seed);
+        assert!(e < bound, "Nemotron-H shape, {what}: {e:e}");
+        worst = worst.max(e);
+        cases += 1;
+    }
+    println!("{cases} configurations: GPU vs CPU max relative error {worst:.2e}");
 }
 
 /// Mamba-2 decode with the dtypes engines pass (bf16 x, B, C, z and output; f32 dt, A, D,

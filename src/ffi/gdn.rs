@@ -38,14 +38,13 @@ pub const KVR_STATE_V_MAJOR: kvr_state_layout = 1 as kvr_state_layout;
 pub type kvr_gdn_threshold = i32;
 /// Picks the default threshold: 0 (off, as `KVR_GDN_THRESHOLD_OFF`) for every pool, replay
 /// or recurrent, GDN or Mamba-2; pools planned from GGUF files use 0 too. KV-only mode is
-/// an opt-in (an explicit count > 0) because a pool with it does not get the fastest CUDA
-/// replay kernels (warp-streaming and one-launch decode, streaming verify). Measured on an
-/// H200 (bf16 entries, ring 16, decode after 140 tokens, us per step, the threshold
-/// min(dk, what one head's state memory holds) that the default used to pick against off),
-/// such a pool decodes 1.8-2.9x slower for the rest of every sequence (B = 1: 19.6 vs 6.7,
-/// B = 8: 33.2 vs 18.4, B = 64: 154.5 vs 62.3), and KV-only decode itself is slower than
-/// replay at B = 1 at every length and at B = 8 beyond about 20 tokens; it is faster for
-/// large batches of short sequences (B = 64 up to about 50 tokens).
+/// an opt-in (an explicit count > 0), from the measured crossover against a pool without
+/// it (H200, Qwen3-Next's layer, bf16 entries, ring 16, threshold 127, BENCHMARKS.md): on
+/// CUDA such a pool decodes its KV-only rows on their own kernel before the warp-streaming
+/// decode, which is faster than a pool without the mode at B = 64 up to about 70 tokens
+/// and at B = 8 up to the threshold, but not at B = 1 (0.70-0.74x); and it pays for the
+/// mode after the threshold (0.88x / 0.85x / 0.69x at B = 64 / 8 / 1) and in verify (the
+/// older kernels). Large batches of short sequences gain from a threshold of about 64.
 pub const KVR_GDN_THRESHOLD_DEFAULT: kvr_gdn_threshold = -1 as kvr_gdn_threshold;
 /// No KV-only mode: every sequence keeps a state from its first token.
 pub const KVR_GDN_THRESHOLD_OFF: kvr_gdn_threshold = 0 as kvr_gdn_threshold;
@@ -100,8 +99,10 @@ pub struct kvr_gdn_pool_params {
     /// an import or a flush. `KVR_GDN_THRESHOLD_DEFAULT` (default) and
     /// `KVR_GDN_THRESHOLD_OFF` = 0, off (`KVR_GDN_THRESHOLD_DEFAULT` says why). A count > 0
     /// turns it on (at most the entries one head's state memory holds; min(dk, that) was
-    /// the default before) and keeps the pool off the fastest CUDA replay kernels;
-    /// `ring_len` 0 has no KV-only mode: a value > 0 there is `KVR_STATUS_INVALID_ARG`.
+    /// the default before); on CUDA such a pool verifies on the older kernels and decodes
+    /// with one more launch (on the older kernels too where its head dims, ring or states
+    /// do not fit `kvr_gdn_kvdec`); `ring_len` 0 has no KV-only mode: a value > 0 there is
+    /// `KVR_STATUS_INVALID_ARG`.
     pub kv_only_threshold: kvr_gdn_threshold,
     /// Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
     pub max_drafts: i32,

@@ -55,8 +55,7 @@ pub struct kvr_mamba2_pool_params {
     pub ring_len: i32,
     /// KV-only mode for short sequences, as `kvr_gdn_pool_params.kv_only_threshold`
     /// (default `KVR_GDN_THRESHOLD_DEFAULT`: off, as for GDN pools; a count > 0, at most
-    /// what one head's state memory holds, turns it on and keeps the pool off the fastest
-    /// CUDA replay kernels).
+    /// what one head's state memory holds, turns it on, with the same costs on CUDA).
     pub kv_only_threshold: kvr_gdn_threshold,
     /// Most drafts per verify, 1..=8 and <= ring_len (0 = default: min(8, ring_len), or 8).
     pub max_drafts: i32,

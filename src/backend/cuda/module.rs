@@ -36,6 +36,9 @@ fn dtype_index(d: DType) -> usize {
     }
 }
 
+/// (dk, dv) of the KV-only decode kernel of classified rows (`kvr_gdn_kvdec_*`).
+pub const GDN_KVDEC_SHAPES: [(usize, usize); 4] = [(64, 64), (128, 128), (256, 256), (128, 64)];
+
 /// Head dimensions the CUDA decode kernel is compiled for.
 pub const DECODE_HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 
@@ -143,6 +146,11 @@ pub(crate) enum Kernel {
     /// `kvr_gdn_kvonly_<state>_d<dk>` (kernels/gdn_kvonly.cu): single-token decode of the
     /// KV-only sequences of a batch (beside [`Kernel::GdnDecode`]); dk in [`GDN_DECODE_DKS`].
     GdnKvOnly { state: DType, dk: usize },
+    /// `kvr_gdn_kvdec_<state>_d<dk>_v<dv>` (kernels/gdn_kvdec.cu): single-token decode of
+    /// the KV-only rows (and the states of those that reach the threshold) before the
+    /// warp-streaming decode, `tiles` CTAs (a cluster) per row and value head; (dk, dv) in
+    /// [`GDN_KVDEC_SHAPES`].
+    GdnKvDec { state: DType, dk: usize, dv: usize },
     /// `kvr_gdn_fdecode_<state>_v_d128_r<16|32>_<spec>` (kernels/gdn_wdecode.cu): the
     /// one-launch kernel specialized for dk 128, a ring of exactly 16 or 32, f32 entries, no
     /// conv window and the dtypes and rule of `spec`.
@@ -273,7 +281,8 @@ const GDN_DPREP_X_BASE: usize = 274;
 const GDN_KDECODE_BASE: usize = 280;
 const GDN_KDECODE_X_BASE: usize = 298;
 const GDN_KVERIFY_BASE: usize = 310;
-const KERNEL_COUNT: usize = 342;
+const GDN_KVDEC_BASE: usize = 342;
+const KERNEL_COUNT: usize = 350;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -516,6 +525,11 @@ impl Kernel {
                 }
             }
         }
+        for (dk, dv) in GDN_KVDEC_SHAPES {
+            for state in [DType::F32, DType::BF16] {
+                v.push(Kernel::GdnKvDec { state, dk, dv });
+            }
+        }
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -679,6 +693,14 @@ impl Kernel {
                     + 2 * additive as usize
                     + ring16 as usize
             }
+            Kernel::GdnKvDec { state, dk, dv } => {
+                GDN_KVDEC_BASE
+                    + 2 * GDN_KVDEC_SHAPES
+                        .iter()
+                        .position(|&x| x == (dk, dv))
+                        .expect("a compiled KV-only decode shape")
+                    + if state == DType::BF16 { 1 } else { 0 }
+            }
         }
     }
 
@@ -750,6 +772,9 @@ impl Kernel {
                 if ring32 { 32 } else { 16 }
             ),
             Kernel::GdnKvOnly { state, dk } => format!("kvr_gdn_kvonly_{}_d{dk}", state.name()),
+            Kernel::GdnKvDec { state, dk, dv } => {
+                format!("kvr_gdn_kvdec_{}_d{dk}_v{dv}", state.name())
+            }
             Kernel::GdnWVprep { dk, ring16 } => {
                 format!("kvr_gdn_wvprep_d{dk}{}", if ring16 { "_r16" } else { "" })
             }

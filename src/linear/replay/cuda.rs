@@ -22,12 +22,14 @@ use crate::abi::{
 };
 use crate::abi::{
     gdn_dscratch_floats, gdn_wvrec_floats, gdn_wvscratch_floats,
-    KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVERIFY_FLUSH_SLOTS, KVR_GDN_KVONLY_MAX,
-    KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS, KVR_GDN_WREC_ROWS,
-    KVR_GDN_WVERIFY_MAX_RING, KVR_GDN_WVPREP_THREADS,
+    KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVDEC_THREADS, KVR_GDN_KVERIFY_FLUSH_SLOTS,
+    KVR_GDN_KVONLY_MAX, KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS,
+    KVR_GDN_WREC_ROWS, KVR_GDN_WVERIFY_MAX_RING, KVR_GDN_WVPREP_THREADS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
-use crate::backend::cuda::module::{FdSpec, Kernel, GDN_DECODE_DKS, GDN_WVERIFY_DKS};
+use crate::backend::cuda::module::{
+    FdSpec, Kernel, GDN_DECODE_DKS, GDN_KVDEC_SHAPES, GDN_WVERIFY_DKS,
+};
 use crate::backend::cuda::patch::patch_i32;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Stream;
@@ -197,7 +199,60 @@ pub(crate) struct ReplayCuda {
     /// CTA of a head's first tile, `kv_split` 2: one launch fewer), above it the KV-only
     /// kernel runs first (KVR_GDN_KVONLY_ROWS overrides, for benchmarking).
     kvonly_inkernel_rows: usize,
+    /// The decode of the KV-only rows of pools with KV-only mode (kernels/gdn_kvdec.cu),
+    /// where it applies.
+    kvdec: Option<KvDec>,
 }
+
+/// The single-token decode of a pool with KV-only mode: `kvr_gdn_kvdec` first (the steps of
+/// the rows in KV-only mode, the states of those that reach the threshold), then the
+/// warp-streaming decode, which skips the rows still in KV-only mode (`kv_split` 1: the
+/// host's bound says some row may be). Both decide from the metadata: a captured graph of
+/// the two stays right whatever the rows' modes when it replays.
+struct KvDec {
+    kernel: Kernel,
+    /// Dynamic shared memory of `kernel` at 1, 2, 4 and 8 CTAs per (row, value head);
+    /// 0 where that many are not available (a materialization's state rows need enough of
+    /// them, one 8-row tile a thread limits them, clusters need sm_90).
+    smem: [u32; 4],
+    /// KVR_GDN_KVDEC_SPLIT: forced CTAs per (row, value head) (benchmarking).
+    forced_split: Option<usize>,
+    /// Up to this many batch rows each CTA copies a fixed share of the entries before the
+    /// metadata arrives (`p.stages` 1: the launch is a chain of latencies there, and the
+    /// bytes past a sequence's entries cost less than a round trip);
+    /// KVR_GDN_KVDEC_EARLY_ROWS overrides (benchmarking).
+    early_rows: usize,
+}
+
+impl KvDec {
+    /// CTAs per (row, value head) for `rows` batch rows: the fewest available (a power of
+    /// two up to 8) that give the launch two CTAs per SM, so that small batches have their
+    /// entries in flight on every SM.
+    fn split(&self, rows: usize, heads: usize, sm_count: u32) -> usize {
+        let ok = |ns: usize| ns <= 8 && self.smem[ns.trailing_zeros() as usize] > 0;
+        // (a `KvDec` has some split available)
+        let mut ns = 1;
+        while !ok(ns) && ns < 8 {
+            ns *= 2;
+        }
+        // A forced split: the nearest available from it upwards.
+        if let Some(f) = self.forced_split.filter(|&n| n.is_power_of_two() && n <= 8) {
+            while ns < f && ok(2 * ns) {
+                ns *= 2;
+            }
+            return ns;
+        }
+        let want = 2 * sm_count as usize;
+        while rows * heads * ns < want && ok(2 * ns) {
+            ns *= 2;
+        }
+        ns
+    }
+}
+
+/// Batch rows up to which `kvr_gdn_kvdec` copies fixed shares of the entries before the
+/// metadata (`KvDec::early_rows`).
+const KVDEC_EARLY_ROWS: usize = 2;
 
 /// Warps per CTA of the warp-streaming decode kernel.
 const WDECODE_WARPS: usize = 4;
@@ -336,7 +391,8 @@ fn fdecode_spec(p: &StepParams) -> Option<FdSpec> {
     let is = |t: &DevTensor, d: i32| t.dtype == d;
     let absent_or = |t: &DevTensor, d: i32| t.p == 0 || t.dtype == d;
     let unit = [p.q.s[3], p.k.s[3], p.v.s[3]].iter().all(|&s| s == 1);
-    if !unit || p.conv_dim != 0 || !is(&p.k, x) || !is(&p.v, x) || !is(&p.out, x) {
+    // (pools with KV-only mode: the builds' parameters carry no threshold)
+    if !unit || p.conv_dim != 0 || p.thr != 0 || !is(&p.k, x) || !is(&p.v, x) || !is(&p.out, x) {
         return None;
     }
     if p.rule == KVR_GDN_RULE_DELTA && p.dt_mode == KVR_GDN_DT_NONE {
@@ -741,7 +797,82 @@ impl ReplayCuda {
             buf.fill_async(cuda, 0, Stream::DEFAULT)?;
             Some(buf)
         };
-        // The warp-streaming decode: pools without KV-only mode whose states are 16-byte
+        // Pools with KV-only mode: kvr_gdn_kvdec for the KV-only rows, then the warp-streaming
+        // decode for the others (shapes of GDN_KVDEC_SHAPES; every entry of a head in one
+        // CTA's shared memory for its materialization; else the older kernels).
+        let kvdec = if cfg.kv_only_threshold > 0
+            && cfg.ring_len > 0
+            && GDN_KVDEC_SHAPES.contains(&(cfg.dk, cfg.dv))
+            && cfg.v_heads % cfg.k_heads == 0
+            && aligned
+            && cfg.ring_len <= KVR_GDN_WDECODE_MAX_RING
+            && cfg.dv % (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS) == 0
+            && !matches!(which.as_str(), "general" | "warp" | "stream")
+            && std::env::var("KVR_GDN_KVDEC").as_deref() != Ok("0")
+        {
+            let (ee, thr) = (cfg.entry_dtype.size(), cfg.kv_only_threshold);
+            // A CTA's share of the entries, ceil(thr / split) of them (a materialization's
+            // n = thr; a step's n < thr): u rows, then k rows (a region that later holds the
+            // 4 warps' partial sums of 2 dv floats), then the coefficients.
+            let smem_for = |ns: usize| {
+                let per = thr.div_ceil(ns);
+                let kroom = (per * cfg.dk * ee).max(4 * 2 * cfg.dv * 4);
+                (per * cfg.dv * ee + kroom + per * 8 + 16) as u32
+            };
+            // Splits from the fewest CTAs whose state rows a materialization holds in
+            // registers (8 x 8 values a thread: kernels/gdn_kvdec.cu) to one 8-row tile a
+            // thread at most; more than one CTA needs clusters (sm_90).
+            let elems = cfg.dk * cfg.dv;
+            let (lo, hi) = (
+                (elems / (64 * KVR_GDN_KVDEC_THREADS as usize)).max(1),
+                (elems / 1024).clamp(1, 8),
+            );
+            let kernel = Kernel::GdnKvDec {
+                state: cfg.state_dtype,
+                dk: cfg.dk,
+                dv: cfg.dv,
+            };
+            let mut smem = [0u32; 4];
+            for (i, ns) in [1usize, 2, 4, 8].into_iter().enumerate() {
+                let bytes = smem_for(ns);
+                if (lo..=hi).contains(&ns)
+                    && cfg.dv % ns == 0
+                    && bytes as usize <= STREAM_SMEM_LIMIT
+                {
+                    let fits = if ns == 1 {
+                        cuda.prepare_kernel(kernel, bytes, KVR_GDN_KVDEC_THREADS)? > 0
+                    } else {
+                        // (prepared at the largest shared memory first: the split of `lo`)
+                        if smem.iter().all(|&b| b == 0) {
+                            cuda.prepare_kernel(kernel, bytes, KVR_GDN_KVDEC_THREADS)?;
+                        }
+                        cuda.prepare_cluster(kernel, ns as u32, bytes, KVR_GDN_KVDEC_THREADS)? > 0
+                    };
+                    if fits {
+                        smem[i] = bytes;
+                    }
+                }
+            }
+            if smem.iter().any(|&b| b > 0) {
+                Some(KvDec {
+                    kernel,
+                    smem,
+                    forced_split: std::env::var("KVR_GDN_KVDEC_SPLIT")
+                        .ok()
+                        .and_then(|v| v.parse::<usize>().ok()),
+                    early_rows: std::env::var("KVR_GDN_KVDEC_EARLY_ROWS")
+                        .ok()
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .unwrap_or(KVDEC_EARLY_ROWS),
+                })
+            } else {
+                None
+            }
+        } else {
+            None
+        };
+        // The warp-streaming decode: pools without KV-only mode (or with it where kvr_gdn_kvdec
+        // takes the KV-only rows) whose states are 16-byte
         // aligned, V-major or K-major (a state kernel of its own). KVR_GDN_DECODE=stream (or
         // warp, general) selects the older kernels.
         let lc = cfg.ring_len.max(1);
@@ -755,7 +886,7 @@ impl ReplayCuda {
         // (`Kernel::GdnKDecode`; its specialized builds below `KDECODE_SPEC_ROWS` rows), in
         // two launches at every batch (no one-launch kernel, no `kvr_gdn_wrec`).
         let kmajor = cfg.layout == StateLayout::KMajor;
-        let wdecode = if cfg.kv_only_threshold == 0
+        let wdecode = if (cfg.kv_only_threshold == 0 || kvdec.is_some())
             && GDN_DECODE_DKS.contains(&cfg.dk)
             && cfg.ring_len <= KVR_GDN_WDECODE_MAX_RING
             && cfg.dv % (WDECODE_WARPS * KVR_GDN_WDECODE_ROWS) == 0
@@ -961,6 +1092,7 @@ impl ReplayCuda {
             wdecode,
             kvonly,
             kvonly_inkernel_rows,
+            kvdec,
         })
     }
 
@@ -1216,7 +1348,7 @@ impl ReplayCuda {
             dt_max: f32::INFINITY,
             export_prefix: -1,
             kv_split: 0,
-            pad1: 0,
+            vmajor: (cfg.layout == StateLayout::VMajor) as i32,
             ids_inline: [0; MAX_INLINE],
         })
     }
@@ -1401,6 +1533,32 @@ impl ReplayCuda {
             &mut args,
             pdl,
             0,
+        )
+    }
+
+    /// `kvr_gdn_kvdec` (grid split x value heads x rows, clusters of `split` CTAs): the rows
+    /// in KV-only mode, a programmatic dependent of the stream's previous kernel.
+    fn launch_kvdec(
+        &self,
+        k: &KvDec,
+        p: &mut StepParams,
+        rows: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let cfg = &self.lay.cfg;
+        let ns = k.split(rows, cfg.v_heads, self.sm_count);
+        p.tiles = ns as i32;
+        p.stages = (rows <= k.early_rows) as i32;
+        let mut args = [p as *mut StepParams as *mut c_void];
+        self.cuda.launch_ex(
+            k.kernel,
+            (ns as u32, cfg.v_heads as u32, rows as u32),
+            (KVR_GDN_KVDEC_THREADS, 1, 1),
+            k.smem[ns.trailing_zeros() as usize],
+            stream,
+            &mut args,
+            true,
+            if ns > 1 { ns as u32 } else { 0 },
         )
     }
 
@@ -1674,6 +1832,12 @@ impl Executor for ReplayCuda {
         // additive rule decodes on the warp-streaming kernel or gdn.cu).
         let single = step.t == 1 && step.auto_commit && plan.rule == Rule::Delta;
         let decode = self.decode_rows.filter(|_| single);
+        // Pools with KV-only mode (where the warp-streaming decode applies to them):
+        // kvr_gdn_kvdec first, then the warp-streaming decode at every batch size.
+        let kvdec = self
+            .kvdec
+            .as_ref()
+            .filter(|_| step.t == 1 && step.auto_commit);
         // The warp-streaming decode takes both rules.
         let wd = self
             .wdecode
@@ -1694,7 +1858,7 @@ impl Executor for ReplayCuda {
         let mut b0 = 0;
         while b0 < step.b {
             let rows = (step.b - b0).min(chunk_rows);
-            let wdecoded = wd.filter(|w| rows >= w.min_rows);
+            let wdecoded = wd.filter(|w| rows >= w.min_rows || kvdec.is_some());
             let streamed = if single && wdecoded.is_none() {
                 self.stream_launch(cfg, rows)
             } else {
@@ -1729,6 +1893,12 @@ impl Executor for ReplayCuda {
             match step.ids {
                 BatchIds::Host(ids) => p.ids_inline[..rows].copy_from_slice(&ids[b0..b0 + rows]),
                 BatchIds::Device(addr) => p.ids = (addr + b0 * 4) as u64,
+            }
+            if let Some(k) = kvdec {
+                self.launch_kvdec(k, &mut p.clone(), rows, stream)?;
+                // The replay kernels skip the KV-only rows; where the host's bound says some
+                // row may be one, they read its record before its state.
+                p.kv_split = step.kv_only_rows as i32;
             }
             if let Some(w) = wdecoded {
                 self.launch_wdecode(&mut p, (w, step.layer), rows, stream)?;
