@@ -31,7 +31,7 @@ streaming ceiling (1 GiB copy) measured in the same run.
                  one CTA per item and persistent CTAs (KVR_GDN_STREAM_PERSIST=1)
   --decode-only  the decode sweep only
   --kvonly-only  the KV-only sweep only ($OUT/gdn_bench_kvonly.json)
-  --kvonly-batches 1,64   batch sizes of the KV-only sweep (default 64; the summary keys are B = 64)
+  --kvonly-batches 1,8,64 batch sizes of the KV-only sweep (default 64; summary keys for B = 64, _b1, _b8)
   --layout v     V-major pools (states imported transposed from fla's K-major)
   --rings, --batches   subsets of the ring lengths and batch sizes of the decode sweep
   --verify-rings 16,32,64   ring lengths of the verify sweep (default 16,64: the summary's verify
@@ -364,31 +364,44 @@ def kv_only_sweep(results):
     results["kv_only"] = {"threshold": int(rows[0]["threshold"]), "rows": rows}
 
 
+# Contexts of the KV-only sweep (after the steps of the timed graph: + 4); the last two are
+# past the threshold (127), where the sequences have left KV-only mode.
+KVONLY_CTXS = [4, 8, 16, 32, 64, 96, 120, 140, 196]
+
+
 def kv_only_rows(B, rows):
     ns = n_sets_for(B)
     inp = Inputs(B, 1, ns, seed=3)
     p, seqs = pool(B, 0, ns)
     rec = time_graph(Ours(p, seqs, inp), ns, ns * 8, replays=5)
     free(p)
+    # A replay pool without KV-only mode (ring 16): what the same sequences cost there.
+    p, seqs = pool(B, 16, ns, entry=kvr.DTYPE_BF16)
+    o = Ours(p, seqs, inp)
+    for _ in range(20):
+        for i in range(ns):
+            o(i)
+    torch.cuda.synchronize()
+    off = time_graph(o, ns, ns * 16, replays=5, warm=False)
+    free(p)
     # KV-only mode is opt-in (the default threshold is off): min(dk, what a head's f32 state
     # holds of bf16 entries) = 127, the largest useful threshold.
     cap = kvr.kv_only_threshold(D, D, 4, 2)
     assert lib.gdn_params_memory(n_layers=1, n_k_heads=HK, n_v_heads=HV, dk=D, dv=D, entry_dtype=kvr.DTYPE_BF16,
                                  kv_only_threshold=cap).kv_only_threshold == cap
-    # The library's pick (the KV-only kernel beside the decode kernel, kernels/gdn_kvonly.cu)
-    # and, in the same run, the previous path: the decode kernel's per-tile readout alone
-    # (KVR_GDN_KVONLY=0).
+    # The library's pick (kvr_gdn_kvdec for the KV-only rows, then the warp-streaming decode,
+    # kernels/gdn_kvdec.cu) and, in the same run, the previous path: the KV-only kernel beside
+    # the single-token decode kernel (KVR_GDN_KVDEC=0).
     pools = {}
-    for name, env in (("kv_only", None), ("warp", "0")):
+    for name, env in (("kv_only", None), ("previous", "0")):
         if env is None:
-            os.environ.pop("KVR_GDN_KVONLY", None)
+            os.environ.pop("KVR_GDN_KVDEC", None)
         else:
-            os.environ["KVR_GDN_KVONLY"] = env
+            os.environ["KVR_GDN_KVDEC"] = env
         pools[name] = pool(B, 16, ns, thr=int(cap), entry=kvr.DTYPE_BF16)
-    os.environ.pop("KVR_GDN_KVONLY", None)
-    ctxs = [4, 8, 16, 32, 64, 96, 120]
-    for c in ctxs:
-        row = {"B": B, "context": c + 4, "recurrent_us": rec, "threshold": int(cap)}
+    os.environ.pop("KVR_GDN_KVDEC", None)
+    for c in KVONLY_CTXS:
+        row = {"B": B, "context": c + 4, "recurrent_us": rec, "replay16_us": off, "threshold": int(cap)}
         for name, (p, seqs) in pools.items():
             o = Ours(p, seqs, inp)
             for s in seqs:
@@ -397,16 +410,18 @@ def kv_only_rows(B, rows):
                 for i in range(ns):
                     o(i)
             torch.cuda.synchronize()
-            row[f"{name}_mode"] = lib.gdn_cursor(p, 0, seqs[0]).mode
             # time_graph replays once untimed first: the timed steps run at context c + 2..c + 5.
             row[f"{name}_us"] = time_graph(o, ns, ns * 4, replays=1, warm=False)
+            row[f"{name}_mode"] = lib.gdn_cursor(p, 0, seqs[0]).mode
         row["mode"] = row["kv_only_mode"]
         row["speedup"] = rec / row["kv_only_us"]
-        row["speedup_warp"] = rec / row["warp_us"]
+        row["speedup_previous"] = rec / row["previous_us"]
+        row["vs_replay16"] = off / row["kv_only_us"]
         rows.append(row)
-        print(f"B={B} context {c + 4:3d}  KV-only {row['kv_only_us']:7.1f}  (previous path "
-              f"{row['warp_us']:7.1f})  recurrent {rec:7.1f}  speedup {row['speedup']:.2f}x "
-              f"(was {row['speedup_warp']:.2f}x; mode {row['mode']})", flush=True)
+        print(f"B={B:3d} context {c + 4:3d}  KV-only pool {row['kv_only_us']:7.1f}  (previous path "
+              f"{row['previous_us']:7.1f})  recurrent {rec:7.1f}  replay L=16 {off:7.1f}  "
+              f"x recurrent {row['speedup']:.2f} (was {row['speedup_previous']:.2f})  "
+              f"x replay {row['vs_replay16']:.2f}  (mode {row['mode']})", flush=True)
     for p, _ in pools.values():
         free(p)
 
@@ -525,12 +540,27 @@ def summary(v, k=None):
         r = ver.get((128, 4), {})
         if f"over_decode{ring}" in r:
             out[f"gdn_verify_t4_over_decode_b128{suffix}"] = round(r[f"over_decode{ring}"], 3)
-    kvo = [r for r in v.get("kv_only", {}).get("rows", []) if r["B"] == 64]
-    for want in (64, 124):
+    kvr_rows = v.get("kv_only", {}).get("rows", [])
+    for B, suffix in ((64, ""), (1, "_b1"), (8, "_b8")):
+        kvo = [r for r in kvr_rows if r["B"] == B and r["mode"] == 0]
+        for want in (8, 64, 124):
+            if kvo:
+                r = min(kvo, key=lambda x: abs(x["context"] - want))
+                out[f"gdn_kvonly_vs_recurrent_ctx{want}{suffix}"] = round(r["speedup"], 3)
+                out[f"gdn_kvonly_vs_replay16_ctx{want}{suffix}"] = round(r["vs_replay16"], 3)
+                if not suffix:
+                    out[f"gdn_kvonly_ctx{want}_measured_at"] = r["context"]
+                    out[f"gdn_kvonly_vs_previous_ctx{want}"] = round(r["kv_only_us"] and
+                                                                    r["previous_us"] / r["kv_only_us"], 3)
         if kvo:
-            r = min(kvo, key=lambda x: abs(x["context"] - want))
-            out[f"gdn_kvonly_vs_recurrent_ctx{want}"] = round(r["speedup"], 3)
-            out[f"gdn_kvonly_ctx{want}_measured_at"] = r["context"]
+            out[f"gdn_kvonly_min_vs_recurrent{suffix}"] = round(min(r["speedup"] for r in kvo), 3)
+        # Past the threshold: the KV-only pool's replay steps against a pool without the mode
+        # (the longest context: its 4 timed steps hold no flush; the pool without the mode is
+        # timed over whole flush cycles).
+        past = [r for r in kvr_rows if r["B"] == B and r["mode"] != 0]
+        if past:
+            r = max(past, key=lambda x: x["context"])
+            out[f"gdn_kvonly_pool_past_threshold_vs_replay16{suffix}"] = round(r["vs_replay16"], 3)
     if k is not None:
         kd = {r["B"]: r for r in k.get("decode", [])}
         # K-major verify (a `--verify-only` run of the default layout): ring 16 and 64.
