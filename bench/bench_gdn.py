@@ -32,6 +32,8 @@ streaming ceiling (1 GiB copy) measured in the same run.
   --decode-only  the decode sweep only
   --kvonly-only  the KV-only sweep only ($OUT/gdn_bench_kvonly.json)
   --kvonly-batches 1,8,64 batch sizes of the KV-only sweep (default 64; summary keys for B = 64, _b1, _b8)
+  --kvonly-env "s4:KVR_GDN_KVDEC_SPLIT=4;e:KVR_GDN_KVDEC_EARLY_ROWS=8,KVR_GDN_KVDEC_SPLIT=8"
+                 more KV-only pools beside the library's pick, each built under its environment
   --layout v     V-major pools (states imported transposed from fla's K-major)
   --rings, --batches   subsets of the ring lengths and batch sizes of the decode sweep
   --verify-rings 16,32,64   ring lengths of the verify sweep (default 16,64: the summary's verify
@@ -66,6 +68,10 @@ def _arg_list(name, default):
     if name in sys.argv:
         return [int(x) for x in sys.argv[sys.argv.index(name) + 1].split(",")]
     return default
+
+
+def _arg_str(name):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
 BATCHES = _arg_list("--batches", [1, 8, 32, 64, 128, 256])
@@ -356,6 +362,18 @@ def verify_sweep(results):
     results["verify"] = rows
 
 
+def kvonly_variants():
+    """`--kvonly-env "s4:KVR_GDN_KVDEC_SPLIT=4;e8:KVR_GDN_KVDEC_EARLY_ROWS=8,KVR_GDN_KVDEC_SPLIT=8"`:
+    more KV-only pools timed beside the library's pick, each built under its environment
+    (a column `<name>_us` each)."""
+    spec = _arg_str("--kvonly-env")
+    out = []
+    for item in filter(None, (spec or "").split(";")):
+        name, _, envs = item.partition(":")
+        out.append((name, dict(e.split("=", 1) for e in envs.split(",") if e)))
+    return out
+
+
 def kv_only_sweep(results):
     print("\n== KV-only (no state, bf16 entries) vs recurrent: us per decode step", flush=True)
     rows = []
@@ -393,13 +411,15 @@ def kv_only_rows(B, rows):
     # kernels/gdn_kvdec.cu) and, in the same run, the previous path: the KV-only kernel beside
     # the single-token decode kernel (KVR_GDN_KVDEC=0).
     pools = {}
-    for name, env in (("kv_only", None), ("previous", "0")):
-        if env is None:
-            os.environ.pop("KVR_GDN_KVDEC", None)
-        else:
-            os.environ["KVR_GDN_KVDEC"] = env
+    for name, env in [("kv_only", {}), ("previous", {"KVR_GDN_KVDEC": "0"})] + kvonly_variants():
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         pools[name] = pool(B, 16, ns, thr=int(cap), entry=kvr.DTYPE_BF16)
-    os.environ.pop("KVR_GDN_KVDEC", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     for c in KVONLY_CTXS:
         row = {"B": B, "context": c + 4, "recurrent_us": rec, "replay16_us": off, "threshold": int(cap)}
         for name, (p, seqs) in pools.items():
@@ -418,10 +438,11 @@ def kv_only_rows(B, rows):
         row["speedup_previous"] = rec / row["previous_us"]
         row["vs_replay16"] = off / row["kv_only_us"]
         rows.append(row)
+        extra = "".join(f"  {n} {row[n + '_us']:7.1f}" for n, _ in kvonly_variants())
         print(f"B={B:3d} context {c + 4:3d}  KV-only pool {row['kv_only_us']:7.1f}  (previous path "
               f"{row['previous_us']:7.1f})  recurrent {rec:7.1f}  replay L=16 {off:7.1f}  "
               f"x recurrent {row['speedup']:.2f} (was {row['speedup_previous']:.2f})  "
-              f"x replay {row['vs_replay16']:.2f}  (mode {row['mode']})", flush=True)
+              f"x replay {row['vs_replay16']:.2f}  (mode {row['mode']}){extra}", flush=True)
     for p, _ in pools.values():
         free(p)
 

@@ -24,11 +24,11 @@
 // state's below dk entries; the kernel's job is to have them all in flight at once:
 //  (1) before the metadata: q, k, v, (g, beta), the gate inputs and every possible entry's
 //      decay; then each CTA copies its share of the entries' u and k rows into shared memory
-//      (cp.async, 16 bytes a thread and copy; at small batches a fixed share, before the
-//      metadata too: `p.stages`);
+//      (cp.async, 16 bytes a thread and copy; at small batches a fixed share, whose first
+//      `p.stages` entries of the row are copied before the metadata too);
 //  (2) meanwhile q and k normalized and the decays' suffix sums (a block scan);
-//  (3) the key products of 32 entries a warp: lane l holds keys [l dk/32, (l+1) dk/32) of q
-//      and k, 64 partial sums per lane, one reduce_scatter each (lane e: entry e);
+//  (3) the key products, an entry a team of dk / 16 lanes, the warps sharing the entries
+//      evenly (kv_sums);
 //  (4) the u rows weighted by both products, a warp per quarter of the entries, dv/32
 //      contiguous columns a lane; sums over the warps in shared memory, then over the
 //      cluster's CTAs through distributed shared memory, each CTA finishing dv / NS columns;
@@ -67,17 +67,127 @@ __device__ __forceinline__ float2 block_suffix2(float x0, float x1, float* tot, 
   return make_float2(after + x1, after);
 }
 
-// Copies entries [lo, lo + cnt) of a head (u rows of `ub` bytes, k rows of `kb`) into shared
-// memory at `dst`: u rows first, k rows after `room` u rows; cp.async, one commit group.
-__device__ __forceinline__ void kv_copy_share(char* dst, const char* eu, const char* ek, int lo, int cnt, int room,
-                                              int kb, int ub) {
+// Copies entries [j0, j1) of a head (u rows of `ub` bytes, k rows of `kb`) into the slots
+// j - lo of a share in shared memory at `dst`: u rows first, k rows after `room` u rows;
+// cp.async, one commit group.
+__device__ __forceinline__ void kv_copy_share(char* dst, const char* eu, const char* ek, int lo, int j0, int j1,
+                                              int room, int kb, int ub) {
+  const int tid = threadIdx.x, cnt = j1 - j0;
+  const char* gu = eu + static_cast<int64_t>(j0) * ub;
+  const char* gk = ek + static_cast<int64_t>(j0) * kb;
+  char* su = dst + (j0 - lo) * ub;
+  char* sk = dst + room * ub + (j0 - lo) * kb;
+  for (int i = tid * 16; i < cnt * ub; i += kKdThreads * 16) cp_async_16(su + i, gu + i, 16);
+  for (int i = tid * 16; i < cnt * kb; i += kKdThreads * 16) cp_async_16(sk + i, gk + i, 16);
+  cp_async_commit();
+}
+
+// Copies the same entries as kv_copy_share with plain loads and shared stores, each thread the
+// bytes it copied there (a materialization's staging, which the cluster's other CTAs read
+// through distributed shared memory: ordered by the cluster barrier alone, as a race checker
+// sees it too; it runs once per sequence, layer and head).
+__device__ __forceinline__ void kv_copy_share_plain(char* dst, const char* eu, const char* ek, int lo, int cnt,
+                                                    int room, int kb, int ub) {
   const int tid = threadIdx.x;
   const char* gu = eu + static_cast<int64_t>(lo) * ub;
   const char* gk = ek + static_cast<int64_t>(lo) * kb;
   char* sk = dst + room * ub;
-  for (int i = tid * 16; i < cnt * ub; i += kKdThreads * 16) cp_async_16(dst + i, gu + i, 16);
-  for (int i = tid * 16; i < cnt * kb; i += kKdThreads * 16) cp_async_16(sk + i, gk + i, 16);
-  cp_async_commit();
+  for (int i = tid * 16; i < cnt * ub; i += kKdThreads * 16)
+    *reinterpret_cast<uint4*>(dst + i) = __ldcg(reinterpret_cast<const uint4*>(gu + i));
+  for (int i = tid * 16; i < cnt * kb; i += kKdThreads * 16)
+    *reinterpret_cast<uint4*>(sk + i) = __ldcg(reinterpret_cast<const uint4*>(gk + i));
+}
+
+// Steps (3) and (4) of a CTA's cnt entries (E: their dtype), u rows at `su`, k rows at `sk`:
+//  (3) k_j . q and k_j . k by teams of TS = DK / 16 lanes, an entry a team (32 / TS entries a
+//      warp at a time, the warps' turns interleaved so that they share the entries evenly):
+//      16 keys a lane, as the 16-byte chunks j, j + TS, .. of the row (lane j of the team;
+//      conflict-free shared loads), the team's sums met by shuffles; weighted by w_j
+//      (e^{suf[lo + j]}) into coef;
+//  (4) after a CTA barrier, sum_j coef_j u_j, warp w taking entries w, w + 4, .., dv / 32
+//      contiguous columns a lane, into red[warp] (q's sums, then k's).
+template <typename E, int DK, int DV>
+__device__ __forceinline__ void kv_sums(const char* su, const char* sk, const float* qn, const float* kn,
+                                        const float* suf, int lo, int cnt, float2* coef, float (*red)[2][DV],
+                                        int lane, int warp) {
+  constexpr int TS = DK / 16, EW = 32 / TS;       // lanes a team, entries a warp's turn
+  constexpr int V = 16 / sizeof(E), NC = 16 / V;  // elements a chunk, chunks a lane
+  constexpr int CPL = DV / 32;
+  static_assert(TS >= 1 && TS <= 32 && 32 % TS == 0, "16 keys a lane");
+  {
+    const int j = lane % TS, t = lane / TS;
+    float q[16], k[16];
+#pragma unroll
+    for (int i = 0; i < NC; ++i)
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        q[i * V + v] = qn[(j + TS * i) * V + v];
+        k[i * V + v] = kn[(j + TS * i) * V + v];
+      }
+    for (int e0 = warp * EW; e0 < cnt; e0 += kKdWarps * EW) {
+      const int e = e0 + t;
+      float pq = 0.f, pk = 0.f;
+      if (e < cnt) {
+        const E* row = reinterpret_cast<const E*>(sk) + static_cast<int64_t>(e) * DK;
+#pragma unroll
+        for (int i = 0; i < NC; ++i) {
+          float x[V];
+          ld_vec<E, V>(row + (j + TS * i) * V, x);
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            pq = fmaf(x[v], q[i * V + v], pq);
+            pk = fmaf(x[v], k[i * V + v], pk);
+          }
+        }
+      }
+#pragma unroll
+      for (int o = TS / 2; o > 0; o >>= 1) {
+        pq += __shfl_xor_sync(0xffffffffu, pq, o);
+        pk += __shfl_xor_sync(0xffffffffu, pk, o);
+      }
+      if (j == 0 && e < cnt) {
+        const float w = expf(suf[lo + e]);
+        coef[e] = make_float2(w * pq, w * pk);
+      }
+    }
+  }
+  __syncthreads();  // coef
+  float aq[CPL], ak[CPL];
+#pragma unroll
+  for (int r = 0; r < CPL; ++r) aq[r] = ak[r] = 0.f;
+  const E* ub = reinterpret_cast<const E*>(su) + lane * CPL;
+  int e = warp;
+  for (; e + 3 * kKdWarps < cnt; e += 4 * kKdWarps) {
+    float x[4][CPL];
+    float2 cf[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      ld_vec<E, CPL>(ub + (e + i * kKdWarps) * DV, x[i]);
+      cf[i] = coef[e + i * kKdWarps];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int r = 0; r < CPL; ++r) {
+        aq[r] = fmaf(cf[i].x, x[i][r], aq[r]);
+        ak[r] = fmaf(cf[i].y, x[i][r], ak[r]);
+      }
+  }
+  for (; e < cnt; e += kKdWarps) {
+    float x[CPL];
+    ld_vec<E, CPL>(ub + e * DV, x);
+    const float2 cf = coef[e];
+#pragma unroll
+    for (int r = 0; r < CPL; ++r) {
+      aq[r] = fmaf(cf.x, x[r], aq[r]);
+      ak[r] = fmaf(cf.y, x[r], ak[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < CPL; ++r) {
+    red[warp][0][lane * CPL + r] = aq[r];
+    red[warp][1][lane * CPL + r] = ak[r];
+  }
 }
 
 // This CTA's rows [s R, (s + 1) R) of the state S = sum_j w_j u_j k_j^T of a head whose n
@@ -131,7 +241,6 @@ __device__ void kv_state_rows(const StepParams& p, char* head, int n, int per, i
 
 template <typename SD, int DK, int DV>
 __device__ void kvdec_body(const StepParams& p) {
-  constexpr int KL = DK / 32, CPL = DV / 32;
   constexpr int QPT = (DK + kKdThreads - 1) / kKdThreads, FPT = (DV + kKdThreads - 1) / kKdThreads;
   __shared__ float qn[DK], kn[DK];
   __shared__ float suf[2 * kKdThreads];
@@ -177,12 +286,18 @@ __device__ void kvdec_body(const StepParams& p) {
     ei[i] = in ? epilogue_in(p, b, 0, h, c) : EpilogueIn{0.f, 0.f};
   }
   const float2 gb = token_gb(p, b, 0, h);
-  // Shares of the entries: `p.stages` (small batches, where the launch is a chain of
-  // latencies) fixed ones of P = ceil(thr / NS), copied before the metadata arrives (entries
-  // past n are never read); otherwise ceil(n / NS), copied after it. Room for P either way.
-  const bool early = p.stages != 0;
+  // Shares of the entries: at small batches, where the launch is a chain of latencies, fixed
+  // ones of P = ceil(thr / NS), of which the first `p.stages` entries of the row (the host's
+  // count, or all) are copied before the metadata arrives (entries past n are never read) and
+  // the rest after it; otherwise (p.stages 0) ceil(n / NS), copied after the metadata. Room
+  // for P either way.
+  const int E = p.stages;
+  const bool early = E > 0;
   const int P = (p.thr + NS - 1) / NS;
-  if (early) kv_copy_share(kd_dyn, eu, ek, s * P, min(p.thr, s * P + P) - s * P, P, DK * ee, DV * ee);
+  if (early) {
+    const int j1 = max(s * P, min(min(p.thr, E), s * P + P));
+    kv_copy_share(kd_dyn, eu, ek, s * P, s * P, j1, P, DK * ee, DV * ee);
+  }
   const int n = m4.z;
   const Place pl = placement(p, m4.x, m4.y, n);
   // Rows that are not KV-only are the replay kernels' (the same for every CTA of a cluster:
@@ -192,7 +307,9 @@ __device__ void kvdec_body(const StepParams& p) {
     return;
   }
   const int per = early ? P : (n + NS - 1) / NS, lo = min(n, s * per), cnt = min(n, lo + per) - lo;
-  if (!early) kv_copy_share(kd_dyn, eu, ek, lo, cnt, P, DK * ee, DV * ee);
+  // (a materialization copies its share below, by plain loads and stores)
+  if (!pl.flush && (!early || lo + cnt > max(lo, E)))
+    kv_copy_share(kd_dyn, eu, ek, lo, early ? max(lo, E) : lo, lo + cnt, P, DK * ee, DV * ee);
   char* su = kd_dyn;
   char* sk = kd_dyn + P * DV * ee;
   // The k rows' region also holds the warps' partial sums once the key products are done.
@@ -223,8 +340,11 @@ __device__ void kvdec_body(const StepParams& p) {
     // share of the n = thr entries), the ring empty, replay mode.
     suf[2 * tid] = expf(sf.x);
     suf[2 * tid + 1] = expf(sf.y);
+    // The share again by plain loads and stores (the early copies landed first): the other
+    // CTAs read it through distributed shared memory.
     cp_async_wait<0>();
-    __syncthreads();     // (the copies landed: seen by the CTA's threads, then by the cluster's)
+    kv_copy_share_plain(kd_dyn, eu, ek, lo, cnt, P, DK * ee, DV * ee);
+    __syncthreads();
     if (NS > 1) cluster_sync_all();  // every share in shared memory: the state may take the memory over
     // State rows a thread (8 keys each): 1..8 (the host's split keeps NS in
     // [kvdec_min_split, dv dk / 1024]).
@@ -280,80 +400,13 @@ __device__ void kvdec_body(const StepParams& p) {
   cp_async_wait<0>();
   __syncthreads();  // entries, qn, kn, suf, part[2]
 
-  // (3) k_j . q and k_j . k, 16 entries a warp at a time (one reduce_scatter of the 32
-  // partial sums: lane e < 16 ends with entry e's k . q, lane 16 + e with its k . k); weighted
-  // by w_j.
-  {
-    float q[KL], k[KL];
-#pragma unroll
-    for (int c = 0; c < KL; ++c) {
-      q[c] = qn[lane * KL + c];
-      k[c] = kn[lane * KL + c];
-    }
-    for (int cb = 16 * warp; cb < cnt; cb += 16 * kKdWarps) {
-      float pp[32];
-#pragma unroll
-      for (int e = 0; e < 16; ++e) {
-        pp[e] = pp[16 + e] = 0.f;
-        if (cb + e < cnt) {
-          float x[KL];
-          ld_ent<KL>(sk + ((cb + e) * DK + lane * KL) * ee, dt, x);
-#pragma unroll
-          for (int c = 0; c < KL; ++c) {
-            pp[e] = fmaf(x[c], q[c], pp[e]);
-            pp[16 + e] = fmaf(x[c], k[c], pp[16 + e]);
-          }
-        }
-      }
-      const float r = reduce_scatter<32>(pp, lane);
-      const float rk = __shfl_down_sync(0xffffffffu, r, 16);
-      if (lane < 16 && cb + lane < cnt) {
-        const float w = expf(suf[lo + cb + lane]);
-        coef[cb + lane] = make_float2(w * r, w * rk);
-      }
-    }
-  }
-  __syncthreads();  // coef
-
-  // (4) sum_j coef_j u_j over this CTA's entries: warp w takes entries w, w + 4, ..
-  {
-    float aq[CPL], ak[CPL];
-#pragma unroll
-    for (int r = 0; r < CPL; ++r) aq[r] = ak[r] = 0.f;
-    const char* ub = su + lane * CPL * ee;
-    int e = warp;
-    for (; e + 3 * kKdWarps < cnt; e += 4 * kKdWarps) {
-      float x[4][CPL];
-      float2 cf[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        ld_ent<CPL>(ub + (e + i * kKdWarps) * DV * ee, dt, x[i]);
-        cf[i] = coef[e + i * kKdWarps];
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int r = 0; r < CPL; ++r) {
-          aq[r] = fmaf(cf[i].x, x[i][r], aq[r]);
-          ak[r] = fmaf(cf[i].y, x[i][r], ak[r]);
-        }
-    }
-    for (; e < cnt; e += kKdWarps) {
-      float x[CPL];
-      ld_ent<CPL>(ub + e * DV * ee, dt, x);
-      const float2 cf = coef[e];
-#pragma unroll
-      for (int r = 0; r < CPL; ++r) {
-        aq[r] = fmaf(cf.x, x[r], aq[r]);
-        ak[r] = fmaf(cf.y, x[r], ak[r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < CPL; ++r) {
-      red[warp][0][lane * CPL + r] = aq[r];
-      red[warp][1][lane * CPL + r] = ak[r];
-    }
-  }
+  // (3) and (4), the entries' dtype fixed.
+  if (dt == KVR_DT_F32)
+    kv_sums<float, DK, DV>(su, sk, qn, kn, suf, lo, cnt, coef, red, lane, warp);
+  else if (dt == KVR_DT_F16)
+    kv_sums<__half, DK, DV>(su, sk, qn, kn, suf, lo, cnt, coef, red, lane, warp);
+  else
+    kv_sums<__nv_bfloat16, DK, DV>(su, sk, qn, kn, suf, lo, cnt, coef, red, lane, warp);
   __syncthreads();
   // This CTA's sums over its entries: into red[0] (each column read and written by one thread).
 #pragma unroll
@@ -390,9 +443,17 @@ __device__ void kvdec_body(const StepParams& p) {
         hq = red[0][0][c];
         hk = red[0][1][c];
       } else {
-        for (int r = 0; r < NS; ++r) {
-          hq += *cluster_map(&red[0][0][c], r);
-          hk += *cluster_map(&red[0][1][c], r);
+        // (every remote load issued before the sums: NS <= 8)
+        float xq[8], xk[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          xq[r] = r < NS ? *cluster_map(&red[0][0][c], r) : 0.f;
+          xk[r] = r < NS ? *cluster_map(&red[0][1][c], r) : 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          hq += xq[r];
+          hk += xk[r];
         }
       }
       const float u = delta ? beta * (vr[i] - a * hk) : beta * vr[i];

@@ -164,6 +164,10 @@ __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int 
 // them, below, is never indexed at run time and stays in registers.)
 template <int DK, int LU>
 __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
+  // A programmatic dependent of kvr_gdn_kvdec_* in pools with KV-only mode (elsewhere a plain
+  // launch: the wait is a no-op): the records it writes first, and only then the state
+  // kernel's launch, whose KV-only test reads them before its own wait.
+  pdl_wait();
   pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;

@@ -132,6 +132,11 @@ if [ -x bin/gpu_gdn ]; then
     bin/gpu_gdn kv_only across_flushes graph_replays --test-threads=1 --nocapture
   [ -x bin/gpu_ssm ] && job gpu_ssm-kvdec-split1-early test "KVR_GDN_KVDEC_SPLIT=1 KVR_GDN_KVDEC_EARLY_ROWS=100000" \
     bin/gpu_ssm --test-threads=1 --nocapture
+  # The host's entry count copied before the metadata at every batch (off by default: fixed
+  # shares, and the rest after the metadata where the count falls short, as in graphs
+  # replayed later).
+  job gpu_gdn-kvdec-guess-all test "KVR_GDN_KVDEC_GUESS_ROWS=100000" \
+    bin/gpu_gdn kv_only across_flushes graph_replays --test-threads=1 --nocapture
   job gpu_gdn-kvdec-off test "KVR_GDN_KVDEC=0" bin/gpu_gdn --test-threads=1 --nocapture
 fi
 # The paged decode tests with each decode kernel forced (the library picks the cluster,

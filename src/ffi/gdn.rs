@@ -41,9 +41,9 @@ pub type kvr_gdn_threshold = i32;
 /// an opt-in (an explicit count > 0), from the measured crossover against a pool without
 /// it (H200, Qwen3-Next's layer, bf16 entries, ring 16, threshold 127, BENCHMARKS.md): on
 /// CUDA such a pool decodes its KV-only rows on their own kernel before the warp-streaming
-/// decode, which is faster than a pool without the mode at B = 64 up to about 70 tokens
-/// and at B = 8 up to the threshold, but not at B = 1 (0.70-0.74x); and it pays for the
-/// mode after the threshold (0.88x / 0.85x / 0.69x at B = 64 / 8 / 1) and in verify (the
+/// decode, which is faster than a pool without the mode at B = 64 up to about 90 tokens
+/// and at B = 8 up to the threshold, but not at B = 1 (0.84-0.85x); and it pays for the
+/// mode after the threshold (0.89x / 0.87x / 0.70x at B = 64 / 8 / 1) and in verify (the
 /// older kernels). Large batches of short sequences gain from a threshold of about 64.
 pub const KVR_GDN_THRESHOLD_DEFAULT: kvr_gdn_threshold = -1 as kvr_gdn_threshold;
 /// No KV-only mode: every sequence keeps a state from its first token.

@@ -222,6 +222,11 @@ struct KvDec {
     /// bytes past a sequence's entries cost less than a round trip);
     /// KVR_GDN_KVDEC_EARLY_ROWS overrides (benchmarking).
     early_rows: usize,
+    /// Up to this many batch rows the CTAs copy, before the metadata arrives, the entries
+    /// the host counts (the most of any row that may be KV-only; fewer than the rows hold
+    /// when a captured graph replays later, and the rest follow the metadata);
+    /// KVR_GDN_KVDEC_GUESS_ROWS overrides (benchmarking).
+    guess_rows: usize,
 }
 
 impl KvDec {
@@ -253,6 +258,12 @@ impl KvDec {
 /// Batch rows up to which `kvr_gdn_kvdec` copies fixed shares of the entries before the
 /// metadata (`KvDec::early_rows`).
 const KVDEC_EARLY_ROWS: usize = 2;
+
+/// Batch rows up to which `kvr_gdn_kvdec` copies the entries the host counts before the
+/// metadata (`KvDec::guess_rows`): none. Measured on the H200 (BENCHMARKS.md, twenty-ninth
+/// session), at up to 16 rows it saved the copy's round trip but its fixed shares left one
+/// CTA of a head most of the entries, and B = 8 steps were slower below 124 tokens.
+const KVDEC_GUESS_ROWS: usize = 0;
 
 /// Warps per CTA of the warp-streaming decode kernel.
 const WDECODE_WARPS: usize = 4;
@@ -864,6 +875,10 @@ impl ReplayCuda {
                         .ok()
                         .and_then(|v| v.parse::<usize>().ok())
                         .unwrap_or(KVDEC_EARLY_ROWS),
+                    guess_rows: std::env::var("KVR_GDN_KVDEC_GUESS_ROWS")
+                        .ok()
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .unwrap_or(KVDEC_GUESS_ROWS),
                 })
             } else {
                 None
@@ -1482,7 +1497,10 @@ impl ReplayCuda {
                 (1, DPREP_THREADS, w.prep_smem)
             };
             p.stages = shares as i32;
-            self.run(kernel, rows * shares, threads, smem, p, stream)?;
+            // After kvr_gdn_kvdec (pools with KV-only mode: p.thr > 0), a programmatic
+            // dependent of it: the prep waits at entry, and its CTAs are resident when the
+            // KV-only step ends (a plain launch after it cost the step a launch gap).
+            self.run_ex(kernel, (rows * shares, threads, smem), p, stream, p.thr > 0)?;
         }
         let kernel = match spec {
             Some(spec) => wdecode_kernel_x(w.kmajor, cfg.state_dtype, w.ring32, spec),
@@ -1542,13 +1560,22 @@ impl ReplayCuda {
         &self,
         k: &KvDec,
         p: &mut StepParams,
-        rows: usize,
+        (rows, entries): (usize, usize),
         stream: Stream,
     ) -> Result<()> {
         let cfg = &self.lay.cfg;
         let ns = k.split(rows, cfg.v_heads, self.sm_count);
         p.tiles = ns as i32;
-        p.stages = (rows <= k.early_rows) as i32;
+        // The entries each row's CTAs copy before the metadata arrives (0: none; at most
+        // the threshold).
+        let thr = cfg.kv_only_threshold;
+        p.stages = if rows <= k.early_rows {
+            thr
+        } else if rows <= k.guess_rows {
+            entries.min(thr)
+        } else {
+            0
+        } as i32;
         let mut args = [p as *mut StepParams as *mut c_void];
         self.cuda.launch_ex(
             k.kernel,
@@ -1895,7 +1922,7 @@ impl Executor for ReplayCuda {
                 BatchIds::Device(addr) => p.ids = (addr + b0 * 4) as u64,
             }
             if let Some(k) = kvdec {
-                self.launch_kvdec(k, &mut p.clone(), rows, stream)?;
+                self.launch_kvdec(k, &mut p.clone(), (rows, step.kv_only_entries), stream)?;
                 // The replay kernels skip the KV-only rows; where the host's bound says some
                 // row may be one, they read its record before its state.
                 p.kv_split = step.kv_only_rows as i32;

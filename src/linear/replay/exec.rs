@@ -45,6 +45,10 @@ pub struct Step<'a> {
     /// Some row may be a sequence in KV-only mode (false: every listed sequence surely
     /// has a state; the host's lower bound of each sequence's tokens, see `pool.rs`).
     pub kv_only_rows: bool,
+    /// The most entries the host counts for such a row (0 where none may be KV-only): a
+    /// lower bound of the rows' entries when a captured graph replays the step later, a
+    /// hint for how many to fetch before the metadata arrives.
+    pub kv_only_entries: usize,
     /// Sequence ids (-1: unused row, outputs zeros).
     pub ids: &'a BatchIds,
     /// The checked call.

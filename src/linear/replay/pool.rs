@@ -356,19 +356,29 @@ impl<F: Family> ReplayPool<F> {
         for id in ids.live() {
             Self::check_no_pending(&seqs, id, layer)?;
         }
-        // Device ids may name any live sequence.
-        let kv_only_rows = match &ids {
+        // Whether some row may be a sequence in KV-only mode (device ids may name any live
+        // sequence), and the most entries the host counts for such a row.
+        let (mut kv_only_rows, mut kv_only_entries) = (false, 0);
+        let mut see = |s: &SeqHost| {
+            if self.may_be_kv_only(s, layer) {
+                kv_only_rows = true;
+                kv_only_entries = kv_only_entries.max(s.kv_tokens[layer] as usize);
+            }
+        };
+        match &ids {
             BatchIds::Host(_) => ids
                 .live()
-                .any(|id| seqs.get(id).is_ok_and(|s| self.may_be_kv_only(s, layer))),
-            BatchIds::Device(_) => seqs.iter().any(|(_, s)| self.may_be_kv_only(s, layer)),
-        };
+                .filter_map(|id| seqs.get(id).ok())
+                .for_each(&mut see),
+            BatchIds::Device(_) => seqs.iter().for_each(|(_, s)| see(s)),
+        }
         let step = Step {
             layer,
             b,
             t,
             auto_commit: decode,
             kv_only_rows,
+            kv_only_entries,
             ids: &ids,
             plan: &plan,
         };
