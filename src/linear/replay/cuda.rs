@@ -255,6 +255,14 @@ impl KvDec {
     }
 }
 
+/// A non-negative integer from the environment variable `name` (this file's benchmarking
+/// overrides); None where it is unset or not one.
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
 /// Batch rows up to which `kvr_gdn_kvdec` copies fixed shares of the entries before the
 /// metadata (`KvDec::early_rows`).
 const KVDEC_EARLY_ROWS: usize = 2;
@@ -541,9 +549,7 @@ impl ReplayCuda {
             }
         }
         // KVR_GDN_TILE forces the value rows per CTA (for benchmarking), read once here.
-        let forced_tile = std::env::var("KVR_GDN_TILE")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
+        let forced_tile = env_usize("KVR_GDN_TILE")
             .filter(|t| t.is_power_of_two() && (tiles.0..=tiles.1).contains(t));
         // The decode kernel: 8 value rows per warp, up to DECODE_MAX_ROWS per CTA.
         // KVR_GDN_DECODE=general routes decode through the general step kernel and
@@ -557,9 +563,7 @@ impl ReplayCuda {
         let decode_rows =
             if GDN_DECODE_DKS.contains(&cfg.dk) && !recurrent_kmajor && which != "general" {
                 let max = DECODE_MAX_ROWS.min(cfg.dv);
-                let rows = std::env::var("KVR_GDN_DECODE_ROWS")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
+                let rows = env_usize("KVR_GDN_DECODE_ROWS")
                     .filter(|r| r.is_power_of_two() && (8..=max).contains(r))
                     .unwrap_or(max);
                 Some(rows)
@@ -633,10 +637,8 @@ impl ReplayCuda {
                 }
             }
         }
-        let forced_stream_rows = std::env::var("KVR_GDN_STREAM_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|r| stream_rows.iter().any(|w| w.rows == *r));
+        let forced_stream_rows =
+            env_usize("KVR_GDN_STREAM_ROWS").filter(|r| stream_rows.iter().any(|w| w.rows == *r));
         let stream_persistent = std::env::var("KVR_GDN_STREAM_PERSIST").as_deref() == Ok("1");
         // Batch sizes where the streaming kernel beat the older ones on the H200
         // (BENCHMARKS.md, same runs): replay decode on V-major states at every batch, on
@@ -868,17 +870,9 @@ impl ReplayCuda {
                 Some(KvDec {
                     kernel,
                     smem,
-                    forced_split: std::env::var("KVR_GDN_KVDEC_SPLIT")
-                        .ok()
-                        .and_then(|v| v.parse::<usize>().ok()),
-                    early_rows: std::env::var("KVR_GDN_KVDEC_EARLY_ROWS")
-                        .ok()
-                        .and_then(|v| v.parse::<usize>().ok())
-                        .unwrap_or(KVDEC_EARLY_ROWS),
-                    guess_rows: std::env::var("KVR_GDN_KVDEC_GUESS_ROWS")
-                        .ok()
-                        .and_then(|v| v.parse::<usize>().ok())
-                        .unwrap_or(KVDEC_GUESS_ROWS),
+                    forced_split: env_usize("KVR_GDN_KVDEC_SPLIT"),
+                    early_rows: env_usize("KVR_GDN_KVDEC_EARLY_ROWS").unwrap_or(KVDEC_EARLY_ROWS),
+                    guess_rows: env_usize("KVR_GDN_KVDEC_GUESS_ROWS").unwrap_or(KVDEC_GUESS_ROWS),
                 })
             } else {
                 None
@@ -993,13 +987,10 @@ impl ReplayCuda {
                 _ if occ == 0 => 0,
                 "wdecode" => 0,
                 "fused" => usize::MAX,
-                _ => std::env::var("KVR_GDN_FUSED_ROWS")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .unwrap_or_else(|| {
-                        let wave = occ as usize * cuda.sm_count().max(1) as usize;
-                        fused_rows_one_wave(row_ctas, waves * wave)
-                    }),
+                _ => env_usize("KVR_GDN_FUSED_ROWS").unwrap_or_else(|| {
+                    let wave = occ as usize * cuda.sm_count().max(1) as usize;
+                    fused_rows_one_wave(row_ctas, waves * wave)
+                }),
             };
             let wrec = !kmajor
                 && cfg.ring_len == 0
@@ -1037,10 +1028,7 @@ impl ReplayCuda {
                 wrec,
                 two_x,
                 kmajor,
-                kspec_rows: std::env::var("KVR_GDN_KDECODE_SPEC_ROWS")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .unwrap_or(KDECODE_SPEC_ROWS),
+                kspec_rows: env_usize("KVR_GDN_KDECODE_SPEC_ROWS").unwrap_or(KDECODE_SPEC_ROWS),
             })
         } else {
             None
@@ -1076,9 +1064,7 @@ impl ReplayCuda {
         // (Qwen3-Next shape, 32 value heads) that is 8 rows, where one launch measured
         // 8.8 / 11.0 us against 10.6 / 12.9 at 1 / 8 rows (context 8), and 36.4 against
         // 32.7 at 64 rows (BENCHMARKS.md).
-        let kvonly_inkernel_rows = std::env::var("KVR_GDN_KVONLY_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
+        let kvonly_inkernel_rows = env_usize("KVR_GDN_KVONLY_ROWS")
             .unwrap_or((2 * cuda.sm_count() as usize / cfg.v_heads).max(1));
         let layers = DeviceBuffer::new(cuda, descs.len() * size_of::<LayerState>())?;
         layers.upload(&descs)?;
@@ -1100,9 +1086,7 @@ impl ReplayCuda {
             scratch,
             verify_chunk,
             verify_pdl: std::env::var("KVR_GDN_VERIFY_PDL").as_deref() != Ok("0"),
-            forced_verify_rows: std::env::var("KVR_GDN_VERIFY_ROWS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            forced_verify_rows: env_usize("KVR_GDN_VERIFY_ROWS")
                 .filter(|r| verify_rows.iter().flatten().any(|w| w.0 == *r)),
             wdecode,
             kvonly,
