@@ -30,7 +30,8 @@ around each call: host planning + launches + kernels) with precomputed host scor
 library's CPU gate (host k_pre/K/V), and a torch gate on the device with the scores copied
 to the host.
 
-    python3 bench_wgkv.py [--quick]     # writes $OUT/wgkv_bench.json and $OUT/h200-wgkv.json
+    python3 bench_wgkv.py [--quick | --step-only]   # writes $OUT/wgkv_bench.json and $OUT/h200-wgkv.json
+                                        # (--step-only: the two 32K contexts, B = 1 and 8)
     python3 bench_wgkv.py --cpu         # smoke run of this script on the CPU backend (tiny
                                         # shapes, no timing worth reading; KVR_LIB=... to pick)
 """
@@ -72,6 +73,8 @@ else:
     CONFIGS = [(1, K32), (1, K128), (1, K64), (1, K256), (8, K32), (8, K128)]
     if QUICK:
         CONFIGS = [(1, K32), (1, K128)]
+    if "--step-only" in sys.argv:  # the 32K contexts of the append / device-step measurement
+        CONFIGS = [(1, K32), (8, K32)]
     APPEND_AT = K32
     CHUNK = 32768
     FULL_ROUND = 1024

@@ -153,7 +153,8 @@ typedef struct {
  * 16) of head h (promotion, new token, state; slots records each new token's ring slot);
  * CTA (c > 0, h, z) scores those tokens on gate hidden units [(c - 1) *
  * KVR_WGKV_GATE_CHUNK, ...) and adds its part of the fc2 dot product to zacc; the last CTA
- * of (h, z) finishes the scores and sets the new tokens' admission bits. With scores_in
+ * of (h, z) (of the gate CTAs) finishes the scores and, once the mover has published each
+ * token's slot, sets the new tokens' admission bits. With scores_in
  * set there is no gate (grid x = 1). Row state: KVR_WGKV_ROW_INTS ints per pool
  * row {fill, ptr, global, total, budget, dropped, 0, 0}; admission bits [rows][admit_words]
  * (bit s: ring slot s is promoted when evicted). A row with budget 0 is left as it is and
@@ -164,6 +165,11 @@ typedef struct {
 #define KVR_WGKV_GATE_CHUNK 16      /* gate hidden units per CTA (two per warp) */
 #define KVR_WGKV_GATE_MAX_IN 512    /* most gate inputs (2 * head_dim) */
 #define KVR_WGKV_ROW_INTS 8
+/* slots[t][h] between launches (the host's initial value, restored by the finishing CTA);
+ * the mover publishes the new token's ring slot there, with these flags (-1: no slot). */
+#define KVR_WGKV_SLOT_PENDING (-2147483647 - 1)
+#define KVR_WGKV_SLOT_SINK (1 << 30)
+#define KVR_WGKV_SLOT_EVICTED (1 << 29) /* the slot's previous token was promoted */
 
 typedef struct {
   KVR_PTR(const void) k_pre;      /* [n, H, D] keys before RoPE (gate input), or 0 */
@@ -185,7 +191,7 @@ typedef struct {
   KVR_PTR(void) v_dst;
   KVR_PTR(float) zacc;            /* [KVR_WGKV_STEP_MAX_SEQS][H], zero between launches */
   KVR_PTR(int32_t) counters;      /* [tiles][H], zero between launches */
-  KVR_PTR(int32_t) slots;         /* [KVR_WGKV_STEP_MAX_SEQS][H]: ring slot of each new token (-1: skipped) */
+  KVR_PTR(int32_t) slots;         /* [KVR_WGKV_STEP_MAX_SEQS][H]: ring slot of each new token (-1: skipped; KVR_WGKV_SLOT_PENDING between launches) */
   int64_t kp_sb, kp_sh, kp_sd;    /* strides (elements): token, head, dim */
   int64_t k_sb, k_sh, k_sd;
   int64_t v_sb, v_sh, v_sd;

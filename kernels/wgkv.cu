@@ -111,6 +111,119 @@ __device__ __forceinline__ void wg_gate_input(const kvr_wgkv_step_args& p, int64
   }
 }
 
+// A gate CTA of kvr_wgkv_step: CTA (c > 0, h, z) scores tokens [16 z, 16 z + 16) of head h on
+// gate hidden units [(c - 1) * KVR_WGKV_GATE_CHUNK, ...) and adds its part of the fc2 dot
+// product to zacc; the last of them (a counter) finishes the scores and sets the tokens'
+// admission bits once the mover CTA has published their slots. KIN: inputs a lane (2 d <= 32 KIN).
+template <int KIN>
+__device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (*xs)[KVR_WGKV_GATE_MAX_IN],
+                                            float (*zp)[KVR_WGKV_STEP_TILE], int* s_last) {
+  constexpr int kTile = KVR_WGKV_STEP_TILE;
+  constexpr int kWarps = KVR_WGKV_STEP_THREADS / 32;
+  constexpr int kUnits = KVR_WGKV_GATE_CHUNK / kWarps;  // hidden units per warp
+  const int h = blockIdx.y;
+  const int t0 = blockIdx.z * kTile;
+  const int nt = min(kTile, p.n - t0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int in = 2 * p.d;
+  // This warp's weights, loaded first (nothing the previous kernel writes).
+  float w[kUnits][KIN], b1[kUnits], w2[kUnits];
+  const int u0 = (static_cast<int>(blockIdx.x) - 1) * KVR_WGKV_GATE_CHUNK + warp;
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const int u = u0 + j * kWarps;
+    const bool live = u < p.hidden;
+    const int64_t unit = static_cast<int64_t>(h) * p.hidden + (live ? u : 0);
+    const float* row = p.fc1_w + unit * in;
+#pragma unroll
+    for (int e = 0; e < KIN; ++e) w[j][e] = live && lane + 32 * e < in ? __ldg(row + lane + 32 * e) : 0.f;
+    b1[j] = live ? __ldg(p.fc1_b + unit) : 0.f;
+    w2[j] = live ? __ldg(p.fc2_w + unit) : 0.f;
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int i = warp; i < nt; i += kWarps) wg_gate_input(p, t0 + i, h, xs[i]);
+  __syncthreads();
+  // Four tokens at a time (a loop, so that the work and the code follow nt): the warp's dot
+  // products of (token i0 + q, unit j) at v[2 q + j], each lane's share of the inputs, summed
+  // over the lanes all at once (a butterfly over the 8 values, then two plain steps: lanes
+  // 4 k .. 4 k + 3 end with value k), GELU and fc2 once per lane, a token's two units added
+  // by one more shuffle (lane 8 q holds token i0 + q's part).
+  static_assert(kUnits == 2, "two units a warp");
+#pragma unroll 1
+  for (int i0 = 0; i0 < nt; i0 += 4) {
+    float v[8];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float d0 = 0.f, d1 = 0.f;
+      if (i0 + q < nt) {
+        const float* xr = xs[i0 + q];
+#pragma unroll
+        for (int e = 0; e < KIN; ++e) {
+          const float x = lane + 32 * e < in ? xr[lane + 32 * e] : 0.f;
+          d0 = fmaf(w[0][e], x, d0);
+          d1 = fmaf(w[1][e], x, d1);
+        }
+      }
+      v[2 * q] = d0;
+      v[2 * q + 1] = d1;
+    }
+#pragma unroll
+    for (int o = 16, n = 8; o >= 4; o >>= 1, n >>= 1) {
+      const bool up = (lane & o) != 0;
+#pragma unroll
+      for (int m = 0; m < n / 2; ++m) {
+        const float send = up ? v[m] : v[m + n / 2];
+        const float keep = up ? v[m + n / 2] : v[m];
+        v[m] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+    }
+    float a = v[0] + __shfl_xor_sync(0xffffffffu, v[0], 2);
+    a += __shfl_xor_sync(0xffffffffu, a, 1);
+    const int k = (lane >> 2) & 7, j = k & 1;  // value (token i0 + k / 2, unit j)
+    a += j ? b1[1] : b1[0];
+    float z = 0.5f * a * (1.f + erff(a * 0.70710678118654752f)) * (j ? w2[1] : w2[0]);
+    z += __shfl_xor_sync(0xffffffffu, z, 4);
+    const int ti = i0 + (k >> 1);
+    if ((lane & 7) == 0 && ti < nt) zp[warp][ti] = z;
+  }
+  __syncthreads();
+  if (threadIdx.x < nt) {
+    float zs = 0.f;
+#pragma unroll
+    for (int w8 = 0; w8 < kWarps; ++w8) zs += zp[w8][threadIdx.x];
+    atomicAdd(p.zacc + static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h, zs);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    *s_last = count_in_last(p.counters + static_cast<int64_t>(blockIdx.z) * p.hkv + h, gridDim.x - 1);
+  __syncthreads();
+  if (!*s_last || threadIdx.x >= nt) return;
+  // The last gate CTA: one thread per token finishes its score and, once the mover has
+  // published the token's slot, sets its bit (an atomic on the word: no round trip).
+  const int t = t0 + threadIdx.x;
+  const int64_t at = static_cast<int64_t>(t) * p.hkv + h;
+  const float zt = __ldcg(p.zacc + at) + p.fc2_b[h];
+  p.zacc[at] = 0.f;
+  const float score = fmaxf(1.f / (1.f + expf(-zt)), p.gate_floor);
+  if (p.scores_out) p.scores_out[at] = score;
+  // (relaxed: the word's address depends on the value read)
+  int code;
+  do {
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(code) : "l"(p.slots + at) : "memory");
+  } while (code == KVR_WGKV_SLOT_PENDING);
+  p.slots[at] = KVR_WGKV_SLOT_PENDING;
+  if (code < 0) return;
+  const int slot = code & ~(KVR_WGKV_SLOT_SINK | KVR_WGKV_SLOT_EVICTED);
+  const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
+  uint32_t* word = p.admit + row * p.admit_words + (slot >> 5);
+  const uint32_t m = 1u << (slot & 31);
+  if ((code & KVR_WGKV_SLOT_SINK) || score > p.tau)
+    atomicOr(word, m);
+  else
+    atomicAnd(word, ~m);
+}
+
 }  // namespace kvr
 
 extern "C" __global__ void kvr_wgkv_scatter(const __grid_constant__ kvr_wgkv_scatter_args p) {
@@ -142,16 +255,15 @@ extern "C" __global__ void kvr_wgkv_scatter(const __grid_constant__ kvr_wgkv_sca
 
 // See the header comment and kvr_abi.h. CTA (c, h, z) of token tile z, head h: CTA c = 0
 // moves the tile's rows (one warp per row: promotion, new token, state), which needs no
-// score except for the new token's admission bit; CTA c > 0 scores gate chunk c - 1 at the
-// same time. The last CTA of (h, z) finishes the scores and sets those bits (with given
-// scores, CTA 0 is the grid's x extent and sets them itself).
+// score except for the new token's admission bit, and publishes each new token's slot as
+// soon as the row's state is read; CTA c > 0 scores gate chunk c - 1 at the same time
+// (wg_gate_cta). The last gate CTA of (h, z) finishes the scores and sets those bits (with
+// given scores, CTA 0 is the grid's x extent and sets them itself).
 // Two CTAs per SM (128 registers): the gate grid of hidden 512 x 8 heads is one wave.
 extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
     kvr_wgkv_step(const __grid_constant__ kvr_wgkv_step_args p) {
   constexpr int kTile = KVR_WGKV_STEP_TILE;
   constexpr int kWarps = KVR_WGKV_STEP_THREADS / 32;
-  constexpr int kIn = KVR_WGKV_GATE_MAX_IN / 32;
-  constexpr int kUnits = KVR_WGKV_GATE_CHUNK / kWarps;  // hidden units per warp
   __shared__ float xs[kTile][KVR_WGKV_GATE_MAX_IN];
   __shared__ float zp[kWarps][kTile];
   __shared__ int s_last;
@@ -161,22 +273,13 @@ extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool gate = p.scores_in == nullptr;
   const int in = 2 * p.d;
-  // This warp's gate weights, loaded first (nothing the previous kernel writes).
-  float w[kUnits][kIn], b1[kUnits], w2[kUnits];
-  // CTA 0 moves rows; CTA c > 0 scores gate chunk c - 1.
-  const int u0 = (static_cast<int>(blockIdx.x) - 1) * KVR_WGKV_GATE_CHUNK + warp;
   if (gate && blockIdx.x > 0) {
-#pragma unroll
-    for (int j = 0; j < kUnits; ++j) {
-      const int u = u0 + j * kWarps;
-      const bool live = u < p.hidden;
-      const int64_t unit = static_cast<int64_t>(h) * p.hidden + (live ? u : 0);
-      const float* row = p.fc1_w + unit * in;
-#pragma unroll
-      for (int e = 0; e < kIn; ++e) w[j][e] = live && lane + 32 * e < in ? __ldg(row + lane + 32 * e) : 0.f;
-      b1[j] = live ? __ldg(p.fc1_b + unit) : 0.f;
-      w2[j] = live ? __ldg(p.fc2_w + unit) : 0.f;
-    }
+    // CTA c > 0 scores gate chunk c - 1 (inputs 2 d <= 256: 8 a lane).
+    if (in <= 256)
+      kvr::wg_gate_cta<8>(p, xs, zp, &s_last);
+    else
+      kvr::wg_gate_cta<KVR_WGKV_GATE_MAX_IN / 32>(p, xs, zp, &s_last);
+    return;
   }
   kvr::pdl_wait();
   if (blockIdx.x == 0) {
@@ -211,6 +314,17 @@ extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
           const uint32_t w = p.admit_words <= 32 ? __shfl_sync(0xffffffffu, word, slot >> 5) : bits[slot >> 5];
           if ((w >> (slot & 31)) & 1u) gpos = p.window + glob++;
         }
+        if (gate && lane == 0) {
+          // The finishing gate CTA sets this token's bit from here on (it waits for this
+          // value): the slot and whether the token is a sink (this step's total is not yet
+          // written). The value depends on the evicted slot's bit as read above (gpos), so it
+          // cannot be stored before that read returns: the finisher's update of the same word
+          // comes after it without a fence (a relaxed store; a release cost the step ~2 us).
+          const int code = slot | (total < p.sinks ? KVR_WGKV_SLOT_SINK : 0) | (gpos >= 0 ? KVR_WGKV_SLOT_EVICTED : 0);
+          asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(p.slots + static_cast<int64_t>(t) * p.hkv + h),
+                       "r"(code)
+                       : "memory");
+        }
         const int64_t ps = ring_pages <= 32 ? __shfl_sync(0xffffffffu, rpage, slot / p.page_size)
                                             : tb[slot / p.page_size];
         const int64_t os = slot % p.page_size;
@@ -242,60 +356,13 @@ extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
             bits[slot >> 5] = total < p.sinks || given > p.tau ? w | m : w & ~m;
           }
         }
-        if (gate) p.slots[static_cast<int64_t>(t) * p.hkv + h] = slot;
+        if (gate && slot < 0) {
+          asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(p.slots + static_cast<int64_t>(t) * p.hkv + h),
+                       "r"(-1)
+                       : "memory");
+        }
       }
     }
   }
-  if (!gate) return;
-  kvr::pdl_launch_dependents();
-  if (blockIdx.x > 0) {
-  for (int i = warp; i < nt; i += kWarps) kvr::wg_gate_input(p, t0 + i, h, xs[i]);
-  __syncthreads();
-  float acc[kTile];
-#pragma unroll
-  for (int i = 0; i < kTile; ++i) {
-    acc[i] = 0.f;
-    if (i < nt) {
-#pragma unroll
-      for (int j = 0; j < kUnits; ++j) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < kIn; ++e)
-          if (lane + 32 * e < in) dot += w[j][e] * xs[i][lane + 32 * e];
-        const float a = kvr::wg_warp_sum(dot) + b1[j];
-        acc[i] += 0.5f * a * (1.f + erff(a * 0.70710678118654752f)) * w2[j];
-      }
-    }
-  }
-  if (lane == 0)
-#pragma unroll
-    for (int i = 0; i < kTile; ++i) zp[warp][i] = acc[i];
-  __syncthreads();
-  if (threadIdx.x < nt) {
-    float z = 0.f;
-#pragma unroll
-    for (int w8 = 0; w8 < kWarps; ++w8) z += zp[w8][threadIdx.x];
-    atomicAdd(p.zacc + static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h, z);
-  }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0)
-    s_last = kvr::count_in_last(p.counters + static_cast<int64_t>(blockIdx.z) * p.hkv + h, gridDim.x);
-  __syncthreads();
-  if (!s_last || threadIdx.x >= nt) return;
-  // The last CTA: one thread per token finishes its score and sets the new token's bit.
-  const int t = t0 + threadIdx.x;
-  const int64_t at = static_cast<int64_t>(t) * p.hkv + h;
-  const float z = __ldcg(p.zacc + at) + p.fc2_b[h];
-  p.zacc[at] = 0.f;
-  const float score = fmaxf(1.f / (1.f + expf(-z)), p.gate_floor);
-  if (p.scores_out) p.scores_out[at] = score;
-  const int slot = __ldcg(p.slots + at);
-  if (slot < 0) return;
-  const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
-  const int total = __ldcg(p.rows + row * KVR_WGKV_ROW_INTS + 3) - 1;
-  uint32_t* word = p.admit + row * p.admit_words + (slot >> 5);
-  const uint32_t m = 1u << (slot & 31);
-  const uint32_t old = __ldcg(word);
-  *word = total < p.sinks || score > p.tau ? old | m : old & ~m;
+  if (gate) kvr::pdl_launch_dependents();
 }

@@ -114,6 +114,11 @@ abi_consts! {
     KVR_WGKV_GATE_CHUNK: usize = 16;
     KVR_WGKV_GATE_MAX_IN: usize = 512;
     KVR_WGKV_ROW_INTS: usize = 8;
+    /// `slots` between device steps, and the flags of a published slot (a sink; the slot's
+    /// previous token promoted).
+    KVR_WGKV_SLOT_PENDING: i32 = i32::MIN;
+    KVR_WGKV_SLOT_SINK: i32 = 1 << 30;
+    KVR_WGKV_SLOT_EVICTED: i32 = 1 << 29;
     /// `KvDecodeArgs::q_vec`: element loads; 16-byte loads of KV-typed q; of f32 q.
     KVR_KV_Q_SCALAR: i32 = 0;
     KVR_KV_Q_VEC_KV: i32 = 1;

@@ -512,3 +512,96 @@ fn gpu_steps_match_cpu_appends_and_replay_in_graphs() {
         println!("{what}: steps match (gate score error {gate_err:.2e})");
     }
 }
+
+/// Gated device steps of more sequences than a token tile (two tiles, more rows than the
+/// mover CTA's warps) against host appends of the GPU's scores, sinks included; then a gated
+/// step replayed from a graph past a row's budget: the row publishes no slot, the finishing
+/// gate CTA skips it (no wait), and the next host read reports the exhaustion.
+#[test]
+fn gpu_gated_steps_of_many_sequences_match_cpu() {
+    const N: usize = 20;
+    let mut cfg = config(1, 2, 64, 4, 8, DType::BF16, 20000);
+    cfg.max_seqs = N + 1;
+    cfg.sinks = 2;
+    let Some(p) = both("gpu_gated_steps_of_many_sequences_match_cpu", cfg) else {
+        return;
+    };
+    let (h, d) = (cfg.kv_heads, cfg.head_dim);
+    let mut rng = Rng::new(11);
+    let (_, gate) = random_gate(&mut rng, cfg.layers, h, d, 40);
+    p.cpu.set_gate(Some(gate.clone())).unwrap();
+    p.gpu.set_gate(Some(gate.clone())).unwrap();
+    let mut ids = Vec::new();
+    let mut models = Vec::new();
+    for i in 0..N {
+        let s = p.cpu.seq_add(S).unwrap();
+        assert_eq!(p.gpu.seq_add(S).unwrap(), s);
+        let mut m = SeqModel::new(4);
+        // Rows at every stage: empty, filling the ring, past it.
+        p.append(&mut m, &mut rng, s, 1 + i % 13, false, false);
+        ids.push(s);
+        models.push(m);
+    }
+    let steps = 2 * cfg.local_window + 3;
+    for &s in &ids {
+        p.gpu.reserve(s, steps, S).unwrap();
+    }
+    let mut gate_err = 0f64;
+    for _ in 0..steps {
+        let mut ms: Vec<&mut SeqModel> = models.iter_mut().collect();
+        gate_err = gate_err.max(p.step(&mut ms, &mut rng, &ids, 0, Some(&gate)));
+    }
+    let seqs: Vec<(i32, &SeqModel)> = ids.iter().copied().zip(models.iter()).collect();
+    let e = p.compare(&mut rng, &seqs, 1, 2, false);
+    assert!(e.0 < 3e-2 && e.1 < 3e-2, "{N} sequences: {e:?}");
+    p.same_rows(&ids);
+    assert!(gate_err < 1e-4, "gate scores off by {gate_err}");
+
+    // Past the budget, gated, from a graph.
+    let x = p.gpu.seq_add(S).unwrap();
+    p.gpu
+        .append(
+            x,
+            None,
+            &view(&rng.vec(h * d, -1.0, 1.0), &[1, 1, h, d]),
+            &view(&rng.vec(h * d, -1.0, 1.0), &[1, 1, h, d]),
+            &[0.5; 2],
+            false,
+            S,
+        )
+        .unwrap();
+    let stream = RawStream::new(&p.gctx);
+    let rs = Stream(stream.ptr() as usize);
+    let pre = upload(&p.gctx, &rng.vec(2 * h * d, -2.0, 2.0));
+    let kd = upload(&p.gctx, &rng.vec(2 * h * d, -1.0, 1.0));
+    let vd = upload(&p.gctx, &rng.vec(2 * h * d, -1.0, 1.0));
+    p.gpu.reserve(x, 1, rs).unwrap();
+    p.gpu.reserve(ids[0], 3, rs).unwrap();
+    stream.sync();
+    let two = [ids[0], x];
+    let graph = stream.capture(|| {
+        p.gpu
+            .step(
+                0,
+                &two,
+                Some(&dev_view(&pre, &[2, h, d])),
+                &dev_view(&kd, &[2, h, d]),
+                &dev_view(&vd, &[2, h, d]),
+                None,
+                None,
+                rs,
+            )
+            .unwrap();
+    });
+    for _ in 0..3 {
+        graph.launch(&stream);
+    }
+    stream.sync();
+    let err = p.gpu.seq_rows(x).unwrap_err();
+    assert!(matches!(err, kvreplay::Error::PoolExhausted(_)), "{err}");
+    let rows = p.gpu.seq_rows(ids[0]).unwrap();
+    let before = p.cpu.seq_rows(ids[0]).unwrap();
+    for (r, b) in rows.iter().zip(&before) {
+        assert_eq!(r.total, b.total + 3, "the row with budget took every step");
+    }
+}

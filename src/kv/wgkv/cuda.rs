@@ -10,8 +10,8 @@ use super::gate::{GateWeights, GATE_FLOOR, GATE_NORM_EPS};
 use super::{Pair, RowSource, WgKvConfig};
 use crate::abi::{
     dtype_code, WgKvScatterArgs, WgKvStepArgs, KVR_WGKV_GATE_CHUNK, KVR_WGKV_GATE_MAX_IN,
-    KVR_WGKV_MAX_PAIRS, KVR_WGKV_ROW_INTS, KVR_WGKV_SCATTER_THREADS, KVR_WGKV_STEP_MAX_SEQS,
-    KVR_WGKV_STEP_THREADS, KVR_WGKV_STEP_TILE,
+    KVR_WGKV_MAX_PAIRS, KVR_WGKV_ROW_INTS, KVR_WGKV_SCATTER_THREADS, KVR_WGKV_SLOT_PENDING,
+    KVR_WGKV_STEP_MAX_SEQS, KVR_WGKV_STEP_THREADS, KVR_WGKV_STEP_TILE,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::Kernel;
@@ -51,7 +51,8 @@ pub(super) struct WgCuda {
     /// `[tiles][kv_heads]`, zero between launches.
     zacc: DeviceBuffer,
     counters: DeviceBuffer,
-    /// The ring slot of each new token of a launch `[KVR_WGKV_STEP_MAX_SEQS][kv_heads]`.
+    /// The ring slot of each new token of a launch `[KVR_WGKV_STEP_MAX_SEQS][kv_heads]`,
+    /// `KVR_WGKV_SLOT_PENDING` between launches.
     slots: DeviceBuffer,
     gate: Mutex<Option<DeviceGate>>,
 }
@@ -86,6 +87,10 @@ impl WgCuda {
         let counters = DeviceBuffer::new(&cuda, tiles * cfg.kv_heads * 4)?;
         counters.upload(&vec![0i32; tiles * cfg.kv_heads])?;
         let slots = DeviceBuffer::new(&cuda, KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads * 4)?;
+        slots.upload(&vec![
+            KVR_WGKV_SLOT_PENDING;
+            KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads
+        ])?;
         Ok(WgCuda {
             cuda,
             dtype: cfg.dtype,
