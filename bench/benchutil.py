@@ -86,6 +86,31 @@ def time_graph(fn, n_sets, calls, replays=7, warm=True):
         return None
 
 
+def profile_graph(fn, n_sets, steps, warm=True):
+    """A graph of `steps` rounds of fn(i) over the n_sets sets, captured (and replayed once
+    if `warm`); then one replay under torch.profiler (CUPTI): the kvr_ kernels' records, by
+    start time; and one timed by events: us per call of fn."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(steps):
+            for i in range(n_sets):
+                fn(i)
+    if warm:
+        g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("kvr_")]
+    ev.sort(key=lambda e: e.time_range.start)
+    return ev, a.elapsed_time(b) * 1000.0 / (steps * n_sets)
+
+
 def read_ceiling():
     """Read-only streaming bandwidth (TB/s): torch.sum over 2 GiB."""
     x = torch.empty((2 * GIB) // 2, dtype=torch.bfloat16, device=DEV)

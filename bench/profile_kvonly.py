@@ -17,7 +17,7 @@ import torch
 
 import bench_gdn as bg
 import kvr
-from benchutil import cur_stream
+from benchutil import cur_stream, profile_graph
 
 B, CTX = int(sys.argv[1]), int(sys.argv[2])
 THR = int(sys.argv[3]) if len(sys.argv) > 3 else kvr.kv_only_threshold(bg.D, bg.D, 4, 2)
@@ -34,27 +34,12 @@ steps = 4
 s = torch.cuda.Stream()
 s.wait_stream(torch.cuda.current_stream())
 torch.cuda.synchronize()
-g = torch.cuda.CUDAGraph()
-with torch.cuda.graph(g):
-    for _ in range(steps):
-        for i in range(ns):
-            o(i)
-torch.cuda.synchronize()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    g.replay()
-    torch.cuda.synchronize()
-a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-a.record()
-g.replay()
-b.record()
-torch.cuda.synchronize()
-per_step = a.elapsed_time(b) * 1000.0 / (steps * ns)
+events, per_step = profile_graph(o, ns, steps, warm=False)
 tot = collections.defaultdict(float)
 cnt = collections.Counter()
-for e in prof.events():
-    if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("kvr_"):
-        tot[e.name] += e.device_time
-        cnt[e.name] += 1
+for e in events:
+    tot[e.name] += e.device_time
+    cnt[e.name] += 1
 mode = lib.gdn_cursor(p, 0, seqs[0]).mode
 print(f"B={B} context {CTX + 2 * steps} threshold {THR} mode {mode}: {per_step:.1f} us a step (graph, 4 steps)")
 for name, t in sorted(tot.items(), key=lambda x: -x[1]):

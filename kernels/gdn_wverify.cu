@@ -59,14 +59,16 @@ __device__ __forceinline__ int wv_slot_at(int p) {
 }
 
 // NSL: the record's ring slots (64, or 16 for the `_r16` state kernels: rings of up to 16);
-// ENG: the engines' calls only (f32 entries, no conv window: the specialized state kernels').
-template <int DK, int NSL = kWvSlots, bool ENG = false>
+// ENG: the engines' calls only (f32 entries, no conv window: the specialized state kernels');
+// NW: the CTA's warps (blockDim.x / 32), each normalizing one draft: the host launches a build
+// of fewer than kMaxT warps only for T <= NW drafts.
+template <int DK, int NSL = kWvSlots, bool ENG = false, int NW = kWvPrepWarps>
 __device__ void wvprep_body(const StepParams& p) {
   pdl_launch_dependents();
   constexpr int KL = DK / 32;
   constexpr int VW = KL < 4 ? KL : 4;
-  constexpr int NW = kWvPrepWarps, SPW = NSL / NW;
-  static_assert(NSL % NW == 0 && NSL <= kWvSlots && kMaxT <= NW, "slots and drafts over the warps");
+  constexpr int SPW = NSL / NW;
+  static_assert(NSL % NW == 0 && NSL <= kWvSlots && NW <= kWvPrepWarps, "slots over the warps");
   __shared__ float qs[kMaxT * DK], ks[kMaxT * DK];
   __shared__ float prq[kMaxT * NSL], prk[kMaxT * NSL];
   __shared__ float cc[2 * kMaxT * kMaxT];
@@ -683,8 +685,11 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
       kvr_gdn_wverify_##SN##_v_d##DK##_t##TM##_add(const __grid_constant__ kvr::gdn::StepParams p) { \
     kvr::gdn::wverify_body<SD, DK, TM, true>(p, p.ids_inline);                                                 \
   }
+// The prep in the registers of 4 CTAs an SM (dk 128: 64 registers and an 8-word spill instead
+// of 73 and 3 CTAs; its 2,048 CTAs at B = 128 in 3.9 waves instead of 5.2: K-major rounds of
+// ring 16 2-7 % faster on the H200, BENCHMARKS.md).
 #define KVR_GDN_WVERIFY_DK(DK)                                        \
-  extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS) \
+  extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS, 4) \
       kvr_gdn_wvprep_d##DK(const __grid_constant__ kvr::gdn::StepParams p) { \
     kvr::gdn::wvprep_body<DK>(p);                                     \
   }                                                                   \
@@ -727,6 +732,13 @@ KVR_GDN_KVERIFY_DK(128)
 extern "C" __global__ void __launch_bounds__(KVR_GDN_WVPREP_THREADS, 4)
     kvr_gdn_wvprep_d128_r16(const __grid_constant__ kvr::gdn::StepParams p) {
   kvr::gdn::wvprep_body<128, 16, true>(p);
+}
+// The same for rounds of up to KVR_GDN_WVPREP_W4_DRAFTS drafts in CTAs of as many warps (the
+// other warps of the 8-warp CTA had no draft to normalize and only added instructions; the
+// prep's time is its instructions at about half an issue a cycle per scheduler, H200).
+extern "C" __global__ void __launch_bounds__(32 * KVR_GDN_WVPREP_W4_DRAFTS, 8)
+    kvr_gdn_wvprep_d128_r16_w4(const __grid_constant__ kvr::gdn::StepParams p) {
+  kvr::gdn::wvprep_body<128, 16, true, KVR_GDN_WVPREP_W4_DRAFTS>(p);
 }
 // Specialized builds (kvr_gdn_wverify_<state>_v_d128_t<TM>_<FN>): a copy of the parameters with
 // the fields of the engines' calls made constants (gdn_wdecode.cu FdFix, FdFixM2; the host

@@ -331,6 +331,7 @@ KVR_ABI_FN struct kvr_kv_decode_smem kvr_kv_decode_smem_layout(int32_t head_dim,
 #define KVR_GDN_WVERIFY_MINB8 5        /* ... up to 8 drafts (_t8) */
 #define KVR_GDN_KVERIFY_FLUSH_SLOTS 16 /* kvr_gdn_wverify_*_k_*: ring slots a CTA stages per step of a flush */
 #define KVR_GDN_WVPREP_THREADS 256     /* kvr_gdn_wvprep_*: one CTA per (batch row, key head) */
+#define KVR_GDN_WVPREP_W4_DRAFTS 4     /* kvr_gdn_wvprep_d128_r16_w4: drafts at most, and warps */
 #define KVR_GDN_DPREP_THREADS 512      /* kvr_gdn_dprep_*: at most (one CTA per batch row; 64..512 per key head) */
 #define KVR_GDN_KVONLY_THREADS 128     /* gdn_kvonly.cuh: one CTA per KV-only (batch row, value head) */
 #define KVR_GDN_KVONLY_MAX 256         /* ... entries and value rows at most */

@@ -158,6 +158,9 @@ abi_consts! {
     /// of its state kernel holds at least this many slots of keys).
     KVR_GDN_KVERIFY_FLUSH_SLOTS: usize = 16;
     KVR_GDN_WVPREP_THREADS: u32 = 256;
+    /// Drafts at most of a verify round whose `_r16` prep runs in CTAs of this many warps
+    /// (`kvr_gdn_wvprep_d128_r16_w4`).
+    KVR_GDN_WVPREP_W4_DRAFTS: usize = 4;
     KVR_GDN_DPREP_THREADS: u32 = 512;
     /// Threads of the KV-only decode kernel (a CTA per batch row and value head), and the
     /// most entries and value rows it takes.

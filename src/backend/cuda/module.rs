@@ -161,8 +161,10 @@ pub(crate) enum Kernel {
     },
     /// `kvr_gdn_wvprep_d<dk>` (kernels/gdn_wverify.cu): the per-(row, key head) part of the
     /// warp-streaming verify; dk in [`GDN_WVERIFY_DKS`]. With `ring16` (dk 128 only),
-    /// `kvr_gdn_wvprep_d128_r16`: the records of the `ring16` [`Kernel::GdnWVerifyX`] builds.
-    GdnWVprep { dk: usize, ring16: bool },
+    /// `kvr_gdn_wvprep_d128_r16`: the records of the `ring16` [`Kernel::GdnWVerifyX`] builds;
+    /// with `w4` too, `kvr_gdn_wvprep_d128_r16_w4`: the same in CTAs of
+    /// `KVR_GDN_WVPREP_W4_DRAFTS` warps, for rounds of at most as many drafts.
+    GdnWVprep { dk: usize, ring16: bool, w4: bool },
     /// `kvr_gdn_wverify_<state>_v_d<dk>_t<4|8>[_add]` (kernels/gdn_wverify.cu): the
     /// warp-streaming verify of V-major states, up to 4 or 8 drafts (`t8`), the additive rule
     /// or the delta rule; dk in [`GDN_WVERIFY_DKS`].
@@ -282,7 +284,8 @@ const GDN_KDECODE_BASE: usize = 280;
 const GDN_KDECODE_X_BASE: usize = 298;
 const GDN_KVERIFY_BASE: usize = 310;
 const GDN_KVDEC_BASE: usize = 342;
-const KERNEL_COUNT: usize = 350;
+const GDN_WVPREP_R16_W4: usize = 350;
+const KERNEL_COUNT: usize = 351;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -440,7 +443,11 @@ impl Kernel {
             }
         }
         for dk in GDN_WVERIFY_DKS {
-            v.push(Kernel::GdnWVprep { dk, ring16: false });
+            v.push(Kernel::GdnWVprep {
+                dk,
+                ring16: false,
+                w4: false,
+            });
         }
         for dk in GDN_WVERIFY_DKS {
             for state in [DType::F32, DType::BF16] {
@@ -473,6 +480,7 @@ impl Kernel {
         v.push(Kernel::GdnWVprep {
             dk: 128,
             ring16: true,
+            w4: false,
         });
         for state in [DType::F32, DType::BF16] {
             for ring32 in [false, true] {
@@ -530,6 +538,11 @@ impl Kernel {
                 v.push(Kernel::GdnKvDec { state, dk, dv });
             }
         }
+        v.push(Kernel::GdnWVprep {
+            dk: 128,
+            ring16: true,
+            w4: true,
+        });
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -605,9 +618,17 @@ impl Kernel {
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
             Kernel::WgKvStep => WGKV_STEP,
-            Kernel::GdnWVprep { dk, ring16: true } => {
+            Kernel::GdnWVprep {
+                dk,
+                ring16: true,
+                w4,
+            } => {
                 debug_assert_eq!(dk, 128, "the r16 prep is built for dk 128");
-                GDN_WVPREP_R16
+                if w4 {
+                    GDN_WVPREP_R16_W4
+                } else {
+                    GDN_WVPREP_R16
+                }
             }
             Kernel::GdnWVprep { dk, .. } => GDN_WVPREP_BASE + wv_dk_slot(dk),
             Kernel::GdnWVerify {
@@ -775,9 +796,11 @@ impl Kernel {
             Kernel::GdnKvDec { state, dk, dv } => {
                 format!("kvr_gdn_kvdec_{}_d{dk}_v{dv}", state.name())
             }
-            Kernel::GdnWVprep { dk, ring16 } => {
-                format!("kvr_gdn_wvprep_d{dk}{}", if ring16 { "_r16" } else { "" })
-            }
+            Kernel::GdnWVprep { dk, ring16, w4 } => format!(
+                "kvr_gdn_wvprep_d{dk}{}{}",
+                if ring16 { "_r16" } else { "" },
+                if w4 { "_w4" } else { "" }
+            ),
             Kernel::GdnWVerify {
                 state,
                 dk,

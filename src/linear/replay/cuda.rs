@@ -24,7 +24,7 @@ use crate::abi::{
     gdn_dscratch_floats, gdn_wvrec_floats, gdn_wvscratch_floats,
     KVR_GDN_DPREP_THREADS as DPREP_THREADS, KVR_GDN_KVDEC_THREADS, KVR_GDN_KVERIFY_FLUSH_SLOTS,
     KVR_GDN_KVONLY_MAX, KVR_GDN_KVONLY_THREADS, KVR_GDN_WDECODE_MAX_RING, KVR_GDN_WDECODE_ROWS,
-    KVR_GDN_WREC_ROWS, KVR_GDN_WVERIFY_MAX_RING, KVR_GDN_WVPREP_THREADS,
+    KVR_GDN_WREC_ROWS, KVR_GDN_WVERIFY_MAX_RING, KVR_GDN_WVPREP_THREADS, KVR_GDN_WVPREP_W4_DRAFTS,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
 use crate::backend::cuda::module::{
@@ -317,8 +317,11 @@ struct WDecode {
     /// The one-launch kernels, and recurrent pools' state kernel where no prep kernel runs,
     /// as programmatic dependents of the stream's previous kernel (KVR_GDN_FDECODE_PDL=0: not).
     fused_pdl: bool,
-    /// Shared memory of a prep CTA of one key head (batches below `PREP_SPLIT_ROWS`).
+    /// Shared memory of a prep CTA of one key head (batches below `prep_split_rows`).
     prep_smem_split: u32,
+    /// Batches of fewer rows than this run the prep kernel as a CTA per (row, key head)
+    /// (`PREP_SPLIT_ROWS`; KVR_GDN_PREP_SPLIT_ROWS overrides it, for benchmarking).
+    prep_split_rows: usize,
     /// Recurrent pools without a conv window: the state kernel of `KVR_GDN_WREC_ROWS` rows a
     /// warp (`kvr_gdn_wrec`) instead of the recurrent kind of `kvr_gdn_wdecode`
     /// (KVR_GDN_WREC=0: the latter, for benchmarking).
@@ -375,11 +378,15 @@ struct WVerify {
     /// The specialized state kernels apply where a call fits one (`fdecode_spec`): dk 128,
     /// f32 entries (KVR_GDN_WVERIFY_SPEC=0: never).
     spec: bool,
+    /// Rounds of up to `KVR_GDN_WVPREP_W4_DRAFTS` drafts on the `ring16` state kernels take
+    /// the prep in CTAs of that many warps (H200: BENCHMARKS.md; KVR_GDN_WVPREP_W4=0: never).
+    w4: bool,
 }
 
 /// Batch rows below which the prep kernel runs a CTA per (row, key head) instead of per row
 /// (H200, BENCHMARKS.md: its chain shrinks from 8-9 to 5 us at small batches; at 128 rows
-/// and more, the 16x more CTAs cost more than they overlap).
+/// and more, the 16x more CTAs cost more than they overlap: 94.1 against 94.6 us a step at
+/// B = 128, 186.2 against 181.9 at B = 256 in the thirty-first session).
 const PREP_SPLIT_ROWS: usize = 128;
 
 /// Batch rows below which replay decode takes the one-launch warp-streaming kernel: those
@@ -738,6 +745,7 @@ impl ReplayCuda {
                 Kernel::GdnWVprep {
                     dk: cfg.dk,
                     ring16: false,
+                    w4: false,
                 },
                 prep_smem,
                 KVR_GDN_WVPREP_THREADS,
@@ -777,18 +785,33 @@ impl ReplayCuda {
                     spec = spec && cuda.prepare_kernel(k, smem, (32 * WDECODE_WARPS) as u32)? > 0;
                 }
             }
+            let mut w4 = false;
             if spec && cfg.ring_len <= 16 {
                 let prep = Kernel::GdnWVprep {
                     dk: 128,
                     ring16: true,
+                    w4: false,
                 };
                 spec = cuda.prepare_kernel(prep, prep_smem, KVR_GDN_WVPREP_THREADS)? > 0;
+                let prep = Kernel::GdnWVprep {
+                    dk: 128,
+                    ring16: true,
+                    w4: true,
+                };
+                w4 = spec
+                    && std::env::var("KVR_GDN_WVPREP_W4").as_deref() != Ok("0")
+                    && cuda.prepare_kernel(
+                        prep,
+                        prep_smem,
+                        32 * KVR_GDN_WVPREP_W4_DRAFTS as u32,
+                    )? > 0;
             }
             fits.then_some(WVerify {
                 kmajor,
                 prep_smem,
                 smem,
                 spec,
+                w4,
             })
         } else {
             None
@@ -1013,6 +1036,7 @@ impl ReplayCuda {
                 rows,
                 prep_smem,
                 prep_smem_split: prep_bytes(1) as u32,
+                prep_split_rows: env_usize("KVR_GDN_PREP_SPLIT_ROWS").unwrap_or(PREP_SPLIT_ROWS),
                 // Without the one-launch kernel, V-major replay below 8 rows measured faster
                 // on the streaming kernel; K-major replay is faster in the two launches at
                 // every batch (H200, B = 1: 7.8 against 13.5 us, BENCHMARKS.md).
@@ -1224,15 +1248,18 @@ impl ReplayCuda {
         };
         // The `ring16` state kernels read records of 16 slots, written by their own prep.
         let ring16 = matches!(kernel, Kernel::GdnWVerifyX { ring16: true, .. });
-        let prep = Kernel::GdnWVprep { dk: cfg.dk, ring16 };
-        self.run(
-            prep,
-            rows * cfg.k_heads,
-            KVR_GDN_WVPREP_THREADS,
-            w.prep_smem,
-            p,
-            stream,
-        )?;
+        let w4 = ring16 && w.w4 && p.t as usize <= KVR_GDN_WVPREP_W4_DRAFTS;
+        let prep = Kernel::GdnWVprep {
+            dk: cfg.dk,
+            ring16,
+            w4,
+        };
+        let threads = if w4 {
+            32 * KVR_GDN_WVPREP_W4_DRAFTS as u32
+        } else {
+            KVR_GDN_WVPREP_THREADS
+        };
+        self.run(prep, rows * cfg.k_heads, threads, w.prep_smem, p, stream)?;
         self.launch_rows_grid(kernel, p, rows, w.smem, self.verify_pdl, stream)
     }
 
@@ -1473,7 +1500,7 @@ impl ReplayCuda {
             // the metadata).
             // A CTA per key head: a warp per two of its value heads, 2..16 warps (Mamba-2's
             // groups of 16 heads: 8 warps; with 2 the prep took 13 us at B = 8 on the H200).
-            let (shares, threads, smem) = if rows < PREP_SPLIT_ROWS {
+            let (shares, threads, smem) = if rows < w.prep_split_rows {
                 let group = cfg.v_heads / cfg.k_heads;
                 let warps = group.div_ceil(2).clamp(2, DPREP_THREADS as usize / 32);
                 (cfg.k_heads, 32 * warps as u32, w.prep_smem_split)
