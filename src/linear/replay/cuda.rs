@@ -943,8 +943,13 @@ impl ReplayCuda {
             let heads = (cfg.v_heads, cfg.k_heads);
             let scratch_bytes =
                 gdn_dscratch_floats(rows, heads, (cfg.dk, cfg.dv), cfg.ring_len).div_ceil(4) * 16;
+            // Zeroed: in pools with KV-only mode the state kernel loads a skipped row's record
+            // before it tests the header (kernels/gdn_wdecode.cu), which may never have been
+            // written at that batch position.
             let scratch = if cfg.ring_len > 0 {
-                Some(DeviceBuffer::new(cuda, cfg.layers * scratch_bytes)?)
+                let buf = DeviceBuffer::new(cuda, cfg.layers * scratch_bytes)?;
+                buf.fill_async(cuda, 0, Stream::DEFAULT)?;
+                Some(buf)
             } else {
                 None
             };
