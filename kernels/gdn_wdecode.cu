@@ -1098,7 +1098,8 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
       if (m.x != kModeKvOnly)  // (kvr_gdn_kvdec_* advanced a KV-only row's record)
         finish_meta(p, meta, m.x, m.y, m.z, m.w, __ldcg(meta + kMetaConvEnd), placement(p, m.x, m.y, m.z));
     }
-    // (the header's test after the other loads, as wdecode_body)
+    // The header's test after the other loads: an exit right after the header's load put its
+    // round trip in front of them (wdecode_body).
     hdr = __ldcg(reinterpret_cast<const int4*>(p.scratch + lay.hdr) + b);
     const float4 r0 = __ldcg(reinterpret_cast<const float4*>(rec));
     eG = r0.x;
