@@ -25,7 +25,7 @@
 #define MAIN_SMEM 0
 #define PREP_SMEM(NKH) (((2 * (L > 0 ? L : 1) + D + 1) * (NKH) + (NKH) * (HV / HK) * ((L > 0 ? L : 1) + DV + 2)) * 4 + 16)
 #define FUSED (L > 16 ? kvr_gdn_fdecode_f32_v_d128_r32 : kvr_gdn_fdecode_f32_v_d128_r16)
-#define MAIN_GRID(B) (B * HV * (DV / 32))
+#define MAIN_GRID(B) dim3(DV / 32, HV, B)  // the state kernels' grid (tiles, value heads, rows)
 #define SPEC (M2 ? (L > 16 ? ab_fdecode_m2spec_r32 : ab_fdecode_m2spec_r16) : (L > 16 ? ab_fdecode_spec_r32 : ab_fdecode_spec_r16))
 #include <algorithm>
 #include <vector>

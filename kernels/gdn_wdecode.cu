@@ -405,10 +405,10 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     pdl_wait();
     pdl_launch_dependents();
   }
-  const int tile = FUSED ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x % p.tiles);
-  const int hb = FUSED ? 0 : static_cast<int>(blockIdx.x / p.tiles);
-  const int h = FUSED ? static_cast<int>(blockIdx.y) : hb % p.hv;
-  const int b = FUSED ? static_cast<int>(blockIdx.z) : hb / p.hv;
+  // Grid (tiles, value heads, batch rows) in every kind: no divisions in front of the state
+  // loads (a 1-D grid's two divisions delayed every CTA's first load; H200, BENCHMARKS.md).
+  const int tile = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
+  const int b = static_cast<int>(blockIdx.z);
   const int dv = p.dv, L = p.l;
   const int kh = h / (p.hv / p.hk);
   const int row0 = tile * p.tv + warp * RL;
@@ -1022,9 +1022,9 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
     pdl_wait();
     pdl_launch_dependents();
   }
-  const int tile = static_cast<int>(blockIdx.x % p.tiles);
-  const int hb = static_cast<int>(blockIdx.x / p.tiles);
-  const int h = hb % p.hv, b = hb / p.hv;
+  // Grid (tiles, value heads, batch rows), as wdecode_body's.
+  const int tile = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
+  const int b = static_cast<int>(blockIdx.z);
   const int dv = p.dv, L = p.l;
   const int kh = h / (p.hv / p.hk);
   const int col0 = tile * p.tv, col = col0 + lane, c4 = col0 + 4 * g;

@@ -322,6 +322,9 @@ struct WDecode {
     /// Batches of fewer rows than this run the prep kernel as a CTA per (row, key head)
     /// (`PREP_SPLIT_ROWS`; KVR_GDN_PREP_SPLIT_ROWS overrides it, for benchmarking).
     prep_split_rows: usize,
+    /// KVR_GDN_PREP_SHARES (benchmarking): the prep kernel's CTAs per batch row at every
+    /// batch (a divisor of the key heads), instead of `prep_split_rows`' choice.
+    prep_shares: Option<usize>,
     /// Recurrent pools without a conv window: the state kernel of `KVR_GDN_WREC_ROWS` rows a
     /// warp (`kvr_gdn_wrec`) instead of the recurrent kind of `kvr_gdn_wdecode`
     /// (KVR_GDN_WREC=0: the latter, for benchmarking).
@@ -1042,6 +1045,8 @@ impl ReplayCuda {
                 prep_smem,
                 prep_smem_split: prep_bytes(1) as u32,
                 prep_split_rows: env_usize("KVR_GDN_PREP_SPLIT_ROWS").unwrap_or(PREP_SPLIT_ROWS),
+                prep_shares: env_usize("KVR_GDN_PREP_SHARES")
+                    .filter(|&s| s > 0 && cfg.k_heads % s == 0),
                 // Without the one-launch kernel, V-major replay below 8 rows measured faster
                 // on the streaming kernel; K-major replay is faster in the two launches at
                 // every batch (H200, B = 1: 7.8 against 13.5 us, BENCHMARKS.md).
@@ -1505,7 +1510,12 @@ impl ReplayCuda {
             // the metadata).
             // A CTA per key head: a warp per two of its value heads, 2..16 warps (Mamba-2's
             // groups of 16 heads: 8 warps; with 2 the prep took 13 us at B = 8 on the H200).
-            let (shares, threads, smem) = if rows < w.prep_split_rows {
+            let (shares, threads, smem) = if let Some(s) = w.prep_shares {
+                // (the whole row's shared memory: enough for any share)
+                let heads = cfg.v_heads / s;
+                let warps = heads.div_ceil(2).clamp(2, DPREP_THREADS as usize / 32);
+                (s, 32 * warps as u32, w.prep_smem)
+            } else if rows < w.prep_split_rows {
                 let group = cfg.v_heads / cfg.k_heads;
                 let warps = group.div_ceil(2).clamp(2, DPREP_THREADS as usize / 32);
                 (cfg.k_heads, 32 * warps as u32, w.prep_smem_split)
@@ -1522,11 +1532,9 @@ impl ReplayCuda {
             Some(spec) => wdecode_kernel_x(w.kmajor, cfg.state_dtype, w.ring32, spec),
             None => wdecode_kernel(w.kmajor, cfg.state_dtype, cfg.dk, cfg.ring_len),
         };
-        let grid = rows * cfg.v_heads * p.tiles as usize;
-        let shape = (grid, (32 * WDECODE_WARPS) as u32, 0);
-        // A dependent of the prep kernel, or (recurrent pools without one: the kernel waits
-        // at entry) of the stream's previous kernel.
-        self.run_ex(kernel, shape, p, stream, prep || w.fused_pdl)
+        // Grid (tiles, value heads, rows). A dependent of the prep kernel, or (recurrent
+        // pools without one: the kernel waits at entry) of the stream's previous kernel.
+        self.launch_rows_grid(kernel, p, rows, 0, prep || w.fused_pdl, stream)
     }
 
     /// A warp-streaming kernel of 4 warps a CTA on the grid (`p.tiles`, value heads, `rows`),
