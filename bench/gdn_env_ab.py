@@ -65,10 +65,10 @@ def passes():
         yield SETTINGS if r % 2 == 0 else list(reversed(SETTINGS))
 
 
-def timed(what, make, calls, bad):
+def timed(what, make, ns, calls, bad):
     """Best time (us a call) of each setting over the passes: `make()` builds a fresh pool and
     returns (fn(i), its output tensor, the pool); fn(0) runs once untimed, its output is
-    compared with the first setting's, then `calls` calls a graph replay."""
+    compared with the first setting's, then `calls` calls (over `ns` input sets) a graph replay."""
     times, ref = {}, None
     for order in passes():
         for s in order:
@@ -81,17 +81,13 @@ def timed(what, make, calls, bad):
                 ref = out
             elif not torch.equal(out, ref):
                 bad.append(f"{what} {name(s)}: outputs differ from {name(SETTINGS[0])}")
-            times[s] = min(times.get(s, math.inf), time_graph(fn, NS, calls, replays=5, warm=False))
+            times[s] = min(times.get(s, math.inf), time_graph(fn, ns, calls, replays=5, warm=False))
             bg.free(p)
     return times
 
 
-NS = 1
-
-
 def decode(B, ceil, bad):
-    global NS
-    NS = ns = bg.n_sets_for(B)
+    ns = bg.n_sets_for(B)
     inp = bg.Inputs(B, 1, ns, seed=B)
     S = torch.randn(B, bg.HV, bg.D, bg.D, device=bg.DEV) * 0.05
     floor_bytes = B * (bg.STATE * (1 + 1 / RING) + bg.ENTRY * ((RING + 1) / 2 + 1))
@@ -102,7 +98,7 @@ def decode(B, ceil, bad):
         o = bg.Ours(p, seqs, inp)
         return o, o.out, p
 
-    times = timed(f"decode B={B}", make, ns * RING, bad)
+    times = timed(f"decode B={B}", make, ns, ns * RING, bad)
     rows = []
     for s in SETTINGS:
         t = times[s]
@@ -113,8 +109,7 @@ def decode(B, ceil, bad):
 
 
 def verify(B, T, bad):
-    global NS
-    NS = ns = bg.n_sets_for(B)
+    ns = bg.n_sets_for(B)
     inp = bg.Inputs(B, T, ns, seed=100 + T)
     acc = max(1, T // 2)
     c = bg.flush_cycle(RING, T, acc)
@@ -130,7 +125,7 @@ def verify(B, T, bad):
 
         return rnd, v.out, p
 
-    times = timed(f"verify B={B} T={T}", make, ns * c * math.ceil(8 / c), bad)
+    times = timed(f"verify B={B} T={T}", make, ns, ns * c * math.ceil(8 / c), bad)
     rows = []
     for s in SETTINGS:
         rows.append({"B": B, "T": T, "setting": name(s), "us": times[s]})
