@@ -317,6 +317,10 @@ struct WDecode {
     /// The one-launch kernels, and recurrent pools' state kernel where no prep kernel runs,
     /// as programmatic dependents of the stream's previous kernel (KVR_GDN_FDECODE_PDL=0: not).
     fused_pdl: bool,
+    /// Replay pools: the state kernel as a programmatic dependent of the prep kernel, its
+    /// CTAs resident beside the prep's with their first tiles loaded (KVR_GDN_STATE_PDL=0: a
+    /// plain launch after the prep's end, for benchmarking).
+    state_pdl: bool,
     /// Shared memory of a prep CTA of one key head (batches below `prep_split_rows`).
     prep_smem_split: u32,
     /// Batches of fewer rows than this run the prep kernel as a CTA per (row, key head)
@@ -1059,6 +1063,7 @@ impl ReplayCuda {
                 fused_smem,
                 fused_rows_x,
                 fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
+                state_pdl: std::env::var("KVR_GDN_STATE_PDL").as_deref() != Ok("0"),
                 wrec,
                 two_x,
                 kmajor,
@@ -1534,7 +1539,8 @@ impl ReplayCuda {
         };
         // Grid (tiles, value heads, rows). A dependent of the prep kernel, or (recurrent
         // pools without one: the kernel waits at entry) of the stream's previous kernel.
-        self.launch_rows_grid(kernel, p, rows, 0, prep || w.fused_pdl, stream)
+        let pdl = if prep { w.state_pdl } else { w.fused_pdl };
+        self.launch_rows_grid(kernel, p, rows, 0, pdl, stream)
     }
 
     /// A warp-streaming kernel of 4 warps a CTA on the grid (`p.tiles`, value heads, `rows`),
