@@ -19,7 +19,8 @@
 //
 // kvr_gdn_dprep (per batch row and key head; it lets the state kernel launch at once,
 // programmatic dependent launch): reads the metadata; q and k of its key head normalized (into the scratch) and
-// the key products k_p . q and k_p . k of every ring slot p; per value head the suffix weights
+// the key products k_p . q and k_p . k of every ring slot p that holds a buffered entry (each
+// warp reads the metadata with q and k, then only those slots' keys); per value head the suffix weights
 // w_j = e^{g_{j+1} + ... + g_{h-1}} of the buffered entries' decays, e^G, e^g, beta, k . q and
 // the coefficients A_p = w_p (k_p . q), B_p = w_p (k_p . k) by slot (0 where no entry is
 // buffered) into the decode scratch (kvr_gdn_dscratch_layout); the group's v (copied whole:
@@ -31,12 +32,15 @@
 // Nothing else reads the metadata in the step, so there is no arrival counting.
 //
 // kvr_gdn_wdecode (per warp: 8 value rows, the whole key dimension in registers): issues its
-// state rows and every ring slot's u values of its rows first (no metadata needed), then waits
+// state rows first, then the u values of its rows in the ring slots the metadata (read behind
+// the state rows: a superset of the buffered entries, whichever version it sees) marks as
+// buffered (p.live_u; else every slot's: no metadata needed), then waits
 // for the prep kernel (griddepcontrol.wait) and reads its records (L2 hits):
 //   (S_{t-1} x)[v] = e^G (S x)[v] + sum_p A/B_p u_p[v]  for x in {q, k},
 //   u = beta (v - e^{g} S_{t-1} k) (delta rule) or beta v (additive), y = e^{g} S_{t-1} q + (k . q) u,
 // writes y (after skip and gate) and its rows of u into the ring; a flush step folds the ring
-// into its rows (e^G S + sum_p w_p u_p k_p^T) and stores them. Recurrent pools decay, read and
+// into its rows (e^G S + sum_p w_p u_p k_p^T; every slot's key into shared memory first, one
+// round trip for the CTA's warps) and stores them. Recurrent pools decay, read and
 // rewrite the rows every step from the inputs; the prep kernel only keeps their conv window
 // (without one it is not launched); the state kernel counts the step.
 //
@@ -241,22 +245,34 @@ __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
       tgs[i] = gb.x;
       tgs[nh + i] = gb.y;
     }
-    // Per key head: q and k normalized, and the key products of every slot, CH slots a round.
+    // Per key head: q and k normalized, and the key products of every slot that holds a
+    // buffered entry, CH slots a round. Each warp reads the metadata itself (with q and k) and
+    // loads only those slots' keys: the others' products are never used (their weights are
+    // 0), and reading every slot's key cost the step a quarter of its overhead over the state
+    // kernel (H200, B = 128: a prep without the key products took 84 against 91 us a step).
     for (int kk = warp; kk < nkh; kk += nw) {
       const int kh = kh0 + kk;
       constexpr int CH = DK > 128 ? 4 : (LU < 8 ? LU : 8);
       float q[KL], k[KL];
       load_row<DK>(p.q, b * p.q.s[0] + kh * p.q.s[2], lane, q);
       load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
+      const int4 mw = __ldcg(reinterpret_cast<const int4*>(meta));
+      const int lstart = mw.y, lcnt = mw.x == kModeRecurrent ? 0 : mw.z;
+      auto live = [&](int sl) { return sl < L && sl - lstart + (sl < lstart ? L : 0) < lcnt; };
       const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
       const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
       float kj[CH][KL];
       for (int p0 = 0; p0 < L; p0 += CH) {
 #pragma unroll
-        for (int e = 0; e < CH; ++e)
+        for (int e = 0; e < CH; ++e) {
+          if (live(p0 + e)) {
 #pragma unroll
-          for (int c = 0; c < KL; c += VW)
-            ld_entry<VW>(kbase + min(p0 + e, L - 1) * kstride, p.entry_dtype, key(c), &kj[e][c]);
+            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kbase + (p0 + e) * kstride, p.entry_dtype, key(c), &kj[e][c]);
+          } else {
+#pragma unroll
+            for (int c = 0; c < KL; ++c) kj[e][c] = 0.f;
+          }
+        }
         if (p0 == 0) {
           normalize_qk<KL>(p, q, k, true);
           float* qk = p.scratch + lay.qk + (static_cast<int64_t>(b) * p.hk + kh) * 2 * DK;
@@ -466,6 +482,22 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
   constexpr bool EPI_EARLY = FUSED;
   EpilogueIn epi{0.f, 0.f};
   if (EPI_EARLY && writer) epi = epilogue_in(p, b, 0, h, row0 + rr);
+  // The two launches: the slots whose u values are loaded, from the metadata read now (an L2
+  // hit behind the state rows' loads). The prep kernel (one CTA a row) or one of this
+  // kernel's threads may rewrite it during the step, so the set is one that holds the
+  // buffered entries of either version: after a step from h >= 1 buffered entries the new one
+  // holds h + 1 from the same start, a superset; a version with fewer than 2 (or not in
+  // replay mode, or full) may follow a flush of every slot, so then every slot. Reading only
+  // these (half of the ring on average) is the host's choice (p.live_u; src/linear/replay/
+  // cuda.rs, BENCHMARKS.md): the metadata's round trip comes before the u values' loads.
+  uint32_t live_u = ~0u;
+  if (!REC && !FUSED && p.live_u) {
+    const int4 mm = __ldcg(reinterpret_cast<const int4*>(p.meta + static_cast<int64_t>(seq) * kMetaInts));
+    if (mm.x == kModeReplay && mm.z >= 2 && mm.z < L && mm.y >= 0 && mm.y < L) {
+      const uint64_t run = (uint64_t{1} << mm.z) - 1, r = run << mm.y;
+      live_u = static_cast<uint32_t>(r | (r >> L));
+    }
+  }
   // Every slot's u values of the warp's rows, before the metadata: lane 2 s + x holds rows
   // row0 + 4 x .. + 3 of slot s (+ 16 i).
   float u4[NU][4];
@@ -476,7 +508,7 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
     const int sl = (lane >> 1) + 16 * i;
 #pragma unroll
     for (int x = 0; x < 4; ++x) u4[i][x] = 0.f;
-    if (!REC && sl < L) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
+    if (!REC && sl < L && ((live_u >> sl) & 1u)) ld_entry<4>(ubase + sl * ustride, p.entry_dtype, row0 + 4 * (lane & 1), u4[i]);
   }
   // Replay pools: q and k normalized, v, e^g, beta and k . q from the prep kernel's record
   // (one wait, then loads that hit L2); recurrent pools read and normalize the inputs.
@@ -676,21 +708,43 @@ __device__ void wdecode_body(const StepParams& p, const int32_t* ids_inline) {
       const float* moved = p.scratch + lay.keys + (static_cast<int64_t>(b) * p.hk + kh) * DK;
       const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
       const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
+      // The two launches: every slot's key into shared memory first (f32), four slots a warp
+      // a round, so that the fold below waits for one round trip to L2, not one per four
+      // slots (the warps of a CTA share the key head). (One launch: they are there already.)
+      __shared__ __align__(16) float fold_k[FUSED || KIND == kWPlain ? 4 : NU * 16 * DK];
+      if constexpr (!FUSED) {
+        const int nw = static_cast<int>(blockDim.x >> 5);
+        for (int s0 = 4 * warp; s0 < L; s0 += 4 * nw) {
+          float kj[4][KL];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int sl = min(s0 + e, L - 1);
+            const bool moved_here = sl == base;
+            const char* kp = moved_here ? reinterpret_cast<const char*>(moved) : kbase + sl * kstride;
+#pragma unroll
+            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, moved_here ? KVR_DT_F32 : p.entry_dtype, key(c), &kj[e][c]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (s0 + e < L) {
+#pragma unroll
+              for (int c = 0; c < KL; c += VW) st_vec<float, VW>(fold_k + (s0 + e) * DK + key(c), &kj[e][c]);
+            }
+        }
+        __syncthreads();  // (a flush step is one for every warp of the CTA: one batch row)
+      }
 #pragma unroll
       for (int i = 0; i < NU; ++i)
 #pragma unroll
         for (int g0 = 0; g0 < 16; g0 += 4) {
-          // Four slots' keys in one round, then their rank-one updates.
+          // Four slots' keys (shared memory), then their rank-one updates.
           float kj[4][KL];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int sl = min(g0 + e + 16 * i, L - 1);
-            // (fused: every slot's key, the base slot's included, is in shared memory)
-            const bool moved_here = !FUSED && sl == base;
             const char* kp = FUSED ? reinterpret_cast<const char*>(fkeys) + sl * kbytes
-                             : moved_here ? reinterpret_cast<const char*>(moved)
-                                          : kbase + sl * kstride;
-            const int dt = moved_here ? KVR_DT_F32 : p.entry_dtype;
+                                   : reinterpret_cast<const char*>(fold_k + sl * DK);
+            const int dt = FUSED ? p.entry_dtype : KVR_DT_F32;
 #pragma unroll
             for (int c = 0; c < KL; c += VW) ld_entry<VW>(kp, dt, key(c), &kj[e][c]);
           }

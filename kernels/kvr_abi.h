@@ -422,6 +422,9 @@ typedef struct {
                                    state first (a KV-only row is still skipped) */
   int32_t vmajor;               /* 1: V-major states (kvr_gdn_kvdec_*; the other kernels are
                                    built per layout) */
+  int32_t live_u;               /* kvr_gdn_wdecode_*_v_* after the prep kernel: 1 = load only
+                                   the u values of the ring slots the metadata marks as
+                                   buffered (read before the wait); 0 = every slot's */
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_step_args;
 

@@ -115,6 +115,10 @@ if [ -x bin/gpu_gdn ]; then
   # kvr_gdn_wdecode_*_x*): the general pair.
   job gpu_gdn-wdecode-generic test "KVR_GDN_DECODE=wdecode KVR_GDN_WDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   [ -x bin/gpu_ssm ] && job gpu_ssm-wdecode-generic test "KVR_GDN_DECODE=wdecode KVR_GDN_WDECODE_SPEC=0" bin/gpu_ssm --test-threads=1 --nocapture
+  # The two launches' V-major state kernel loading only the buffered slots' u values
+  # (p.live_u; off by default) at every batch.
+  job gpu_gdn-live-u test "KVR_GDN_DECODE=wdecode KVR_GDN_LIVE_U_ROWS=1" bin/gpu_gdn --test-threads=1 --nocapture
+  [ -x bin/gpu_ssm ] && job gpu_ssm-live-u test "KVR_GDN_DECODE=wdecode KVR_GDN_LIVE_U_ROWS=1" bin/gpu_ssm --test-threads=1 --nocapture
   # The one-launch kernel at every batch without its specialized builds (kvr_gdn_fdecode_*_x*).
   job gpu_gdn-fused-generic test "KVR_GDN_DECODE=fused KVR_GDN_FDECODE_SPEC=0" bin/gpu_gdn --test-threads=1 --nocapture
   # The stateless recurrent step with one-token calls on the general kernel too.

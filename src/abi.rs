@@ -492,6 +492,8 @@ abi_structs! {
         /// launched before it (1), or computed by the head's first tile (2); 0: per tile.
         kv_split: i32,
         vmajor: i32,
+        /// V-major two-launch decode: load only the buffered slots' u values (1).
+        live_u: i32,
         ids_inline: [i32; KVR_GDN_MAX_INLINE],
     }
 

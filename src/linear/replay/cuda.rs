@@ -282,6 +282,12 @@ const WDECODE_WARPS: usize = 4;
 /// 94.8, B = 256 186.9 / 181.6; H200, BENCHMARKS.md).
 const KDECODE_SPEC_ROWS: usize = 64;
 
+/// V-major replay pools: batch rows from which the state kernel loads only the buffered ring
+/// slots' u values (`WDecode::live_u_rows`). It reads the metadata for that before the loads;
+/// H200 (BENCHMARKS.md, thirty-fourth session): 4 % faster at B = 128 in a kernel A/B program
+/// on one pool, but slower in the library's benchmark. Off until measured faster there.
+const LIVE_U_ROWS: usize = usize::MAX;
+
 /// The compiled ring length of the warp-streaming decode kernel for a pool's ring.
 fn wdecode_ring(ring_len: usize) -> usize {
     match ring_len {
@@ -321,6 +327,10 @@ struct WDecode {
     /// CTAs resident beside the prep's with their first tiles loaded (KVR_GDN_STATE_PDL=0: a
     /// plain launch after the prep's end, for benchmarking).
     state_pdl: bool,
+    /// V-major replay pools: batches of at least this many rows load only the u values of
+    /// the ring slots the metadata marks as buffered (`p.live_u`, kernels/gdn_wdecode.cu);
+    /// KVR_GDN_LIVE_U_ROWS overrides it, for benchmarking. Default: never (`LIVE_U_ROWS`).
+    live_u_rows: usize,
     /// Shared memory of a prep CTA of one key head (batches below `prep_split_rows`).
     prep_smem_split: u32,
     /// Batches of fewer rows than this run the prep kernel as a CTA per (row, key head)
@@ -1064,6 +1074,7 @@ impl ReplayCuda {
                 fused_rows_x,
                 fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
                 state_pdl: std::env::var("KVR_GDN_STATE_PDL").as_deref() != Ok("0"),
+                live_u_rows: env_usize("KVR_GDN_LIVE_U_ROWS").unwrap_or(LIVE_U_ROWS),
                 wrec,
                 two_x,
                 kmajor,
@@ -1390,6 +1401,7 @@ impl ReplayCuda {
             export_prefix: -1,
             kv_split: 0,
             vmajor: (cfg.layout == StateLayout::VMajor) as i32,
+            live_u: 0,
             ids_inline: [0; MAX_INLINE],
         })
     }
@@ -1539,6 +1551,7 @@ impl ReplayCuda {
         };
         // Grid (tiles, value heads, rows). A dependent of the prep kernel, or (recurrent
         // pools without one: the kernel waits at entry) of the stream's previous kernel.
+        p.live_u = (prep && !w.kmajor && rows >= w.live_u_rows) as i32;
         let pdl = if prep { w.state_pdl } else { w.fused_pdl };
         self.launch_rows_grid(kernel, p, rows, 0, pdl, stream)
     }
