@@ -425,6 +425,7 @@ typedef struct {
   int32_t live_u;               /* kvr_gdn_wdecode_*_v_* after the prep kernel: 1 = load only
                                    the u values of the ring slots the metadata marks as
                                    buffered (read before the wait); 0 = every slot's */
+  int32_t pad;                  /* to the inline ids' 8-byte alignment of the whole */
   int32_t ids_inline[KVR_GDN_MAX_INLINE];
 } kvr_gdn_step_args;
 

@@ -494,6 +494,7 @@ abi_structs! {
         vmajor: i32,
         /// V-major two-launch decode: load only the buffered slots' u values (1).
         live_u: i32,
+        pad: i32,
         ids_inline: [i32; KVR_GDN_MAX_INLINE],
     }
 

@@ -1402,6 +1402,7 @@ impl ReplayCuda {
             kv_split: 0,
             vmajor: (cfg.layout == StateLayout::VMajor) as i32,
             live_u: 0,
+            pad: 0,
             ids_inline: [0; MAX_INLINE],
         })
     }
