@@ -168,6 +168,176 @@ static kvr_gdn_tensor tens(void* p, int dt, int64_t s0, int64_t s1, int64_t s2, 
   return t;
 }
 
+// A pool's buffers (f32 V-major state, f32 ring) for B rows and ring L; the scratch zeroed.
+static void alloc_pool(Pool& pl, int B, int L) {
+  pl.n_state = (size_t)B * HV * D * DV;
+  pl.n_ru = (size_t)B * L * HV * DV;
+  pl.n_rk = (size_t)B * L * HK * D;
+  pl.n_rg = (size_t)B * L * HV;
+  CK(cudaMalloc(&pl.state, pl.n_state * 4));
+  CK(cudaMalloc(&pl.ru, pl.n_ru * 4));
+  CK(cudaMalloc(&pl.rk, pl.n_rk * 4));
+  CK(cudaMalloc(&pl.rg, pl.n_rg * 4));
+  CK(cudaMalloc(&pl.meta, (size_t)B * 8 * 4));
+  const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(B, HV, HK, D, DV, L);
+  CK(cudaMalloc(&pl.scr, (size_t)lay.total * 4));
+  CK(cudaMemset(pl.scr, 0, (size_t)lay.total * 4));
+}
+
+static void free_pool(Pool& pl) {
+  cudaFree(pl.state); cudaFree(pl.ru); cudaFree(pl.rk); cudaFree(pl.rg); cudaFree(pl.meta); cudaFree(pl.scr);
+}
+
+// The same contents in every pool: a random state, an empty ring, every row in replay mode.
+static void init_pools(std::vector<Pool>& P, int B) {
+  uint64_t s = 1;
+  std::vector<float> h(P[0].n_state);
+  for (auto& x : h) x = (frand(s) - 0.5f) * 0.2f;
+  std::vector<int> m((size_t)B * 8, 0);
+  for (int b = 0; b < B; ++b) m[b * 8] = KVR_GDN_REPLAY;
+  for (auto& pl : P) {
+    CK(cudaMemcpy(pl.state, h.data(), pl.n_state * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemset(pl.ru, 0, pl.n_ru * 4));
+    CK(cudaMemset(pl.rk, 0, pl.n_rk * 4));
+    CK(cudaMemset(pl.rg, 0, pl.n_rg * 4));
+    CK(cudaMemcpy(pl.meta, m.data(), m.size() * 4, cudaMemcpyHostToDevice));
+  }
+}
+
+// `nsets` input sets of B rows: q, k [B][HK][D] bf16, v [B][HV][DV] bf16, g [B][HV] f32, beta
+// [B][HV] bf16 (Mamba-2: beta is dt, f32; z [B][HV][DV] bf16; hw: A, dt_bias, D [3][HV] f32).
+struct Inputs {
+  __nv_bfloat16 *q, *k, *v, *beta, *z = nullptr;
+  float *g, *hw = nullptr;
+};
+
+static Inputs alloc_inputs(int B, int nsets) {
+  Inputs in;
+  CK(cudaMalloc(&in.q, (size_t)nsets * B * HK * D * 2));
+  CK(cudaMalloc(&in.k, (size_t)nsets * B * HK * D * 2));
+  CK(cudaMalloc(&in.v, (size_t)nsets * B * HV * DV * 2));
+  CK(cudaMalloc(&in.beta, (size_t)nsets * B * HV * 4));
+  CK(cudaMalloc(&in.g, (size_t)nsets * B * HV * 4));
+  if (M2) {
+    CK(cudaMalloc(&in.z, (size_t)nsets * B * HV * DV * 2));
+    CK(cudaMalloc(&in.hw, (size_t)3 * HV * 4));
+  }
+  uint64_t s = 7;
+  auto fill = [&](__nv_bfloat16* d, size_t n, float lo, float hi) {
+    std::vector<__nv_bfloat16> h(n);
+    for (auto& x : h) x = __float2bfloat16(lo + (hi - lo) * frand(s));
+    CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+  };
+  fill(in.q, (size_t)nsets * B * HK * D, -1, 1);
+  fill(in.k, (size_t)nsets * B * HK * D, -1, 1);
+  fill(in.v, (size_t)nsets * B * HV * DV, -1, 1);
+  if (!M2) fill(in.beta, (size_t)nsets * B * HV, 0.1f, 0.9f);
+  std::vector<float> hg((size_t)nsets * B * HV);
+  for (auto& x : hg) x = -0.4f + 0.39f * frand(s);
+  CK(cudaMemcpy(in.g, hg.data(), hg.size() * 4, cudaMemcpyHostToDevice));
+  if (M2) {
+    fill(in.z, (size_t)nsets * B * HV * DV, -2, 2);
+    std::vector<float> dt((size_t)nsets * B * HV), w((size_t)3 * HV);
+    for (auto& x : dt) x = -3.f + 2.5f * frand(s);  // softplus(dt + bias) ~ 0.02 .. 0.9
+    for (int h = 0; h < HV; ++h) {
+      w[h] = -(0.5f + 4.f * frand(s));  // A
+      w[HV + h] = -1.f + frand(s);      // dt_bias
+      w[2 * HV + h] = 0.5f + frand(s);  // D
+    }
+    CK(cudaMemcpy(in.beta, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(in.hw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  }
+  return in;
+}
+
+static void free_inputs(Inputs& in) {
+  cudaFree(in.q); cudaFree(in.k); cudaFree(in.v); cudaFree(in.beta); cudaFree(in.g); cudaFree(in.z); cudaFree(in.hw);
+}
+
+// One step's parameters on pool pl with input set `set` and output o (f32 [B][HV][DV]).
+static StepParams step_params(const Pool& pl, const Inputs& in, int B, int L, int set, float* o) {
+  StepParams p;
+  memset(&p, 0, sizeof p);
+  p.state = (char*)pl.state;
+  p.ring_u = (char*)pl.ru;
+  p.ring_k = (char*)pl.rk;
+  p.ring_g = pl.rg;
+  p.meta = pl.meta;
+  p.scratch = pl.scr;
+  p.seq_stride = (int64_t)HV * D * DV;
+  p.q = tens(in.q + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
+  p.k = tens(in.k + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
+  p.v = tens(in.v + (size_t)set * B * HV * DV, KVR_DT_BF16, HV * DV, HV * DV, DV, 1);
+  p.g = tens(in.g + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);
+  p.beta = tens(in.beta + (size_t)set * B * HV, KVR_DT_BF16, HV, HV, 1, 1);
+  p.out = tens(o, KVR_DT_F32, HV * DV, HV * DV, DV, 1);
+  p.op = KVR_GDN_OP_STEP;
+  p.b = B; p.t = 1; p.hk = HK; p.hv = HV; p.dk = D; p.dv = DV; p.l = L;
+  p.entry_dtype = KVR_DT_F32; p.conv_dtype = KVR_DT_F32;
+  p.auto_commit = 1; p.l2norm = 1; p.hmax = L; p.stages = 1;
+  p.scale = 1.f / sqrtf((float)D);
+  p.rule = KVR_GDN_RULE_DELTA; p.dt_mode = KVR_GDN_DT_NONE; p.export_prefix = -1;
+  p.dt_min = 0.f; p.dt_max = 1e30f;
+  if (M2) {
+    p.g = tens(nullptr, KVR_DT_F32, 0, 0, 0, 0);
+    p.beta = tens((float*)in.beta + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);  // dt
+    p.a = tens(in.hw, KVR_DT_F32, 1, 0, 0, 0);
+    p.dt_bias = tens(in.hw + HV, KVR_DT_F32, 1, 0, 0, 0);
+    p.skip = tens(in.hw + 2 * HV, KVR_DT_F32, 1, 0, 0, 0);
+    p.gate = tens(in.z + (size_t)set * B * HV * DV, KVR_DT_BF16, HV * DV, HV * DV, DV, 1);
+    p.rule = KVR_GDN_RULE_ADDITIVE;
+    p.dt_mode = KVR_GDN_DT_SOFTPLUS;
+    p.l2norm = 0;
+    p.scale = 1.f;
+  }
+  for (int b = 0; b < B; ++b) p.ids_inline[b] = b;
+  return p;
+}
+
+// µs per step of a graph of the n steps `step(i)` (i < n) launch, replayed `reps` times after 3.
+template <typename F>
+static double graph_us(cudaStream_t st, int n, int reps, F step) {
+  cudaGraph_t gr;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < n; ++i) step(i);
+  CK(cudaStreamEndCapture(st, &gr));
+  CK(cudaGraphInstantiate(&ge, gr, 0));
+  for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0, st);
+  for (int w = 0; w < reps; ++w) cudaGraphLaunch(ge, st);
+  cudaEventRecord(e1, st);
+  CK(cudaEventSynchronize(e1));
+  CK(cudaGetLastError());
+  float ms;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(gr);
+  return ms * 1e3 / (reps * n);
+}
+
+// A launch as the programmatic dependent of the stream's previous kernel.
+template <typename K>
+static void launch_pdl(K kernel, dim3 grid, int threads, int smem, cudaStream_t st, const StepParams& p) {
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
 int main(int argc, char** argv) {
   const int L = argc > 1 ? atoi(argv[1]) : 16;
   if (argc > 3 && strcmp(argv[3], "m2") == 0) {
@@ -198,117 +368,15 @@ int main(int argc, char** argv) {
     if (only && B != only) continue;
     const int NSETS = 8;
     std::vector<Pool> P(4);
-    for (auto& pl : P) {
-      pl.n_state = (size_t)B * HV * D * DV;
-      pl.n_ru = (size_t)B * L * HV * DV;
-      pl.n_rk = (size_t)B * L * HK * D;
-      pl.n_rg = (size_t)B * L * HV;
-      CK(cudaMalloc(&pl.state, pl.n_state * 4));
-      CK(cudaMalloc(&pl.ru, pl.n_ru * 4));
-      CK(cudaMalloc(&pl.rk, pl.n_rk * 4));
-      CK(cudaMalloc(&pl.rg, pl.n_rg * 4));
-      CK(cudaMalloc(&pl.meta, (size_t)B * 8 * 4));
-      const kvr_gdn_dscratch lay = kvr_gdn_dscratch_layout(B, HV, HK, D, DV, L);
-      CK(cudaMalloc(&pl.scr, (size_t)lay.total * 4));
-    }
-    // initial contents
-    {
-      uint64_t s = 1;
-      std::vector<float> h(P[0].n_state);
-      for (auto& x : h) x = (frand(s) - 0.5f) * 0.2f;
-      std::vector<int> m((size_t)B * 8, 0);
-      for (int b = 0; b < B; ++b) m[b * 8] = KVR_GDN_REPLAY;
-      for (auto& pl : P) {
-        CK(cudaMemcpy(pl.state, h.data(), pl.n_state * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemset(pl.ru, 0, pl.n_ru * 4));
-        CK(cudaMemset(pl.rk, 0, pl.n_rk * 4));
-        CK(cudaMemset(pl.rg, 0, pl.n_rg * 4));
-        CK(cudaMemcpy(pl.meta, m.data(), m.size() * 4, cudaMemcpyHostToDevice));
-      }
-    }
+    for (auto& pl : P) alloc_pool(pl, B, L);
+    init_pools(P, B);
     // input sets: q, k [B][HK][D] bf16, v [B][HV][DV] bf16, g [B][HV] f32, beta [B][HV] bf16
     // (Mamba-2: beta is dt, f32; z [B][HV][DV] bf16; A, dt_bias, D [HV] f32)
-    __nv_bfloat16 *q, *k, *v, *beta;
-    float *g, *out[2];
-    CK(cudaMalloc(&q, (size_t)NSETS * B * HK * D * 2));
-    CK(cudaMalloc(&k, (size_t)NSETS * B * HK * D * 2));
-    CK(cudaMalloc(&v, (size_t)NSETS * B * HV * DV * 2));
-    CK(cudaMalloc(&beta, (size_t)NSETS * B * HV * 4));
-    CK(cudaMalloc(&g, (size_t)NSETS * B * HV * 4));
+    Inputs in = alloc_inputs(B, NSETS);
+    float* out[2];
     CK(cudaMalloc(&out[0], (size_t)B * HV * DV * 4));
     CK(cudaMalloc(&out[1], (size_t)B * HV * DV * 4));
-    __nv_bfloat16* z = nullptr;
-    float* hw = nullptr;  // Mamba-2: A, dt_bias, D [3][HV]
-    if (M2) {
-      CK(cudaMalloc(&z, (size_t)NSETS * B * HV * DV * 2));
-      CK(cudaMalloc(&hw, (size_t)3 * HV * 4));
-    }
-    {
-      uint64_t s = 7;
-      auto fill = [&](__nv_bfloat16* d, size_t n, float lo, float hi) {
-        std::vector<__nv_bfloat16> h(n);
-        for (auto& x : h) x = __float2bfloat16(lo + (hi - lo) * frand(s));
-        CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
-      };
-      fill(q, (size_t)NSETS * B * HK * D, -1, 1);
-      fill(k, (size_t)NSETS * B * HK * D, -1, 1);
-      fill(v, (size_t)NSETS * B * HV * DV, -1, 1);
-      if (!M2) fill(beta, (size_t)NSETS * B * HV, 0.1f, 0.9f);
-      std::vector<float> hg((size_t)NSETS * B * HV);
-      for (auto& x : hg) x = -0.4f + 0.39f * frand(s);
-      CK(cudaMemcpy(g, hg.data(), hg.size() * 4, cudaMemcpyHostToDevice));
-      if (M2) {
-        fill(z, (size_t)NSETS * B * HV * DV, -2, 2);
-        std::vector<float> dt((size_t)NSETS * B * HV), w((size_t)3 * HV);
-        for (auto& x : dt) x = -3.f + 2.5f * frand(s);  // softplus(dt + bias) ~ 0.02 .. 0.9
-        for (int h = 0; h < HV; ++h) {
-          w[h] = -(0.5f + 4.f * frand(s));  // A
-          w[HV + h] = -1.f + frand(s);      // dt_bias
-          w[2 * HV + h] = 0.5f + frand(s);  // D
-        }
-        CK(cudaMemcpy(beta, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(hw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
-      }
-    }
-    auto params = [&](int which, int set, float* o) {
-      StepParams p;
-      memset(&p, 0, sizeof p);
-      Pool& pl = P[which];
-      p.state = (char*)pl.state;
-      p.ring_u = (char*)pl.ru;
-      p.ring_k = (char*)pl.rk;
-      p.ring_g = pl.rg;
-      p.meta = pl.meta;
-      p.scratch = pl.scr;
-      p.seq_stride = (int64_t)HV * D * DV;
-      p.q = tens(q + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
-      p.k = tens(k + (size_t)set * B * HK * D, KVR_DT_BF16, HK * D, HK * D, D, 1);
-      p.v = tens(v + (size_t)set * B * HV * DV, KVR_DT_BF16, HV * DV, HV * DV, DV, 1);
-      p.g = tens(g + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);
-      p.beta = tens(beta + (size_t)set * B * HV, KVR_DT_BF16, HV, HV, 1, 1);
-      p.out = tens(o, KVR_DT_F32, HV * DV, HV * DV, DV, 1);
-      p.op = KVR_GDN_OP_STEP;
-      p.b = B; p.t = 1; p.hk = HK; p.hv = HV; p.dk = D; p.dv = DV; p.l = L;
-      p.entry_dtype = KVR_DT_F32; p.conv_dtype = KVR_DT_F32;
-      p.auto_commit = 1; p.l2norm = 1; p.hmax = L; p.stages = 1;
-      p.scale = 1.f / sqrtf((float)D);
-      p.rule = KVR_GDN_RULE_DELTA; p.dt_mode = KVR_GDN_DT_NONE; p.export_prefix = -1;
-      p.dt_min = 0.f; p.dt_max = 1e30f;
-      if (M2) {
-        p.g = tens(nullptr, KVR_DT_F32, 0, 0, 0, 0);
-        p.beta = tens((float*)beta + (size_t)set * B * HV, KVR_DT_F32, HV, HV, 1, 1);  // dt
-        p.a = tens(hw, KVR_DT_F32, 1, 0, 0, 0);
-        p.dt_bias = tens(hw + HV, KVR_DT_F32, 1, 0, 0, 0);
-        p.skip = tens(hw + 2 * HV, KVR_DT_F32, 1, 0, 0, 0);
-        p.gate = tens(z + (size_t)set * B * HV * DV, KVR_DT_BF16, HV * DV, HV * DV, DV, 1);
-        p.rule = KVR_GDN_RULE_ADDITIVE;
-        p.dt_mode = KVR_GDN_DT_SOFTPLUS;
-        p.l2norm = 0;
-        p.scale = 1.f;
-      }
-      for (int b = 0; b < B; ++b) p.ids_inline[b] = b;
-      return p;
-    };
+    auto params = [&](int which, int set, float* o) { return step_params(P[which], in, B, L, set, o); };
     const int R = std::min(DV, B >= 32 ? 128 : (B >= 8 ? 32 : 16));
     // the reference: the streaming kernel (delta rule only), or for Mamba-2 the one-launch
     // kernel (the library's GPU tests check it against the CPU backend)
@@ -337,18 +405,7 @@ int main(int argc, char** argv) {
     };
     // a state kernel as the prep kernel's programmatic dependent
     auto launch_state = [&](void (*kernel)(StepParams), const StepParams& p) {
-      cudaLaunchConfig_t cfg;
-      memset(&cfg, 0, sizeof cfg);
-      cfg.gridDim = dim3(MAIN_GRID(B));
-      cfg.dynamicSmemBytes = MAIN_SMEM;
-      cfg.blockDim = dim3(128);
-      cfg.stream = st;
-      cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      at[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = at;
-      cfg.numAttrs = 1;
-      CK(cudaLaunchKernelEx(&cfg, kernel, p));
+      launch_pdl(kernel, dim3(MAIN_GRID(B)), 128, MAIN_SMEM, st, p);
     };
     auto launch_w = [&](int set, float* o) {
       StepParams p = params(1, set, o);
@@ -430,28 +487,7 @@ int main(int argc, char** argv) {
     for (int b = 0; b < B; ++b) fmeta_ok &= m2[b * 8 + KVR_GDN_META_ARRIVE] == 0;
     for (int b = 0; b < B; ++b) smeta_ok &= m3[b * 8 + KVR_GDN_META_ARRIVE] == 0;
     // timing: graphs of 16 steps
-    auto time = [&](auto launch) {
-      cudaGraph_t gr;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < 16; ++i) launch(i % NSETS, out[0]);
-      CK(cudaStreamEndCapture(st, &gr));
-      CK(cudaGraphInstantiate(&ge, gr, 0));
-      for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      const int reps = 20;
-      cudaEventRecord(e0, st);
-      for (int w = 0; w < reps; ++w) cudaGraphLaunch(ge, st);
-      cudaEventRecord(e1, st);
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      cudaGraphExecDestroy(ge);
-      cudaGraphDestroy(gr);
-      return ms * 1e3 / (reps * 16);
-    };
+    auto time = [&](auto launch) { return graph_us(st, 16, 20, [&](int i) { launch(i % NSETS, out[0]); }); };
     const double ts = time(launch_stream);
     const double tw = time(launch_w);
     const double tprep = time([&](int set, float* o) {
@@ -534,11 +570,9 @@ int main(int argc, char** argv) {
     const double floor_us = B * HV * per_head / 4.25e12 * 1e6;
     printf("%4d | %9.2f | %10.2f | %6.2fx | %8.2f | %5.1f %% | %.1e / %.1e / %.1e %s\n", B, ts, tw, ts / tw, floor_us,
            100 * floor_us / tw, e_out, e_state, e_ring, meta_ok ? "meta ok" : "META MISMATCH");
-    for (auto& pl : P) {
-      cudaFree(pl.state); cudaFree(pl.ru); cudaFree(pl.rk); cudaFree(pl.rg); cudaFree(pl.meta); cudaFree(pl.scr);
-    }
-    cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(beta); cudaFree(g); cudaFree(out[0]); cudaFree(out[1]);
-    cudaFree(z); cudaFree(hw);
+    for (auto& pl : P) free_pool(pl);
+    free_inputs(in);
+    cudaFree(out[0]); cudaFree(out[1]);
   }
   return 0;
 }

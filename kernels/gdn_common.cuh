@@ -288,8 +288,9 @@ __device__ __forceinline__ void conv_window_share(const StepParams& p, int b, in
 
 // q L2-normalized (if asked) and scaled, k L2-normalized (and rounded to the entry dtype
 // when `round_k`: replay buffers it), for a warp holding KL elements of each per lane.
+// Returns the factors applied to q and to k.
 template <int KL>
-__device__ __forceinline__ void normalize_qk(const StepParams& p, float (&q)[KL], float (&k)[KL], bool round_k) {
+__device__ __forceinline__ float2 normalize_qk(const StepParams& p, float (&q)[KL], float (&k)[KL], bool round_k) {
   float sq = 0.f, sk = 0.f;
 #pragma unroll
   for (int c = 0; c < KL; ++c) {
@@ -306,6 +307,7 @@ __device__ __forceinline__ void normalize_qk(const StepParams& p, float (&q)[KL]
     k[c] = k[c] * fk;
     if (round_k) k[c] = roundx(p.entry_dtype, k[c]);
   }
+  return make_float2(fq * p.scale, fk);
 }
 
 // Waits until `n` CTAs (the tiles of one head) have arrived.
