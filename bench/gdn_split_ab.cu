@@ -21,6 +21,8 @@
 // then states, ring and metadata).
 //   cd bench && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I ../kernels \
 //     gdn_split_ab.cu -o split && ./split [B ...]
+// Measured slower than the library (B = 128: 106 against 89 us): BENCHMARKS.md, GDN H200,
+// thirty-fifth session.
 #define main kernel_ab_main
 #include "gdn_kernel_ab.cu"
 #undef main

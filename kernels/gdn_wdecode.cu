@@ -135,6 +135,22 @@ __device__ __forceinline__ void load_rows(const SD* hs, float (&s)[RL][DK / 32],
     for (int c = 0; c < KL; c += VW) ld_state<SD, VW>(hs + r * DK + wkey<DK>(lane, c), &s[r][c]);
 }
 
+// N floats stored as state rows at p (rounded to SD), by evict-first stores where they are
+// whole 16- or 8-byte vectors: a stored state is read again only at the layer's next step,
+// after every other layer's state has streamed through L2.
+template <typename SD, int N>
+__device__ __forceinline__ void st_state(SD* p, const float* d) {
+  if constexpr (sizeof(SD) == 4 && N == 4) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(d[0], d[1], d[2], d[3]));
+  } else if constexpr (sizeof(SD) == 2 && N == 4) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(d[0], d[1]), c = __floats2bfloat162_rn(d[2], d[3]);
+    __stcs(reinterpret_cast<uint2*>(p),
+           make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&c)));
+  } else {
+    st_vec<SD, N>(p, d);
+  }
+}
+
 // A warp's RL state rows back to hs (rounded to the state dtype first), by the key map.
 template <typename SD, int DK, int RL>
 __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int lane) {
@@ -147,7 +163,7 @@ __device__ __forceinline__ void store_rows(SD* hs, float (&s)[RL][DK / 32], int 
       for (int c = 0; c < KL; ++c) s[r][c] = roundx(KVR_DT_BF16, s[r][c]);
     }
 #pragma unroll
-    for (int c = 0; c < KL; c += VW) st_vec<SD, VW>(hs + r * DK + wkey<DK>(lane, c), &s[r][c]);
+    for (int c = 0; c < KL; c += VW) st_state<SD, VW>(hs + r * DK + wkey<DK>(lane, c), &s[r][c]);
   }
 }
 
@@ -258,16 +274,20 @@ __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
       load_row<DK>(p.k, b * p.k.s[0] + kh * p.k.s[2], lane, k);
       const int4 mw = __ldcg(reinterpret_cast<const int4*>(meta));
       const int lstart = mw.y, lcnt = mw.x == kModeRecurrent ? 0 : mw.z;
-      auto live = [&](int sl) { return sl < L && sl - lstart + (sl < lstart ? L : 0) < lcnt; };
       const char* kbase = p.ring_k + (static_cast<int64_t>(seq) * L * p.hk + kh) * DK * ee;
       const int64_t kstride = static_cast<int64_t>(p.hk) * DK * ee;
       float kj[CH][KL];
-      for (int p0 = 0; p0 < L; p0 += CH) {
+      // Rounds over ring positions (slot (start + j) % L), not slots: the buffered entries are
+      // positions 0 .. lcnt - 1, so a round past them is skipped whole (one round trip fewer
+      // in the chain whenever at most CH entries are buffered). The value-head loop reads
+      // only the buffered positions' products.
+      for (int p0 = 0; p0 < L && (p0 == 0 || p0 < lcnt); p0 += CH) {
 #pragma unroll
         for (int e = 0; e < CH; ++e) {
-          if (live(p0 + e)) {
+          if (p0 + e < lcnt && p0 + e < L) {
+            const int sl = (lstart + p0 + e) % L;
 #pragma unroll
-            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kbase + (p0 + e) * kstride, p.entry_dtype, key(c), &kj[e][c]);
+            for (int c = 0; c < KL; c += VW) ld_entry<VW>(kbase + sl * kstride, p.entry_dtype, key(c), &kj[e][c]);
           } else {
 #pragma unroll
             for (int c = 0; c < KL; ++c) kj[e][c] = 0.f;
@@ -301,7 +321,7 @@ __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
         }
         const float r = reduce_scatter<2 * CH>(P, lane);  // P[lane / (32 / (2 CH))]
         const int idx = lane / (32 / (2 * CH)), e = idx % CH;
-        if (lane % (32 / (2 * CH)) == 0 && p0 + e < L) (idx < CH ? cq : ck)[kk * Lc + p0 + e] = r;
+        if (lane % (32 / (2 * CH)) == 0 && p0 + e < L) (idx < CH ? cq : ck)[kk * Lc + (lstart + p0 + e) % L] = r;
       }
     }
   }
@@ -365,9 +385,10 @@ __device__ void dprep_body(const StepParams& p, const int32_t* ids_inline) {
       const float excl = sc.x, total = sc.y;
       float* rec = p.scratch + lay.rec + (static_cast<int64_t>(b) * p.hv + h) * lay.rec_floats;
       if (lane < L) {
+        // (a position past the buffered ones may have no products: rounds past them are skipped)
         const float w = live ? expf(excl) : 0.f;
-        rec[4 + slot] = w * cq[kk * Lc + slot];
-        rec[4 + Lc + slot] = w * ck[kk * Lc + slot];
+        rec[4 + slot] = live ? w * cq[kk * Lc + slot] : 0.f;
+        rec[4 + Lc + slot] = live ? w * ck[kk * Lc + slot] : 0.f;
         rec[4 + 2 * Lc + slot] = w;
       }
       if (lane == 0) {
@@ -1307,7 +1328,7 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
       for (int c = 0; c < 4; ++c) s[i][c] = a * s[i][c] + uk[c] * kv;
     }
 #pragma unroll
-    for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+    for (int i = 0; i < KP; ++i) st_state<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
     if (warp == 0) stx(out.p, out.dtype, out_at, epilogue(p, epi, vt, tqc + kq * u));
     if (p.conv_dim > 0) pdl_wait();
     if (counter) finish_meta(p, meta, m0.x, m0.y, m0.z, m0.w, conv_end, placement(p, m0.x, m0.y, m0.z));
@@ -1329,7 +1350,7 @@ __device__ void kdecode_body(const StepParams& p, const int32_t* ids_inline) {
         if (sl < L) kfold_slot<KP>(s, *reinterpret_cast<const float4*>(&fwu[sl][4 * g]), &fk[sl][k0]);
       }
 #pragma unroll
-      for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+      for (int i = 0; i < KP; ++i) st_state<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
     }
   }
 }
