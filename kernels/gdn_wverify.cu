@@ -669,7 +669,7 @@ __device__ void kverify_body(const StepParams& p, const int32_t* ids_inline) {
       }
     }
 #pragma unroll
-    for (int i = 0; i < KP; ++i) st_vec<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
+    for (int i = 0; i < KP; ++i) st_state<SD, 4>(hs + static_cast<int64_t>(i) * dv, s[i]);
   }
 }
 

@@ -287,6 +287,11 @@ const KDECODE_SPEC_ROWS: usize = 64;
 /// H200 (BENCHMARKS.md, thirty-fourth session): 4 % faster at B = 128 in a kernel A/B program
 /// on one pool, but slower in the library's benchmark. Off until measured faster there.
 const LIVE_U_ROWS: usize = usize::MAX;
+/// Batches of fewer rows launch the decode's prep kernel as a programmatic dependent of the
+/// stream's previous kernel (H200, this session's A/B in BENCHMARKS.md, thirty-fifth session:
+/// 1-3 % faster steps at B = 8 and 32 in both layouts; at B = 128 0.1-0.8 % slower in
+/// K-major, within noise in V-major).
+const PREP_PDL_ROWS: usize = 64;
 
 /// The compiled ring length of the warp-streaming decode kernel for a pool's ring.
 fn wdecode_ring(ring_len: usize) -> usize {
@@ -327,6 +332,10 @@ struct WDecode {
     /// CTAs resident beside the prep's with their first tiles loaded (KVR_GDN_STATE_PDL=0: a
     /// plain launch after the prep's end, for benchmarking).
     state_pdl: bool,
+    /// Replay pools: batches of fewer rows than this launch the prep kernel as a programmatic
+    /// dependent of the stream's previous kernel (it waits for it before its first read; its
+    /// launch overlaps that kernel's end). KVR_GDN_PREP_PDL_ROWS overrides it (0: never).
+    prep_pdl_rows: usize,
     /// V-major replay pools: batches of at least this many rows load only the u values of
     /// the ring slots the metadata marks as buffered (`p.live_u`, kernels/gdn_wdecode.cu);
     /// KVR_GDN_LIVE_U_ROWS overrides it, for benchmarking. Default: never (`LIVE_U_ROWS`).
@@ -1074,6 +1083,7 @@ impl ReplayCuda {
                 fused_rows_x,
                 fused_pdl: std::env::var("KVR_GDN_FDECODE_PDL").as_deref() != Ok("0"),
                 state_pdl: std::env::var("KVR_GDN_STATE_PDL").as_deref() != Ok("0"),
+                prep_pdl_rows: env_usize("KVR_GDN_PREP_PDL_ROWS").unwrap_or(PREP_PDL_ROWS),
                 live_u_rows: env_usize("KVR_GDN_LIVE_U_ROWS").unwrap_or(LIVE_U_ROWS),
                 wrec,
                 two_x,
@@ -1541,10 +1551,17 @@ impl ReplayCuda {
                 (1, DPREP_THREADS, w.prep_smem)
             };
             p.stages = shares as i32;
-            // After kvr_gdn_kvdec (pools with KV-only mode: p.thr > 0), a programmatic
-            // dependent of it: the prep waits at entry, and its CTAs are resident when the
-            // KV-only step ends (a plain launch after it cost the step a launch gap).
-            self.run_ex(kernel, (rows * shares, threads, smem), p, stream, p.thr > 0)?;
+            // A programmatic dependent of the stream's previous kernel (`prep_pdl_rows`), and always
+            // after kvr_gdn_kvdec (pools with KV-only mode: p.thr > 0): the prep waits at
+            // entry, and its CTAs are resident when the previous kernel ends (after the
+            // KV-only step a plain launch cost the step a launch gap).
+            self.run_ex(
+                kernel,
+                (rows * shares, threads, smem),
+                p,
+                stream,
+                rows < w.prep_pdl_rows || p.thr > 0,
+            )?;
         }
         let kernel = match spec {
             Some(spec) => wdecode_kernel_x(w.kmajor, cfg.state_dtype, w.ring32, spec),
