@@ -6,7 +6,9 @@ q/k/v/beta, fp32 g, L2-normalized q and k in the kernel. On the same inputs:
   decode   kvreplay recurrent mode (state read + written every step), kvreplay replay
            decode (checkpoint + ring, L in {8, 16, 32, 64}, averaged over whole flush
            cycles: the graph holds L steps per layer, so every replay crosses one flush
-           per sequence) and flash-linear-attention 0.6.0 fused_recurrent_gated_delta_rule,
+           per sequence; from B = 2 L also with the sequences' ring phases spread over the
+           cycle, so that about B / L of them flush in each step, "staggered") and
+           flash-linear-attention 0.6.0 fused_recurrent_gated_delta_rule,
            B in {1, 8, 32, 64, 128, 256}; outputs compared with fla (and a 20-step chained
            run compares outputs and final states).
   verify   speculative rounds (verify T drafts + commit with device-side accepted counts):
@@ -184,6 +186,26 @@ def rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
+def stagger(p, seqs, inp, L, n_layers):
+    """Spread the sequences' ring phases over the cycle in every layer: the first B / L
+    sequences get L - 1 steps, the next B / L get L - 2, ..., the last none (steps on
+    prefixes of the batch), so that every later step of the whole batch flushes about B / L
+    sequences instead of all of them at once."""
+    B = len(seqs)
+    for layer in range(n_layers):
+        for k in range(1, L):
+            n = ((L - k) * B) // L
+            if n == 0:
+                continue
+            ids = torch.tensor(seqs[:n], dtype=torch.int32)
+            out = torch.empty(n, 1, HV, D, dtype=torch.bfloat16, device=DEV)
+            x = [kvr.torch_tensor(t[:n]) for t in (inp.q[layer], inp.k[layer], inp.v[layer], inp.g[layer], inp.beta[layer])]
+            r = lib.gdn_step(False, p, layer, kvr.torch_tensor(ids), *x, None, kvr.torch_tensor(out), STEP, cur_stream())
+            if r != 0:
+                lib.check(r, "gdn step (stagger)")
+    torch.cuda.synchronize()
+
+
 def chained_check(results):
     """20 chained steps from the same random state: fla vs our replay (L = 16) and recurrent
     pools; outputs every step and the final states."""
@@ -261,6 +283,16 @@ def decode_sweep(ceil_copy, results):
             row[f"replay{L}_us"] = time_graph(o, ns, ns * L, replays=3 if QUICK else 5, warm=False)
             row[f"replay{L}_bytes"] = B * (STATE * (1 + 1 / L) + ENTRY * ((L + 1) / 2 + 1))
             free(p)
+            if B >= 2 * L:
+                # The same with the sequences' ring phases spread over the cycle (stagger):
+                # about B / L of them flush in each step, as in a batch whose requests began
+                # at different times, instead of all in one step of L. Same bytes a step.
+                p, seqs = pool(B, L, ns)
+                import_states(p, seqs, 0, S)
+                stagger(p, seqs, inp, L, ns)
+                o = Ours(p, seqs, inp)
+                row[f"replay{L}_stag_us"] = time_graph(o, ns, ns * L, replays=3 if QUICK else 5, warm=False)
+                free(p)
         # each decode kernel on the same work, for comparison (the default columns above are
         # what the library picks): the warp-streaming decode in two launches and in one
         # (kernels/gdn_wdecode.cu), the streaming kernel (kernels/gdn_stream.cu), the
@@ -290,6 +322,9 @@ def decode_sweep(ceil_copy, results):
             t = row[f"replay{L}_us"]
             by = row[f"replay{L}_bytes"]
             line += f"L{L} {t:7.1f} ({100 * by / (ceil_copy * 1e6) / t:3.0f}%)  "
+            if f"replay{L}_stag_us" in row:
+                ts = row[f"replay{L}_stag_us"]
+                line += f"staggered {ts:7.1f} ({100 * by / (ceil_copy * 1e6) / ts:3.0f}%)  "
         for which in KERNELS:
             line += f"{which}: rec {row[which + '_recurrent_us']:7.1f} L16 {row[which + '_replay16_us']:7.1f}  "
         if "fla_us" in row:
@@ -541,6 +576,9 @@ def summary(v, k=None):
         if B in dec:
             r = dec[B]
             out[f"gdn_decode_replay16_floor_frac_b{B}"] = round(r["replay16_bytes"] / ceil / r["replay16_us"], 3)
+            if "replay16_stag_us" in r:  # ring phases spread over the batch (decode_sweep)
+                out[f"gdn_decode_replay16_stag_floor_frac_b{B}"] = round(r["replay16_bytes"] / ceil / r["replay16_stag_us"], 3)
+                out[f"gdn_decode_replay16_stag_vs_fla_b{B}"] = ratio(r.get("fla_us"), r["replay16_stag_us"])
     if 256 in dec:
         out["gdn_recurrent_vs_fla_b256"] = ratio(dec[256].get("fla_us"), dec[256]["recurrent_us"])
     # issue 14 target 2: recurrent mode at >= 80 % of the copy ceiling from B = 64
@@ -606,6 +644,9 @@ def summary(v, k=None):
                 r = kd[B]
                 if B >= 128:
                     out[f"gdn_decode_replay16_floor_frac_b{B}_kmajor"] = round(r["replay16_bytes"] / kceil / r["replay16_us"], 3)
+                    if "replay16_stag_us" in r:
+                        out[f"gdn_decode_replay16_stag_floor_frac_b{B}_kmajor"] = round(
+                            r["replay16_bytes"] / kceil / r["replay16_stag_us"], 3)
                 out[f"gdn_recurrent_floor_frac_b{B}_kmajor"] = round(r["recurrent_bytes"] / kceil / r["recurrent_us"], 3)
     if dec:
         out["gdn_copy_ceiling_tbs"] = round(v["copy_tbs"], 3)
