@@ -25,8 +25,12 @@ Gate + append at 32K (25 %): one decode step's append (1 new token per sequence,
 as a fraction of the 32K decode. The headline is the device step (`kvr_wgkv_pool_reserve`
 then `kvr_wgkv_pool_step`: the gate MLP (hidden 512) on the device from k_pre and k, fused
 with the ring update, one launch) under CUDA graph replay, checked afterwards to have run
-every step. For comparison, host-planned appends (`kvr_wgkv_pool_append`, CUDA events
-around each call: host planning + launches + kernels) with precomputed host scores, the
+every step; alone (a graph of steps over the layers), and inside a layer's decode step:
+graphs of whole layers (Llama-3.1-8B's weight GEMVs in an engine's order, the step fed by
+the q/k/v projection's output, the 25 % decode) with and without the step, passes
+alternated, the step's cost = the difference of the medians. For comparison, host-planned
+appends (`kvr_wgkv_pool_append`, CUDA events around each call: host planning + launches +
+kernels) with precomputed host scores, the
 library's CPU gate (host k_pre/K/V), and a torch gate on the device with the scores copied
 to the host.
 
@@ -397,19 +401,26 @@ def append_cost(pool, n_layers, seqs, data, adm, fn, rate, wg_us, full_us):
     res.update(torch_gate_us=ev, torch_gate_host_us=host, torch_gate_frac=ev / wg_us)
     sync()
     if not CPU:
-        res.update(device_step(pool, n_layers, seqs, B, wg_us, full_us))
+        res.update(device_step(pool, n_layers, seqs, B, wg_us, full_us, fn))
     return res
 
 
-def device_step(pool, n_layers, seqs, B, wg_us, full_us):
+LAYER_PASSES = 5  # layer graphs with and without the step, each step kind
+
+
+def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
     """The device step (kvr_wgkv_pool_reserve, then kvr_wgkv_pool_step: the gate on the
     device from k_pre and k, or given device scores, fused with the ring update) under CUDA
     graph replay, rotating over the pool's layers (each with its own copy of the gate
     weights, 4 MiB f32 per layer at hidden 512); checks afterwards that every step ran (no
-    row ran out of budget)."""
+    row ran out of budget). Then the step inside a layer's decode step: graphs of whole
+    layers (weight GEMVs, the step, the pool's decode of that layer, `decode(i)`), with and
+    without the step, alternated: what the step adds to a layer."""
     calls = 8 * n_layers
-    # time_graph: one warm call per layer, one replay, 7 timed replays; two timings.
-    per_layer = 2 * (1 + 8 * (calls // n_layers))
+    lcalls = 2 * n_layers  # layer graphs: two rounds over the layers
+    # time_graph: one warm call per layer, one replay, 7 timed replays; two timings of the
+    # step alone, LAYER_PASSES of the layer with each step kind.
+    per_layer = 2 * (1 + 8 * (calls // n_layers)) + 2 * LAYER_PASSES * (1 + 8 * (lcalls // n_layers))
     for s in seqs:
         lib.wgkv_reserve(pool, s, per_layer, cur_stream())
     totals = lambda: [[r.total for r in lib.wgkv_rows(pool, s)] for s in seqs]  # noqa: E731
@@ -436,12 +447,6 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us):
 
     t_gate = time_graph(gated, n_layers, calls)
     t_scores = time_graph(given, n_layers, calls)
-    sync()
-    after = totals()  # raises if a step ran out of budget
-    for b in range(B):
-        ran = {a - p for a, p in zip(after[b], before[b])}
-        if ran != {per_layer}:
-            fail(f"device steps: seq {seqs[b]} rows advanced by {sorted(ran)}; expected {per_layer} each")
     # The rest of the layer's decode step, for scale: Llama-3.1-8B's per-layer weight GEMVs
     # (q, k, v, o, gate, up, down in bf16, 436 MiB, from DRAM) at this batch, same run.
     hid, ffn = 4096, 14336
@@ -457,7 +462,41 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us):
         return F.linear(gu[:, :ffn] * gu[:, ffn:], wd) + h[:, :1]
 
     t_layer = time_graph(layer, 1, 8)
+
+    # The layer in the order of an engine's decode step: the q / k / v projection, the
+    # step (the projection's k and v appended, k also the gate's k_pre: the engine's fresh
+    # outputs), the attention decode of that layer over the 25 % pool, the output
+    # projection, the MLP. The step's cost in a layer is the difference with and without it
+    # (passes alternated; medians).
+    def layer_with(kind):
+        def f(i):
+            qkv = F.linear(xa, ws[0])  # [B, q 4096 | k 1024 | v 1024]
+            if kind is not None:
+                kt = T(qkv[:, hid:hid + HKV * D].view(B, HKV, D))
+                vt = T(qkv[:, hid + HKV * D:].view(B, HKV, D))
+                if kind == "gated":
+                    r = lib.wgkv_step(pool, i, ids_t, kt, vt, k_pre=kt, scores_out=out_t, stream=cur_stream())
+                else:
+                    r = lib.wgkv_step(pool, i, ids_t, kt, vt, scores=descs[i][3], stream=cur_stream())
+                if r != 0:
+                    lib.check(r, f"kvr_wgkv_pool_step ({kind}, in a layer)")
+            decode(i)
+            o = F.linear(xa, ws[1])
+            gu = F.linear(xa, ws[2])
+            return F.linear(gu[:, :ffn] * gu[:, ffn:], wd) + o[:, :1] + qkv[:, :1]
+        return f
+
+    lt = {"none": [], "gated": [], "given": []}
+    for _ in range(LAYER_PASSES):
+        for kind in ("none", "gated", "given", "none"):
+            lt[kind].append(time_graph(layer_with(None if kind == "none" else kind), n_layers, lcalls))
     del ws, wd
+    sync()
+    after = totals()  # raises if a step ran out of budget
+    for b in range(B):
+        ran = {a - p for a, p in zip(after[b], before[b])}
+        if ran != {per_layer}:
+            fail(f"device steps: seq {seqs[b]} rows advanced by {sorted(ran)}; expected {per_layer} each")
     res = {"step_gate_us": t_gate, "step_scores_us": t_scores, "step_calls": calls, "step_layers": n_layers,
            "layer_weights_us": t_layer,
            "step_path": "kvr_wgkv_pool_step over the pool's layers in turn, device K/V (and k_pre or "
@@ -468,6 +507,14 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us):
             res.update(step_gate_frac_layer=t_gate / (t_layer + wg_us + t_gate))
     if t_scores is not None:
         res.update(step_scores_frac=t_scores / wg_us)
+    if all(t is not None for v in lt.values() for t in v):
+        base, wg, wv = (median(lt[k]) for k in ("none", "gated", "given"))
+        res.update(layer_none_us=base, layer_gated_us=wg, layer_given_us=wv, layer_passes=lt,
+                   step_gate_in_layer_us=wg - base, step_scores_in_layer_us=wv - base,
+                   step_gate_frac_in_layer=(wg - base) / wg)
+        print(f"device step B={B} inside a layer (weights, step, 25 % decode): {base:.1f} us without, "
+              f"{wg:.1f} with the gated step (+{wg - base:.2f} us, {(wg - base) / wg:.2%} of the layer), "
+              f"{wv:.1f} with given scores (+{wv - base:.2f} us)", flush=True)
     print(f"device step B={B}: gate + append {t_gate:.2f} us ({t_gate / wg_us:.1%} of the write-gated "
           f"decode, {t_gate / full_us:.1%} of the full one; {res.get('step_gate_frac_layer', 0):.1%} of a "
           f"layer's step with its weights ({t_layer:.1f} us)); given scores {t_scores:.2f} us", flush=True)
@@ -580,6 +627,12 @@ def summary(results):
                 s["wgkv_layer_weights_us" + sfx] = round(a["layer_weights_us"], 1)
         if a.get("step_scores_us") is not None:
             s["wgkv_step_scores_us" + sfx] = round(a["step_scores_us"], 2)
+        # The step inside a layer's decode step (weights, step, 25 % decode): what it adds.
+        if a.get("step_gate_in_layer_us") is not None:
+            s["wgkv_gate_append_in_layer_us" + sfx] = round(a["step_gate_in_layer_us"], 2)
+            s["wgkv_gate_append_frac_in_layer" + sfx] = round(a["step_gate_frac_in_layer"], 4)
+            s["wgkv_step_scores_in_layer_us" + sfx] = round(a["step_scores_in_layer_us"], 2)
+            s["wgkv_layer_none_us" + sfx] = round(a["layer_none_us"], 1)
         if a["B"] == 1:
             s["wgkv_host_append_frac"] = round(a["frac"], 4)
             s["wgkv_gate_cpu_append_frac"] = round(a["cpu_gate_frac"], 3)
