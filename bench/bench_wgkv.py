@@ -89,7 +89,7 @@ G = HQ // HKV
 RATES = [1.0, 0.5, 0.25, 0.1]
 MAX_SETS = 64
 MEM_CAP = 100 * GIB  # device bytes one context may use (data + full cache + largest pool)
-APPEND_TOKENS = 1024  # room left in the 25 % pools for the append measurements
+APPEND_TOKENS = 4096  # room left in the 25 % pools for the append and device-step measurements
 
 lib = kvr.Lib()
 if CPU:
@@ -415,12 +415,19 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
     weights, 4 MiB f32 per layer at hidden 512); checks afterwards that every step ran (no
     row ran out of budget). Then the step inside a layer's decode step: graphs of whole
     layers (weight GEMVs, the step, the pool's decode of that layer, `decode(i)`), with and
-    without the step, alternated: what the step adds to a layer."""
-    calls = 8 * n_layers
-    lcalls = 2 * n_layers  # layer graphs: two rounds over the layers
-    # time_graph: one warm call per layer, one replay, 7 timed replays; two timings of the
-    # step alone, LAYER_PASSES of the layer with each step kind.
-    per_layer = 2 * (1 + 8 * (calls // n_layers)) + 2 * LAYER_PASSES * (1 + 8 * (lcalls // n_layers))
+    without the step, alternated: what the step adds to a layer.
+
+    The gated step runs as an engine calls it, without scores_out: the gate is deferred (a
+    row queues its tokens' gate inputs and is scored every KVR_WGKV_GATE_QUEUE = 16 steps),
+    so every graph holds 16 steps of each layer (each replay one full queue cycle). For
+    comparison: the gate scored in every step (scores_out asked for: `gated_now`), and in
+    the layer a plain paged cache's append (kvr_kv_pool_write of the projection's k and v),
+    which any engine's KV cache pays."""
+    calls = 16 * n_layers
+    lcalls = 16 * n_layers  # layer graphs: sixteen rounds over the layers
+    # time_graph: one warm call per layer, one replay, 7 timed replays; three timings of the
+    # step alone, LAYER_PASSES of the layer with each of the three step kinds.
+    per_layer = 3 * (1 + 8 * (calls // n_layers)) + 3 * LAYER_PASSES * (1 + 8 * (lcalls // n_layers))
     for s in seqs:
         lib.wgkv_reserve(pool, s, per_layer, cur_stream())
     totals = lambda: [[r.total for r in lib.wgkv_rows(pool, s)] for s in seqs]  # noqa: E731
@@ -435,9 +442,15 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
 
     def gated(i):
         kp, k, v, _ = descs[i]
-        r = lib.wgkv_step(pool, i, ids_t, k, v, k_pre=kp, scores_out=out_t, stream=cur_stream())
+        r = lib.wgkv_step(pool, i, ids_t, k, v, k_pre=kp, stream=cur_stream())
         if r != 0:
             lib.check(r, "kvr_wgkv_pool_step (gate)")
+
+    def gated_now(i):
+        kp, k, v, _ = descs[i]
+        r = lib.wgkv_step(pool, i, ids_t, k, v, k_pre=kp, scores_out=out_t, stream=cur_stream())
+        if r != 0:
+            lib.check(r, "kvr_wgkv_pool_step (gate, scores_out)")
 
     def given(i):
         _, k, v, s = descs[i]
@@ -446,7 +459,13 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
             lib.check(r, "kvr_wgkv_pool_step (scores)")
 
     t_gate = time_graph(gated, n_layers, calls)
+    t_gate_now = time_graph(gated_now, n_layers, calls)
     t_scores = time_graph(given, n_layers, calls)
+    # A plain paged cache of the same layers for the layer graphs' `full` kind: one token a
+    # sequence, rewritten in place by every step (what an engine's KV append costs).
+    fpool = lib.pool(ctx, n_layers, HKV, D, PAGE, KV_DT, 4 * B, B, 64)
+    fseqs = [lib.seq_add(fpool, cur_stream()) for _ in range(B)]
+    lib.check(lib.extend(fpool, fseqs, [1] * B, cur_stream()), "kvr_kv_pool_extend")
     # The rest of the layer's decode step, for scale: Llama-3.1-8B's per-layer weight GEMVs
     # (q, k, v, o, gate, up, down in bf16, 436 MiB, from DRAM) at this batch, same run.
     hid, ffn = 4096, 14336
@@ -474,7 +493,12 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
             if kind is not None:
                 kt = T(qkv[:, hid:hid + HKV * D].view(B, HKV, D))
                 vt = T(qkv[:, hid + HKV * D:].view(B, HKV, D))
-                if kind == "gated":
+                if kind == "full":
+                    lib.write(fpool, i, fseqs, [1] * B, kt, vt, cur_stream())
+                    r = 0
+                elif kind == "gated":
+                    r = lib.wgkv_step(pool, i, ids_t, kt, vt, k_pre=kt, stream=cur_stream())
+                elif kind == "gated_now":
                     r = lib.wgkv_step(pool, i, ids_t, kt, vt, k_pre=kt, scores_out=out_t, stream=cur_stream())
                 else:
                     r = lib.wgkv_step(pool, i, ids_t, kt, vt, scores=descs[i][3], stream=cur_stream())
@@ -486,18 +510,21 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
             return F.linear(gu[:, :ffn] * gu[:, ffn:], wd) + o[:, :1] + qkv[:, :1]
         return f
 
-    lt = {"none": [], "gated": [], "given": []}
+    kinds = ("none", "gated", "gated_now", "given", "full", "none")
+    lt = {k: [] for k in kinds}
     for _ in range(LAYER_PASSES):
-        for kind in ("none", "gated", "given", "none"):
+        for kind in kinds:
             lt[kind].append(time_graph(layer_with(None if kind == "none" else kind), n_layers, lcalls))
     del ws, wd
     sync()
+    lib.lib.kvr_kv_pool_free(fpool)
     after = totals()  # raises if a step ran out of budget
     for b in range(B):
         ran = {a - p for a, p in zip(after[b], before[b])}
         if ran != {per_layer}:
             fail(f"device steps: seq {seqs[b]} rows advanced by {sorted(ran)}; expected {per_layer} each")
-    res = {"step_gate_us": t_gate, "step_scores_us": t_scores, "step_calls": calls, "step_layers": n_layers,
+    res = {"step_gate_us": t_gate, "step_gate_now_us": t_gate_now, "step_scores_us": t_scores,
+           "step_calls": calls, "step_layers": n_layers,
            "layer_weights_us": t_layer,
            "step_path": "kvr_wgkv_pool_step over the pool's layers in turn, device K/V (and k_pre or "
                         "scores), CUDA graph replay"}
@@ -508,16 +535,20 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
     if t_scores is not None:
         res.update(step_scores_frac=t_scores / wg_us)
     if all(t is not None for v in lt.values() for t in v):
-        base, wg, wv = (median(lt[k]) for k in ("none", "gated", "given"))
+        base, wg, wn, wv, wf = (median(lt[k]) for k in ("none", "gated", "gated_now", "given", "full"))
         res.update(layer_none_us=base, layer_gated_us=wg, layer_given_us=wv, layer_passes=lt,
                    step_gate_in_layer_us=wg - base, step_scores_in_layer_us=wv - base,
-                   step_gate_frac_in_layer=(wg - base) / wg)
+                   step_gate_frac_in_layer=(wg - base) / wg,
+                   step_gate_now_in_layer_us=wn - base, full_write_in_layer_us=wf - base)
         print(f"device step B={B} inside a layer (weights, step, 25 % decode): {base:.1f} us without, "
               f"{wg:.1f} with the gated step (+{wg - base:.2f} us, {(wg - base) / wg:.2%} of the layer), "
-              f"{wv:.1f} with given scores (+{wv - base:.2f} us)", flush=True)
+              f"{wn:.1f} gated in every step (+{wn - base:.2f} us), {wv:.1f} with given scores "
+              f"(+{wv - base:.2f} us), {wf:.1f} with a plain paged cache's append instead "
+              f"(+{wf - base:.2f} us)", flush=True)
     print(f"device step B={B}: gate + append {t_gate:.2f} us ({t_gate / wg_us:.1%} of the write-gated "
           f"decode, {t_gate / full_us:.1%} of the full one; {res.get('step_gate_frac_layer', 0):.1%} of a "
-          f"layer's step with its weights ({t_layer:.1f} us)); given scores {t_scores:.2f} us", flush=True)
+          f"layer's step with its weights ({t_layer:.1f} us)); gated in every step {t_gate_now:.2f} us; "
+          f"given scores {t_scores:.2f} us", flush=True)
     return res
 
 
@@ -633,6 +664,10 @@ def summary(results):
             s["wgkv_gate_append_frac_in_layer" + sfx] = round(a["step_gate_frac_in_layer"], 4)
             s["wgkv_step_scores_in_layer_us" + sfx] = round(a["step_scores_in_layer_us"], 2)
             s["wgkv_layer_none_us" + sfx] = round(a["layer_none_us"], 1)
+            s["wgkv_gate_now_in_layer_us" + sfx] = round(a["step_gate_now_in_layer_us"], 2)
+            s["wgkv_full_write_in_layer_us" + sfx] = round(a["full_write_in_layer_us"], 2)
+        if a.get("step_gate_now_us") is not None:
+            s["wgkv_gate_now_us" + sfx] = round(a["step_gate_now_us"], 2)
         if a["B"] == 1:
             s["wgkv_host_append_frac"] = round(a["frac"], 4)
             s["wgkv_gate_cpu_append_frac"] = round(a["cpu_gate_frac"], 3)

@@ -3298,7 +3298,13 @@ kvr_status kvr_wgkv_pool_reserve(struct kvr_wgkv_pool *pool,
  * f32 `[B, n_kv_heads]`, contiguous) receives the scores used. Each (sequence, KV head)
  * row does what a committed one-token `kvr_wgkv_pool_append` does: the ring's oldest
  * token is promoted if its score was > tau (or it is a sink) and dropped otherwise, the
- * new token takes its slot. On CUDA every tensor is device memory and the call queues
+ * new token takes its slot. On CUDA a gated step without `scores_out` defers its gate: a
+ * token's score is needed only when it leaves the ring, so each row keeps the inputs of up
+ * to min(16, local_window) tokens (f32, in the pool's device memory) and scores them in
+ * the step that fills that queue; any host call on the sequence (and a step with given
+ * scores or `scores_out`) scores what its rows still hold first, so every result is the
+ * same as with the gate in each step (set `KVR_WGKV_GATE_DEFER=0` in the environment
+ * before creating the pool to score every step). On CUDA every tensor is device memory and the call queues
  * one kernel per 128 sequences (gate, ring update and copies fused) whose launches
  * depend on nothing the host reads back: it can be captured in a CUDA graph and replayed
  * while the reservation lasts; a row whose budget is spent is left unchanged and the

@@ -156,7 +156,7 @@ typedef struct {
  * of (h, z) (of the gate CTAs) finishes the scores and, once the mover has published each
  * token's slot, sets the new tokens' admission bits. With scores_in
  * set there is no gate (grid x = 1). Row state: KVR_WGKV_ROW_INTS ints per pool
- * row {fill, ptr, global, total, budget, dropped, 0, 0}; admission bits [rows][admit_words]
+ * row {fill, ptr, global, total, budget, dropped, queued, 0}; admission bits [rows][admit_words]
  * (bit s: ring slot s is promoted when evicted). A row with budget 0 is left as it is and
  * counts the token in `dropped`. */
 #define KVR_WGKV_STEP_THREADS 256
@@ -170,6 +170,20 @@ typedef struct {
 #define KVR_WGKV_SLOT_PENDING (-2147483647 - 1)
 #define KVR_WGKV_SLOT_SINK (1 << 30)
 #define KVR_WGKV_SLOT_EVICTED (1 << 29) /* the slot's previous token was promoted */
+#define KVR_WGKV_SLOT_DUE (1 << 28)     /* the gate scores the row now: its queue, then the token */
+#define KVR_WGKV_SLOT_NOCUR (1 << 27)   /* no new token (flush, or no budget) */
+#define KVR_WGKV_SLOT_QSHIFT 20         /* queued tokens of a due row: bits 20..26 */
+#define KVR_WGKV_SLOT_QMASK 127
+#define KVR_WGKV_SLOT_MASK ((1 << 20) - 1) /* the ring slot */
+/* Gate modes (kvr_wgkv_step_args.mode; scores_in set: given scores, any mode but FLUSH).
+ * IMMEDIATE: every row's token is scored in its step (and its queue, if any). DEFERRED: a
+ * row queues its tokens' gate inputs (queue, queue_codes; row state word 6 = queued) and is
+ * scored when the queue is full: a token's bit is needed only when it leaves the ring,
+ * window >= queue_len steps later. FLUSH: no new tokens; the rows' queues are scored. */
+#define KVR_WGKV_MODE_IMMEDIATE 0
+#define KVR_WGKV_MODE_DEFERRED 1
+#define KVR_WGKV_MODE_FLUSH 2
+#define KVR_WGKV_GATE_QUEUE 16 /* most queued tokens per row (<= KVR_WGKV_SLOT_QMASK) */
 
 typedef struct {
   KVR_PTR(const void) k_pre;      /* [n, H, D] keys before RoPE (gate input), or 0 */
@@ -191,7 +205,9 @@ typedef struct {
   KVR_PTR(void) v_dst;
   KVR_PTR(float) zacc;            /* [KVR_WGKV_STEP_MAX_SEQS][H], zero between launches */
   KVR_PTR(int32_t) counters;      /* [tiles][H], zero between launches */
-  KVR_PTR(int32_t) slots;         /* [KVR_WGKV_STEP_MAX_SEQS][H]: ring slot of each new token (-1: skipped; KVR_WGKV_SLOT_PENDING between launches) */
+  KVR_PTR(int32_t) slots;         /* [KVR_WGKV_STEP_MAX_SEQS][H]: each row's code (ring slot and flags; KVR_WGKV_SLOT_PENDING between launches) */
+  KVR_PTR(float) queue;           /* [pool rows][queue_len][2 D] f32: queued gate inputs (k_pre, k), or 0 */
+  KVR_PTR(int32_t) queue_codes;   /* [pool rows][queue_len]: their ring slots (| KVR_WGKV_SLOT_SINK) */
   int64_t kp_sb, kp_sh, kp_sd;    /* strides (elements): token, head, dim */
   int64_t k_sb, k_sh, k_sd;
   int64_t v_sb, v_sh, v_sd;
@@ -200,7 +216,8 @@ typedef struct {
   int32_t n, hkv, d, hidden;
   int32_t window, page_size, table_stride, admit_words;
   int32_t rows_per_seq, row0, sinks, kp_dtype;
-  int32_t k_dtype, v_dtype, pool_dtype, pad0;
+  int32_t k_dtype, v_dtype, pool_dtype, queue_len;
+  int32_t mode, pad2, pad3, pad4;
   float tau, norm_eps, gate_floor, pad1;
   int32_t seq[KVR_WGKV_STEP_MAX_SEQS];
 } kvr_wgkv_step_args;

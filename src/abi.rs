@@ -119,6 +119,20 @@ abi_consts! {
     KVR_WGKV_SLOT_PENDING: i32 = i32::MIN;
     KVR_WGKV_SLOT_SINK: i32 = 1 << 30;
     KVR_WGKV_SLOT_EVICTED: i32 = 1 << 29;
+    /// More flags of a published code (the row is scored now; no new token), the queued
+    /// count's place in it, and the slot's mask.
+    KVR_WGKV_SLOT_DUE: i32 = 1 << 28;
+    KVR_WGKV_SLOT_NOCUR: i32 = 1 << 27;
+    KVR_WGKV_SLOT_QSHIFT: i32 = 20;
+    KVR_WGKV_SLOT_QMASK: i32 = 127;
+    KVR_WGKV_SLOT_MASK: i32 = (1 << 20) - 1;
+    /// `WgKvStepArgs::mode`: the gate scores each step's tokens at once; queues them and
+    /// scores a row when its queue is full; scores the queues only (no new tokens).
+    KVR_WGKV_MODE_IMMEDIATE: i32 = 0;
+    KVR_WGKV_MODE_DEFERRED: i32 = 1;
+    KVR_WGKV_MODE_FLUSH: i32 = 2;
+    /// Most queued gate inputs per row (deferred gate).
+    KVR_WGKV_GATE_QUEUE: usize = 16;
     /// `KvDecodeArgs::q_vec`: element loads; 16-byte loads of KV-typed q; of f32 q.
     KVR_KV_Q_SCALAR: i32 = 0;
     KVR_KV_Q_VEC_KV: i32 = 1;
@@ -331,6 +345,8 @@ abi_structs! {
         zacc: u64,
         counters: u64,
         slots: u64,
+        queue: u64,
+        queue_codes: u64,
         kp_sb: i64,
         kp_sh: i64,
         kp_sd: i64,
@@ -361,7 +377,11 @@ abi_structs! {
         k_dtype: i32,
         v_dtype: i32,
         pool_dtype: i32,
-        pad0: i32,
+        queue_len: i32,
+        mode: i32,
+        pad2: i32,
+        pad3: i32,
+        pad4: i32,
         tau: f32,
         norm_eps: f32,
         gate_floor: f32,

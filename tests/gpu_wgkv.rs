@@ -605,3 +605,254 @@ fn gpu_gated_steps_of_many_sequences_match_cpu() {
         assert_eq!(r.total, b.total + 3, "the row with budget took every step");
     }
 }
+
+/// One gated device step of `layer` for `ids` on two GPU pools with the same data: `pa`
+/// scores at once (scores_out asked for), `pb` defers its gate (no scores_out); both CPU
+/// pools append the tokens with `pa`'s scores. With `given`, both take those scores instead.
+#[allow(clippy::too_many_arguments)]
+fn step_both_modes(
+    pa: &Both,
+    pb: &Both,
+    models: &mut [&mut SeqModel],
+    rng: &mut Rng,
+    ids: &[i32],
+    layer: usize,
+    given: bool,
+) {
+    let c = pa.cfg;
+    let (b, h, d) = (ids.len(), c.kv_heads, c.head_dim);
+    let pre = rng.vec(b * h * d, -2.0, 2.0);
+    let k = rng.vec(b * h * d, -1.0, 1.0);
+    let v = rng.vec(b * h * d, -1.0, 1.0);
+    let sc = rng.vec(b * h, 0.0, 1.0);
+    let (pd, kd, vd, sd) = (
+        upload(&pa.gctx, &pre),
+        upload(&pa.gctx, &k),
+        upload(&pa.gctx, &v),
+        upload(&pa.gctx, &sc),
+    );
+    let od = alloc(&pa.gctx, b * h * 4);
+    let (pv, kv, vv, sv, ov) = (
+        dev_view(&pd, &[b, h, d]),
+        dev_view(&kd, &[b, h, d]),
+        dev_view(&vd, &[b, h, d]),
+        dev_view(&sd, &[b, h]),
+        dev_view(&od, &[b, h]),
+    );
+    let (kp, sin) = if given {
+        (None, Some(&sv))
+    } else {
+        (Some(&pv), None)
+    };
+    pa.gpu
+        .step(layer, ids, kp, &kv, &vv, sin, Some(&ov), S)
+        .unwrap();
+    pb.gpu.step(layer, ids, kp, &kv, &vv, sin, None, S).unwrap();
+    pa.gctx.synchronize(S).unwrap();
+    let mut out = vec![0f32; b * h];
+    od.download(&mut out).unwrap();
+    for i in 0..b {
+        let r = i * h * d..(i + 1) * h * d;
+        let s = &out[i * h..(i + 1) * h];
+        let shape = [1, h, d];
+        for cpu in [&pa.cpu, &pb.cpu] {
+            cpu.append(
+                ids[i],
+                Some(layer),
+                &view(&k[r.clone()], &shape),
+                &view(&v[r.clone()], &shape),
+                s,
+                false,
+                S,
+            )
+            .unwrap();
+        }
+        record(
+            models[i],
+            &c,
+            layer..layer + 1,
+            1,
+            &k[r.clone()],
+            &v[r],
+            s,
+            false,
+        );
+    }
+}
+
+/// The deferred gate (a gated step without scores_out queues its rows' gate inputs and
+/// scores a row when its queue is full) against the immediate one on the same data: rows,
+/// admissions (the rows' global counts) and decode outputs equal, through ring wraps, host
+/// reads with tokens still queued, graph replays, steps with given scores while rows still
+/// queue tokens, and a gate replaced while they do. Windows of 8 (queue = window) and 32.
+#[test]
+fn gpu_deferred_gate_matches_immediate() {
+    const N: usize = 20;
+    for (w, sinks) in [(8usize, 2usize), (32, 1)] {
+        let mut cfg = config(2, 2, 64, 4, w, DType::BF16, 20000);
+        cfg.max_seqs = N;
+        cfg.sinks = sinks;
+        let name = "gpu_deferred_gate_matches_immediate";
+        let Some(pa) = both(name, cfg) else {
+            return;
+        };
+        let pb = Both {
+            cpu: WgKvPool::new(cpu_ctx(), cfg).unwrap(),
+            gpu: WgKvPool::new(Arc::clone(&pa.gctx), cfg).unwrap(),
+            gctx: Arc::clone(&pa.gctx),
+            cfg,
+        };
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let mut rng = Rng::new(23 + w as u64);
+        let (_, gate) = random_gate(&mut rng, cfg.layers, h, d, 40);
+        for p in [&pa.cpu, &pa.gpu, &pb.cpu, &pb.gpu] {
+            p.set_gate(Some(gate.clone())).unwrap();
+        }
+        let mut ids = Vec::new();
+        let mut models = Vec::new();
+        for i in 0..N {
+            let s = pa.cpu.seq_add(S).unwrap();
+            for p in [&pa.gpu, &pb.cpu, &pb.gpu] {
+                assert_eq!(p.seq_add(S).unwrap(), s);
+            }
+            // Rows at every stage: filling the ring, past it.
+            let n = 1 + i % 13;
+            let (k, v, sc) = random_tokens(&mut rng, cfg.layers, n, h, d);
+            let shape = [cfg.layers, n, h, d];
+            for p in [&pa.cpu, &pa.gpu, &pb.cpu, &pb.gpu] {
+                p.append(s, None, &view(&k, &shape), &view(&v, &shape), &sc, false, S)
+                    .unwrap();
+            }
+            let mut m = SeqModel::new(4);
+            record(&mut m, &cfg, 0..cfg.layers, n, &k, &v, &sc, false);
+            ids.push(s);
+            models.push(m);
+        }
+        let check = |models: &[SeqModel], rng: &mut Rng, what: &str| {
+            for &s in &ids {
+                let want = pa.gpu.seq_rows(s).unwrap();
+                assert_eq!(pb.gpu.seq_rows(s).unwrap(), want, "w{w} {what}: seq {s}");
+                assert_eq!(pa.cpu.seq_rows(s).unwrap(), want, "w{w} {what}: seq {s}");
+            }
+            let seqs: Vec<(i32, &SeqModel)> = ids.iter().copied().zip(models.iter()).collect();
+            for p in [&pa, &pb] {
+                let e = p.compare(rng, &seqs, 1, 2, false);
+                assert!(e.0 < 3e-2 && e.1 < 3e-2, "w{w} {what}: {e:?}");
+            }
+        };
+        // One reservation, then segments of (steps, given scores).
+        let steps = |pa: &Both,
+                     pb: &Both,
+                     models: &mut Vec<SeqModel>,
+                     rng: &mut Rng,
+                     segs: &[(usize, bool)]| {
+            let n: usize = segs.iter().map(|x| x.0).sum();
+            for s in &ids {
+                pa.gpu.reserve(*s, n, S).unwrap();
+                pb.gpu.reserve(*s, n, S).unwrap();
+            }
+            for &(n, given) in segs {
+                for _ in 0..n {
+                    for layer in 0..cfg.layers {
+                        let mut ms: Vec<&mut SeqModel> = models.iter_mut().collect();
+                        step_both_modes(pa, pb, &mut ms, rng, &ids, layer, given);
+                    }
+                }
+            }
+        };
+        // Through two ring wraps; then 5 steps (a host read with 5 tokens queued).
+        steps(&pa, &pb, &mut models, &mut rng, &[(2 * w + 3, false)]);
+        check(&models, &mut rng, "after wraps");
+        steps(&pa, &pb, &mut models, &mut rng, &[(5, false)]);
+        check(&models, &mut rng, "5 queued");
+        // Given scores while rows still queue tokens (their gate CTAs score the queues),
+        // then gated again.
+        steps(
+            &pa,
+            &pb,
+            &mut models,
+            &mut rng,
+            &[(3, false), (w + 1, true), (w + 3, false)],
+        );
+        check(&models, &mut rng, "given after queued");
+        // A gate replaced while rows queue tokens: they are scored with the old one first.
+        steps(&pa, &pb, &mut models, &mut rng, &[(3, false)]);
+        let (_, gate2) = random_gate(&mut rng, cfg.layers, h, d, 24);
+        for p in [&pa.cpu, &pa.gpu, &pb.cpu, &pb.gpu] {
+            p.set_gate(Some(gate2.clone())).unwrap();
+        }
+        steps(&pa, &pb, &mut models, &mut rng, &[(w + 2, false)]);
+        check(&models, &mut rng, "new gate");
+
+        // Deferred steps replayed from a graph (pb) against eager immediate steps (pa) on
+        // the same inputs, past the queue's length and the ring.
+        let stream = RawStream::new(&pa.gctx);
+        let rs = Stream(stream.ptr() as usize);
+        let n = ids.len();
+        let pre = rng.vec(n * h * d, -2.0, 2.0);
+        let k = rng.vec(n * h * d, -1.0, 1.0);
+        let v = rng.vec(n * h * d, -1.0, 1.0);
+        let (pd, kd, vd) = (
+            upload(&pa.gctx, &pre),
+            upload(&pa.gctx, &k),
+            upload(&pa.gctx, &v),
+        );
+        let od = alloc(&pa.gctx, n * h * 4);
+        let replays = w + 5;
+        for s in &ids {
+            pa.gpu.reserve(*s, replays, rs).unwrap();
+            pb.gpu.reserve(*s, replays, rs).unwrap();
+        }
+        stream.sync();
+        let (pv, kv, vv, ov) = (
+            dev_view(&pd, &[n, h, d]),
+            dev_view(&kd, &[n, h, d]),
+            dev_view(&vd, &[n, h, d]),
+            dev_view(&od, &[n, h]),
+        );
+        let graph = stream.capture(|| {
+            for layer in 0..cfg.layers {
+                pb.gpu
+                    .step(layer, &ids, Some(&pv), &kv, &vv, None, None, rs)
+                    .unwrap();
+            }
+        });
+        for _ in 0..replays {
+            graph.launch(&stream);
+            for layer in 0..cfg.layers {
+                pa.gpu
+                    .step(layer, &ids, Some(&pv), &kv, &vv, None, Some(&ov), rs)
+                    .unwrap();
+                stream.sync();
+                let mut out = vec![0f32; n * h];
+                od.download(&mut out).unwrap();
+                for (i, m) in models.iter_mut().enumerate() {
+                    let r = i * h * d..(i + 1) * h * d;
+                    let s = &out[i * h..(i + 1) * h];
+                    for cpu in [&pa.cpu, &pb.cpu] {
+                        cpu.append(
+                            ids[i],
+                            Some(layer),
+                            &view(&k[r.clone()], &[1, h, d]),
+                            &view(&v[r.clone()], &[1, h, d]),
+                            s,
+                            false,
+                            S,
+                        )
+                        .unwrap();
+                    }
+                    record(m, &cfg, layer..layer + 1, 1, &k[r.clone()], &v[r], s, false);
+                }
+            }
+        }
+        stream.sync();
+        check(&models, &mut rng, "graph");
+        let (sa, sb) = (pa.gpu.stats().unwrap(), pb.gpu.stats().unwrap());
+        assert_eq!(sa.kept_tokens, sb.kept_tokens);
+        assert_eq!(sa.pages_used, sb.pages_used);
+        println!(
+            "w{w}: deferred gate matches immediate ({} kept tokens)",
+            sb.kept_tokens
+        );
+    }
+}

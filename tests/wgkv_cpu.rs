@@ -830,6 +830,11 @@ fn pages_per_seq_matches_the_pool() {
         bad.pages_per_seq(10, 0.5, 0),
         Err(Error::InvalidArgument(_))
     ));
+    bad.local_window = kvreplay::kv::wgkv::MAX_LOCAL_WINDOW + bad.page_size;
+    assert!(matches!(
+        bad.pages_per_seq(10, 0.5, 0),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 // ---- device steps (the CPU backend's semantics of reserve + step) ----

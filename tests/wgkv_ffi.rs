@@ -409,6 +409,10 @@ fn bad_input_gets_a_status_and_changes_nothing() {
             KVR_STATUS_INVALID_ARG,
         ),
         (
+            Box::new(|w: &mut kvr_wgkv_params| w.local_window = (1 << 19) + 16),
+            KVR_STATUS_INVALID_ARG,
+        ),
+        (
             Box::new(|w: &mut kvr_wgkv_params| w.tau = 1.5),
             KVR_STATUS_INVALID_ARG,
         ),

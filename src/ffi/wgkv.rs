@@ -37,8 +37,8 @@ fn pool_from(p: *const kvr_wgkv_pool) -> Result<std::sync::Arc<WgKvPool>> {
 pub struct kvr_wgkv_params {
     /// `sizeof(kvr_wgkv_params)` as the caller compiled it.
     pub struct_size: u32,
-    /// Ring size W per (sequence, layer, KV head): a multiple of the page size, >= 8
-    /// (default 256).
+    /// Ring size W per (sequence, layer, KV head): a multiple of the page size, >= 8 and
+    /// <= 2^19 (default 256).
     pub local_window: i32,
     /// Promotion threshold: a token leaving the ring is kept if its score is > tau (strict;
     /// default 0.1), 0 <= tau < 1.
@@ -186,7 +186,7 @@ fn wg_config(
 /// owns its memory (`kv->layers` must be NULL). `wg` may be NULL for the defaults.
 ///
 /// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (sizes,
-/// `local_window` not a multiple of the page size or < 8, tau outside [0, 1), negative
+/// `local_window` not a multiple of the page size, < 8 or > 2^19, tau outside [0, 1), negative
 /// `sinks`, `gate_hidden` or `max_global_tokens`, `struct_size`, not a live context);
 /// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (max_seqs x layers x heads >=
 /// 2^20, tables past the 32-bit device indices); `KVR_STATUS_UNSUPPORTED` (external
@@ -656,7 +656,13 @@ pub extern "C" fn kvr_wgkv_pool_reserve(
 /// f32 `[B, n_kv_heads]`, contiguous) receives the scores used. Each (sequence, KV head)
 /// row does what a committed one-token `kvr_wgkv_pool_append` does: the ring's oldest
 /// token is promoted if its score was > tau (or it is a sink) and dropped otherwise, the
-/// new token takes its slot. On CUDA every tensor is device memory and the call queues
+/// new token takes its slot. On CUDA a gated step without `scores_out` defers its gate: a
+/// token's score is needed only when it leaves the ring, so each row keeps the inputs of up
+/// to min(16, local_window) tokens (f32, in the pool's device memory) and scores them in
+/// the step that fills that queue; any host call on the sequence (and a step with given
+/// scores or `scores_out`) scores what its rows still hold first, so every result is the
+/// same as with the gate in each step (set `KVR_WGKV_GATE_DEFER=0` in the environment
+/// before creating the pool to score every step). On CUDA every tensor is device memory and the call queues
 /// one kernel per 128 sequences (gate, ring update and copies fused) whose launches
 /// depend on nothing the host reads back: it can be captured in a CUDA graph and replayed
 /// while the reservation lasts; a row whose budget is spent is left unchanged and the

@@ -4,13 +4,15 @@
 //! decode are the paged pool's own.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::gate::{GateWeights, GATE_FLOOR, GATE_NORM_EPS};
 use super::{Pair, RowSource, WgKvConfig};
 use crate::abi::{
     dtype_code, WgKvScatterArgs, WgKvStepArgs, KVR_WGKV_GATE_CHUNK, KVR_WGKV_GATE_MAX_IN,
-    KVR_WGKV_MAX_PAIRS, KVR_WGKV_ROW_INTS, KVR_WGKV_SCATTER_THREADS, KVR_WGKV_SLOT_PENDING,
+    KVR_WGKV_GATE_QUEUE, KVR_WGKV_MAX_PAIRS, KVR_WGKV_MODE_DEFERRED, KVR_WGKV_MODE_FLUSH,
+    KVR_WGKV_MODE_IMMEDIATE, KVR_WGKV_ROW_INTS, KVR_WGKV_SCATTER_THREADS, KVR_WGKV_SLOT_PENDING,
     KVR_WGKV_STEP_MAX_SEQS, KVR_WGKV_STEP_THREADS, KVR_WGKV_STEP_TILE,
 };
 use crate::backend::cuda::memory::DeviceBuffer;
@@ -25,11 +27,26 @@ use crate::tensor::{DType, MemoryKind, TensorView};
 pub(super) type RowWords = [i32; KVR_WGKV_ROW_INTS];
 
 /// The gate's weights in device memory: per layer the addresses of norm_pre, norm_post,
-/// fc1 weight, fc1 bias, fc2 weight, fc2 bias (f32).
+/// fc1 weight, fc1 bias, fc2 weight, fc2 bias (f32); and the deferred gate's queues
+/// (`[rows][queue_len][2 head_dim]` f32 inputs, `[rows][queue_len]` their slots).
 struct DeviceGate {
     _buf: DeviceBuffer,
     hidden: usize,
     layers: Vec<[u64; 6]>,
+    queue: Option<(DeviceBuffer, DeviceBuffer)>,
+}
+
+/// How a device step's gate runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum GateMode {
+    /// Given scores (no gate for the new tokens).
+    Given,
+    /// Every new token scored in its step.
+    Immediate,
+    /// New tokens queued per row, a row scored when its queue is full.
+    Deferred,
+    /// No new tokens: the rows' queues scored.
+    Flush,
 }
 
 /// Launches row copies into the one layer of a one-head pool, and the device step.
@@ -51,10 +68,15 @@ pub(super) struct WgCuda {
     /// `[tiles][kv_heads]`, zero between launches.
     zacc: DeviceBuffer,
     counters: DeviceBuffer,
-    /// The ring slot of each new token of a launch `[KVR_WGKV_STEP_MAX_SEQS][kv_heads]`,
+    /// Each row's code in a launch `[KVR_WGKV_STEP_MAX_SEQS][kv_heads]`,
     /// `KVR_WGKV_SLOT_PENDING` between launches.
     slots: DeviceBuffer,
     gate: Mutex<Option<DeviceGate>>,
+    /// Gate inputs a row queues before it is scored (0: every gated step scores at once).
+    queue_len: usize,
+    /// A deferred step was queued (rows may hold queued tokens): steps with given scores
+    /// then carry gate CTAs for them.
+    deferred_used: AtomicBool,
 }
 
 /// What one device step reads and writes (checked by the pool).
@@ -62,10 +84,11 @@ pub(super) struct StepIo<'a> {
     pub(super) layer: usize,
     pub(super) seqs: &'a [i32],
     pub(super) k_pre: Option<&'a TensorView>,
-    pub(super) k: &'a TensorView,
-    pub(super) v: &'a TensorView,
+    pub(super) k: Option<&'a TensorView>,
+    pub(super) v: Option<&'a TensorView>,
     pub(super) scores: Option<&'a TensorView>,
     pub(super) scores_out: Option<&'a TensorView>,
+    pub(super) mode: GateMode,
 }
 
 impl WgCuda {
@@ -82,8 +105,17 @@ impl WgCuda {
         rows.upload(&vec![0i32; n_rows * KVR_WGKV_ROW_INTS])?;
         let admit = DeviceBuffer::new(&cuda, n_rows * admit_words * 4)?;
         let tiles = KVR_WGKV_STEP_MAX_SEQS.div_ceil(KVR_WGKV_STEP_TILE);
-        let zacc = DeviceBuffer::new(&cuda, KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads * 4)?;
-        zacc.upload(&vec![0f32; KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads])?;
+        // The deferred gate (KVR_WGKV_GATE_DEFER=0 turns it off): a token's bit is needed
+        // when it leaves the ring, so a row queues at most the window.
+        let defer = std::env::var("KVR_WGKV_GATE_DEFER").map_or(true, |v| v != "0");
+        let queue_len = if defer {
+            KVR_WGKV_GATE_QUEUE.min(cfg.local_window)
+        } else {
+            0
+        };
+        let zn = KVR_WGKV_STEP_MAX_SEQS * queue_len.max(1) * cfg.kv_heads;
+        let zacc = DeviceBuffer::new(&cuda, zn * 4)?;
+        zacc.upload(&vec![0f32; zn])?;
         let counters = DeviceBuffer::new(&cuda, tiles * cfg.kv_heads * 4)?;
         counters.upload(&vec![0i32; tiles * cfg.kv_heads])?;
         let slots = DeviceBuffer::new(&cuda, KVR_WGKV_STEP_MAX_SEQS * cfg.kv_heads * 4)?;
@@ -107,7 +139,14 @@ impl WgCuda {
             counters,
             slots,
             gate: Mutex::new(None),
+            queue_len,
+            deferred_used: AtomicBool::new(false),
         })
+    }
+
+    /// Whether a gated step without `scores_out` defers its gate (see [`GateMode`]).
+    pub(super) fn defers(&self) -> bool {
+        self.queue_len > 0
     }
 
     /// Words of admission bits per row.
@@ -145,6 +184,15 @@ impl WgCuda {
                 let buf = DeviceBuffer::new(&self.cuda, all.len() * 4)?;
                 buf.upload(&all)?;
                 let base = buf.addr() as u64;
+                let queue = if self.queue_len > 0 {
+                    let n = self.cfg.max_seqs * self.cfg.rows_per_seq() * self.queue_len;
+                    Some((
+                        DeviceBuffer::new(&self.cuda, n * 2 * self.head_dim * 4)?,
+                        DeviceBuffer::new(&self.cuda, n * 4)?,
+                    ))
+                } else {
+                    None
+                };
                 Some(DeviceGate {
                     layers: offs
                         .iter()
@@ -152,6 +200,7 @@ impl WgCuda {
                         .collect(),
                     hidden: g.hidden,
                     _buf: buf,
+                    queue,
                 })
             }
             _ => None,
@@ -241,10 +290,16 @@ impl WgCuda {
         let c = &self.cfg;
         let h = c.kv_heads;
         let gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        let (gl, hidden) = match (io.scores, &*gate) {
-            (Some(_), _) => ([0u64; 6], 0),
-            (None, Some(g)) => (g.layers[io.layer], g.hidden),
-            (None, None) => {
+        // With given scores, gate CTAs only for rows that may queue tokens.
+        let queued = self.deferred_used.load(Ordering::Relaxed);
+        let (gl, hidden, queue) = match (io.mode, &*gate) {
+            (GateMode::Given, Some(g)) if queued => {
+                (g.layers[io.layer], g.hidden, g.queue.as_ref())
+            }
+            (GateMode::Given, _) => ([0u64; 6], 0, None),
+            (_, Some(g)) => (g.layers[io.layer], g.hidden, g.queue.as_ref()),
+            (GateMode::Flush, None) => return Ok(()),
+            (_, None) => {
                 return Err(Error::Unsupported(
                     "the pool's gate is not on the device (none set, or 2 * head_dim above \
                      KVR_WGKV_GATE_MAX_IN): pass scores"
@@ -252,19 +307,25 @@ impl WgCuda {
                 ))
             }
         };
-        // CTA 0 moves the rows; the others score gate chunks.
-        let chunks = if io.scores.is_some() {
-            1
-        } else {
-            1 + hidden.div_ceil(KVR_WGKV_GATE_CHUNK)
+        let mode = match io.mode {
+            GateMode::Deferred if queue.is_some() => {
+                self.deferred_used.store(true, Ordering::Relaxed);
+                KVR_WGKV_MODE_DEFERRED
+            }
+            GateMode::Flush => KVR_WGKV_MODE_FLUSH,
+            _ => KVR_WGKV_MODE_IMMEDIATE,
         };
+        // CTA 0 moves the rows; the others score gate chunks.
+        let chunks = 1 + hidden.div_ceil(KVR_WGKV_GATE_CHUNK);
+        let (queue, queue_codes) =
+            queue.map_or((0, 0), |(q, c)| (q.addr() as u64, c.addr() as u64));
         let s3 = |t: Option<&TensorView>| {
             t.map_or([0i64; 3], |t| {
                 let s = t.strides();
                 [s[0] as i64, s[1] as i64, s[2] as i64]
             })
         };
-        let (kp, kk, vv) = (s3(io.k_pre), s3(Some(io.k)), s3(Some(io.v)));
+        let (kp, kk, vv) = (s3(io.k_pre), s3(io.k), s3(io.v));
         let ss = io.scores.map_or([0i64; 2], |t| {
             let s = t.strides();
             [s[0] as i64, s[1] as i64]
@@ -278,8 +339,8 @@ impl WgCuda {
             };
             let mut p = Box::new(WgKvStepArgs {
                 k_pre: at(io.k_pre, kp[0]),
-                k: at(Some(io.k), kk[0]),
-                v: at(Some(io.v), vv[0]),
+                k: at(io.k, kk[0]),
+                v: at(io.v, vv[0]),
                 scores_in: at(io.scores, ss[0]),
                 scores_out: at(io.scores_out, h as i64),
                 norm_pre: gl[0],
@@ -297,6 +358,8 @@ impl WgCuda {
                 zacc: self.zacc.addr() as u64,
                 counters: self.counters.addr() as u64,
                 slots: self.slots.addr() as u64,
+                queue,
+                queue_codes,
                 kp_sb: kp[0],
                 kp_sh: kp[1],
                 kp_sd: kp[2],
@@ -324,10 +387,14 @@ impl WgCuda {
                 row0: (io.layer * h) as i32,
                 sinks: c.sinks.min(i32::MAX as usize) as i32,
                 kp_dtype: io.k_pre.map_or(0, |t| dtype_code(t.dtype())),
-                k_dtype: dtype_code(io.k.dtype()),
-                v_dtype: dtype_code(io.v.dtype()),
+                k_dtype: io.k.map_or(0, |t| dtype_code(t.dtype())),
+                v_dtype: io.v.map_or(0, |t| dtype_code(t.dtype())),
                 pool_dtype: dtype_code(self.dtype),
-                pad0: 0,
+                queue_len: self.queue_len as i32,
+                mode,
+                pad2: 0,
+                pad3: 0,
+                pad4: 0,
                 tau: c.tau,
                 norm_eps: GATE_NORM_EPS,
                 gate_floor: GATE_FLOOR,
@@ -353,6 +420,22 @@ impl WgCuda {
             )?;
         }
         Ok(())
+    }
+
+    /// Queues the scoring of the tokens that `seqs`' rows of `layer` still queue (a deferred
+    /// gate), with no new tokens.
+    pub(super) fn flush(&self, layer: usize, seqs: &[i32], stream: Stream) -> Result<()> {
+        let io = StepIo {
+            layer,
+            seqs,
+            k_pre: None,
+            k: None,
+            v: None,
+            scores: None,
+            scores_out: None,
+            mode: GateMode::Flush,
+        };
+        self.step(&io, stream)
     }
 
     /// A device copy of a host tensor (stream-ordered memory, freed with [`Self::free`]

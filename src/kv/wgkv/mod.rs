@@ -58,6 +58,9 @@ use crate::tensor::{DType, MemoryKind, TensorView};
 /// Most pending draft tokens per row.
 pub const MAX_DRAFTS: usize = MAX_QUERY_TOKENS;
 
+/// Largest ring (the device step's codes hold a slot in 20 bits).
+pub const MAX_LOCAL_WINDOW: usize = 1 << 19;
+
 /// Most device steps one reservation covers.
 pub const MAX_RESERVE_STEPS: usize = 1 << 16;
 
@@ -80,7 +83,8 @@ pub struct WgKvConfig {
     pub max_seqs: usize,
     /// Most tokens one row's global cache may hold (sets the block-table width).
     pub max_global_tokens: usize,
-    /// Ring size W per row (a multiple of `page_size`, >= 8; reference default 256).
+    /// Ring size W per row (a multiple of `page_size`, >= 8, <= [`MAX_LOCAL_WINDOW`];
+    /// reference default 256).
     pub local_window: usize,
     /// Promotion threshold: a token is admitted if its score is > tau (default 0.1).
     pub tau: f32,
@@ -148,9 +152,13 @@ impl WgKvConfig {
                 "page_size and local_window must be >= 1".into(),
             ));
         }
-        if self.local_window % self.page_size != 0 || self.local_window < MAX_DRAFTS {
+        if self.local_window % self.page_size != 0
+            || self.local_window < MAX_DRAFTS
+            || self.local_window > MAX_LOCAL_WINDOW
+        {
             return Err(Error::InvalidArgument(format!(
-                "local_window {} must be a multiple of page_size {} and at least {MAX_DRAFTS}",
+                "local_window {} must be a multiple of page_size {}, at least {MAX_DRAFTS} and \
+                 at most {MAX_LOCAL_WINDOW}",
                 self.local_window, self.page_size
             )));
         }
@@ -374,6 +382,18 @@ impl WgKvPool {
             }
         }
         if let Some(c) = &self.cuda {
+            // Rows may still queue inputs of the old gate (a deferred gate): score them
+            // with it first.
+            let mut rows = self.lock_rows();
+            let mut st = self.inner.lock();
+            let driven: Vec<SeqId> = rows
+                .iter()
+                .filter(|(_, rs)| rs[0].driven)
+                .map(|(id, _)| id)
+                .collect();
+            for seq in driven {
+                self.sync_seq(&mut rows, &mut st, seq, None)?;
+            }
             c.set_gate(gate.as_ref())?;
         }
         *self.gate.lock().unwrap_or_else(|e| e.into_inner()) = gate.map(Arc::new);
@@ -486,7 +506,8 @@ impl WgKvPool {
 
     /// Brings the host mirror of a device-driven sequence (see [`Self::reserve`]) up to date:
     /// waits for `stream` (every stream of the context for None) and reads its rows' state
-    /// and lengths. Device steps that found no reservation are reported here, once.
+    /// and lengths, after scoring the tokens its rows still queue (a deferred gate). Device
+    /// steps that found no reservation are reported here, once.
     fn sync_seq(
         &self,
         rows: &mut SlotTable<Vec<Row>>,
@@ -498,9 +519,19 @@ impl WgKvPool {
         let Some(c) = self.cuda.as_ref().filter(|_| rs[0].driven) else {
             return Ok(());
         };
-        let (w, nr) = (self.cfg.local_window, rs.len());
+        let (w, nr, h) = (self.cfg.local_window, rs.len(), self.cfg.kv_heads);
         let base = seq as usize * nr;
-        let (words, bits) = c.pull_rows(base, nr, stream)?;
+        let (mut words, mut bits) = c.pull_rows(base, nr, stream)?;
+        // Row state word 6: tokens queued for a deferred gate; their bits come first.
+        let due: Vec<usize> = (0..self.cfg.layers)
+            .filter(|&l| words[l * h..(l + 1) * h].iter().any(|x| x[6] > 0))
+            .collect();
+        if !due.is_empty() {
+            for l in due {
+                c.flush(l, &[seq], stream.unwrap_or(Stream::DEFAULT))?;
+            }
+            (words, bits) = c.pull_rows(base, nr, stream)?;
+        }
         let wpr = c.admit_words();
         let mut dropped = 0usize;
         for (r, row) in rs.iter_mut().enumerate() {
@@ -1235,14 +1266,22 @@ impl WgKvPool {
                     crate::abi::KVR_WGKV_GATE_MAX_IN
                 )));
             }
+            // A gate whose scores nobody reads now is deferred: a token's bit is needed only
+            // when it leaves the ring.
+            let mode = match (scores, scores_out) {
+                (Some(_), _) => cuda::GateMode::Given,
+                (None, None) if c.defers() => cuda::GateMode::Deferred,
+                (None, _) => cuda::GateMode::Immediate,
+            };
             let io = cuda::StepIo {
                 layer,
                 seqs,
                 k_pre,
-                k,
-                v,
+                k: Some(k),
+                v: Some(v),
                 scores,
                 scores_out,
+                mode,
             };
             return c.step(&io, stream);
         }
