@@ -458,9 +458,10 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
         if r != 0:
             lib.check(r, "kvr_wgkv_pool_step (scores)")
 
-    t_gate = time_graph(gated, n_layers, calls)
-    t_gate_now = time_graph(gated_now, n_layers, calls)
+    # Given scores and the gate in every step first: once a pool has deferred a gate, its
+    # steps with given scores also carry gate CTAs (for rows that may still queue tokens).
     t_scores = time_graph(given, n_layers, calls)
+    t_gate_now = time_graph(gated_now, n_layers, calls)
     # A plain paged cache of the same layers for the layer graphs' `full` kind: one token a
     # sequence, rewritten in place by every step (what an engine's KV append costs).
     fpool = lib.pool(ctx, n_layers, HKV, D, PAGE, KV_DT, 4 * B, B, 64)
@@ -510,11 +511,24 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
             return F.linear(gu[:, :ffn] * gu[:, ffn:], wd) + o[:, :1] + qkv[:, :1]
         return f
 
-    kinds = ("none", "gated", "gated_now", "given", "full", "none")
-    lt = {k: [] for k in kinds}
-    for _ in range(LAYER_PASSES):
-        for kind in kinds:
-            lt[kind].append(time_graph(layer_with(None if kind == "none" else kind), n_layers, lcalls))
+    # Each kind timed between two layer graphs without a step; its cost is the difference
+    # with their mean (the pool grows by every step, so the layer slows down over the run).
+    lt = {k: [] for k in ("none", "gated", "gated_now", "given", "full")}
+    diffs = {k: [] for k in ("gated", "gated_now", "given", "full")}
+    for kinds in (("given", "gated_now", "full"), ("gated",)):
+        if "gated" in kinds:
+            t_gate = time_graph(gated, n_layers, calls)
+        prev = time_graph(layer_with(None), n_layers, lcalls)
+        lt["none"].append(prev)
+        for _ in range(LAYER_PASSES):
+            for kind in kinds:
+                t = time_graph(layer_with(kind), n_layers, lcalls)
+                nxt = time_graph(layer_with(None), n_layers, lcalls)
+                lt[kind].append(t)
+                lt["none"].append(nxt)
+                if None not in (t, prev, nxt):
+                    diffs[kind].append(t - (prev + nxt) / 2)
+                prev = nxt
     del ws, wd
     sync()
     lib.lib.kvr_kv_pool_free(fpool)
@@ -534,17 +548,17 @@ def device_step(pool, n_layers, seqs, B, wg_us, full_us, decode):
             res.update(step_gate_frac_layer=t_gate / (t_layer + wg_us + t_gate))
     if t_scores is not None:
         res.update(step_scores_frac=t_scores / wg_us)
-    if all(t is not None for v in lt.values() for t in v):
-        base, wg, wn, wv, wf = (median(lt[k]) for k in ("none", "gated", "gated_now", "given", "full"))
-        res.update(layer_none_us=base, layer_gated_us=wg, layer_given_us=wv, layer_passes=lt,
-                   step_gate_in_layer_us=wg - base, step_scores_in_layer_us=wv - base,
-                   step_gate_frac_in_layer=(wg - base) / wg,
-                   step_gate_now_in_layer_us=wn - base, full_write_in_layer_us=wf - base)
-        print(f"device step B={B} inside a layer (weights, step, 25 % decode): {base:.1f} us without, "
-              f"{wg:.1f} with the gated step (+{wg - base:.2f} us, {(wg - base) / wg:.2%} of the layer), "
-              f"{wn:.1f} gated in every step (+{wn - base:.2f} us), {wv:.1f} with given scores "
-              f"(+{wv - base:.2f} us), {wf:.1f} with a plain paged cache's append instead "
-              f"(+{wf - base:.2f} us)", flush=True)
+    if all(diffs.values()):
+        base = median([t for t in lt["none"] if t is not None])
+        dg, dn, dv, df = (median(diffs[k]) for k in ("gated", "gated_now", "given", "full"))
+        res.update(layer_none_us=base, layer_passes=lt, layer_diffs=diffs,
+                   step_gate_in_layer_us=dg, step_scores_in_layer_us=dv,
+                   step_gate_frac_in_layer=dg / (base + dg),
+                   step_gate_now_in_layer_us=dn, full_write_in_layer_us=df)
+        print(f"device step B={B} inside a layer (weights, step, 25 % decode; medians of the differences "
+              f"with the neighbouring layers without a step): {base:.1f} us without; the gated step "
+              f"+{dg:.2f} us ({dg / (base + dg):.2%} of the layer); gated in every step +{dn:.2f} us; given "
+              f"scores +{dv:.2f} us; a plain paged cache's append instead +{df:.2f} us", flush=True)
     print(f"device step B={B}: gate + append {t_gate:.2f} us ({t_gate / wg_us:.1%} of the write-gated "
           f"decode, {t_gate / full_us:.1%} of the full one; {res.get('step_gate_frac_layer', 0):.1%} of a "
           f"layer's step with its weights ({t_layer:.1f} us)); gated in every step {t_gate_now:.2f} us; "
