@@ -443,6 +443,8 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
       const int code = KVR_WGKV_SLOT_NOCUR | (due && queued > 0 ? KVR_WGKV_SLOT_DUE | (queued << KVR_WGKV_SLOT_QSHIFT) : 0);
       asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub), "r"(code) : "memory");
     }
+    // slot is the same in every lane.
+    const uint32_t wslot = slot >= 0 && p.admit_words <= 32 ? __shfl_sync(0xffffffffu, word, slot >> 5) : 0u;
     if (lane == 0) {
       if (slot < 0) {
         st[5] += 1;  // no budget: the row is left as it is
@@ -454,12 +456,20 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
         p.lens[row] = glob == 0 ? fill : p.window + glob;
         if (!gate) {
           if (p.scores_out) p.scores_out[static_cast<int64_t>(t) * p.hkv + h] = given;
-          // (atomics: the gate CTAs may set other bits of the word at the same time)
           const uint32_t m = 1u << (slot & 31);
-          if (total < p.sinks || given > p.tau)
-            atomicOr(bits + (slot >> 5), m);
-          else
-            atomicAnd(bits + (slot >> 5), ~m);
+          const bool keep = total < p.sinks || given > p.tau;
+          if (publish) {
+            // Atomics: the gate CTAs may set other bits of the word at the same time.
+            if (keep)
+              atomicOr(bits + (slot >> 5), m);
+            else
+              atomicAnd(bits + (slot >> 5), ~m);
+          } else {
+            // The word as read above, written back (an atomic on a line not in L2 waits for
+            // DRAM first).
+            const uint32_t w = p.admit_words <= 32 ? wslot : bits[slot >> 5];
+            bits[slot >> 5] = keep ? w | m : w & ~m;
+          }
         }
       }
     }
