@@ -1135,8 +1135,8 @@ typedef struct kvr_wgkv_params {
      */
     uint32_t struct_size;
     /**
-     * Ring size W per (sequence, layer, KV head): a multiple of the page size, >= 8
-     * (default 256).
+     * Ring size W per (sequence, layer, KV head): a multiple of the page size, >= 8 and
+     * <= 2^19 (default 256).
      */
     int32_t local_window;
     /**
@@ -3073,7 +3073,7 @@ KVR_NODISCARD kvr_status kvr_wgkv_params_default(struct kvr_wgkv_params *params)
  * owns its memory (`kv->layers` must be NULL). `wg` may be NULL for the defaults.
  *
  * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (sizes,
- * `local_window` not a multiple of the page size or < 8, tau outside [0, 1), negative
+ * `local_window` not a multiple of the page size, < 8 or > 2^19, tau outside [0, 1), negative
  * `sinks`, `gate_hidden` or `max_global_tokens`, `struct_size`, not a live context);
  * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE` (max_seqs x layers x heads >=
  * 2^20, tables past the 32-bit device indices); `KVR_STATUS_UNSUPPORTED` (external
