@@ -386,14 +386,7 @@ impl WgKvPool {
             // with it first.
             let mut rows = self.lock_rows();
             let mut st = self.inner.lock();
-            let driven: Vec<SeqId> = rows
-                .iter()
-                .filter(|(_, rs)| rs[0].driven)
-                .map(|(id, _)| id)
-                .collect();
-            for seq in driven {
-                self.sync_seq(&mut rows, &mut st, seq, None)?;
-            }
+            self.sync_all(&mut rows, &mut st)?;
             c.set_gate(gate.as_ref())?;
         }
         *self.gate.lock().unwrap_or_else(|e| e.into_inner()) = gate.map(Arc::new);
@@ -553,6 +546,19 @@ impl WgKvPool {
                 "{dropped} device steps on rows of sequence {seq} found no reservation \
                  (reserve before stepping) and were skipped: those tokens are not in the pool"
             )));
+        }
+        Ok(())
+    }
+
+    /// [`Self::sync_seq`] for every device-driven sequence (waits for every stream).
+    fn sync_all(&self, rows: &mut SlotTable<Vec<Row>>, st: &mut PoolState) -> Result<()> {
+        let driven: Vec<SeqId> = rows
+            .iter()
+            .filter(|(_, rs)| rs[0].driven)
+            .map(|(id, _)| id)
+            .collect();
+        for seq in driven {
+            self.sync_seq(rows, st, seq, None)?;
         }
         Ok(())
     }
@@ -1487,14 +1493,7 @@ impl WgKvPool {
     pub fn stats(&self) -> Result<WgKvStats> {
         let mut rows = self.lock_rows();
         let mut st = self.inner.lock();
-        let driven: Vec<SeqId> = rows
-            .iter()
-            .filter(|(_, rs)| rs[0].driven)
-            .map(|(id, _)| id)
-            .collect();
-        for seq in driven {
-            self.sync_seq(&mut rows, &mut st, seq, None)?;
-        }
+        self.sync_all(&mut rows, &mut st)?;
         let ps = self.cfg.page_size;
         let mut s = WgKvStats {
             pages_total: self.cfg.capacity_pages,
