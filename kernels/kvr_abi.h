@@ -166,7 +166,10 @@ typedef struct {
 #define KVR_WGKV_GATE_MAX_IN 512    /* most gate inputs (2 * head_dim) */
 #define KVR_WGKV_ROW_INTS 8
 /* slots[t][h] between launches (the host's initial value, restored by the finishing CTA);
- * the mover publishes the new token's ring slot there, with these flags (-1: no slot). */
+ * the mover publishes the new token's ring slot there, with these flags (-1: no slot). With
+ * slot_copies G > 0 the slots are [KVR_WGKV_STEP_MAX_SEQS][H][G]: the mover publishes G
+ * copies and gate CTA c reads copy c - 1 and restores it itself, so a launch in which no
+ * row is due needs no counter and no finishing CTA. */
 #define KVR_WGKV_SLOT_PENDING (-2147483647 - 1)
 #define KVR_WGKV_SLOT_SINK (1 << 30)
 #define KVR_WGKV_SLOT_EVICTED (1 << 29) /* the slot's previous token was promoted */
@@ -217,7 +220,7 @@ typedef struct {
   int32_t window, page_size, table_stride, admit_words;
   int32_t rows_per_seq, row0, sinks, kp_dtype;
   int32_t k_dtype, v_dtype, pool_dtype, queue_len;
-  int32_t mode, pad2, pad3, pad4;
+  int32_t mode, slot_copies, pad3, pad4; /* slot_copies: see KVR_WGKV_SLOT_PENDING */
   float tau, norm_eps, gate_floor, pad1;
   int32_t seq[KVR_WGKV_STEP_MAX_SEQS];
 } kvr_wgkv_step_args;

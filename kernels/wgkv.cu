@@ -169,15 +169,17 @@ __device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (
   pdl_launch_dependents();
   // Each token's code, once the mover has read its row (relaxed: no data rides on it
   // except what the previous launches wrote, visible since the wait).
+  // With slot copies, this CTA's own copy, which it restores itself.
+  const int copies = p.slot_copies;
   if (threadIdx.x < nt) {
+    int32_t* at = p.slots + (static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h) * max(copies, 1) +
+                  (copies > 0 ? static_cast<int>(blockIdx.x) - 1 : 0);
     int code;
     do {
-      asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n"
-                   : "=r"(code)
-                   : "l"(p.slots + static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h)
-                   : "memory");
+      asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(code) : "l"(at) : "memory");
     } while (code == KVR_WGKV_SLOT_PENDING);
     s_code[threadIdx.x] = code;
+    if (copies > 0) *at = KVR_WGKV_SLOT_PENDING;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -190,6 +192,9 @@ __device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (
   }
   __syncthreads();
   const int total = s_off[nt];
+  // Nothing to score (every gate CTA of (h, z) reads the same codes): with slot copies
+  // there is nothing to restore either.
+  if (copies > 0 && total == 0) return;
   // Entry e: token ti of the tile, j-th of its entries (j < q: queued).
   auto entry = [&](int e, int& ti, int& j, int& q) {
     ti = 0;
@@ -275,7 +280,8 @@ __device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (
   if (!*s_last) return;
   // The last gate CTA: every gate CTA has read the codes; one thread per entry finishes its
   // score and sets its bit (an atomic on the word: no round trip).
-  if (threadIdx.x < nt) p.slots[static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h] = KVR_WGKV_SLOT_PENDING;
+  if (copies == 0 && threadIdx.x < nt)
+    p.slots[static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h] = KVR_WGKV_SLOT_PENDING;
   for (int e = threadIdx.x; e < total; e += blockDim.x) {
     int ti, j, q;
     entry(e, ti, j, q);
@@ -348,16 +354,18 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
     const int t = t0 + i;
     const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
     int32_t* st = p.rows + row * KVR_WGKV_ROW_INTS;
-    int32_t* pub = p.slots + static_cast<int64_t>(t) * p.hkv + h;
+    // The row's code for the gate CTAs (warp-uniform): one slot, or one copy per gate CTA.
+    int32_t* pub = p.slots + (static_cast<int64_t>(t) * p.hkv + h) * max(p.slot_copies, 1);
+    auto publish_code = [&](int code) {
+      for (int c = lane; c < max(p.slot_copies, 1); c += 32)
+        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub + c), "r"(code) : "memory");
+    };
     if (flush) {
       // No new token: the row's queue is scored now.
       const int q = st[6];
-      if (lane == 0) {
-        st[6] = 0;
-        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub),
-                     "r"(q > 0 ? KVR_WGKV_SLOT_DUE | KVR_WGKV_SLOT_NOCUR | (q << KVR_WGKV_SLOT_QSHIFT) : 0)
-                     : "memory");
-      }
+      __syncwarp();  // every lane has read the count
+      if (lane == 0) st[6] = 0;
+      publish_code(q > 0 ? KVR_WGKV_SLOT_DUE | KVR_WGKV_SLOT_NOCUR | (q << KVR_WGKV_SLOT_QSHIFT) : 0);
       continue;
     }
     uint32_t* bits = p.admit + row * p.admit_words;
@@ -400,7 +408,7 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
         if ((w >> (slot & 31)) & 1u) gpos = p.window + glob++;
       }
       const int sink = total < p.sinks ? KVR_WGKV_SLOT_SINK : 0;
-      if (publish && lane == 0) {
+      if (publish) {
         // The finishing gate CTA sets this token's bit from here on (it waits for this
         // value): the slot and whether the token is a sink (this step's total is not yet
         // written). The value depends on the evicted slot's bit as read above (gpos), so it
@@ -408,7 +416,7 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
         // comes after it without a fence (a relaxed store; a release cost the step ~2 us).
         const int code = slot | sink | (gpos >= 0 ? KVR_WGKV_SLOT_EVICTED : 0) |
                          (due ? KVR_WGKV_SLOT_DUE | (queued << KVR_WGKV_SLOT_QSHIFT) : 0);
-        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub), "r"(code) : "memory");
+        publish_code(code);
       }
       if (gate && !due) {
         // Queued: the gate's input, scored with the row's next due step.
@@ -438,10 +446,9 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
         wg_rows_store<kPer>(p.k_dst, kg, p.v_dst, vg, p.d, p.pool_dtype, ko, vo);
       }
       wg_rows_store<kPer>(p.k_dst, ks, p.v_dst, vs, p.d, p.pool_dtype, kn, vn);
-    } else if (publish && lane == 0) {
+    } else if (publish) {
       // No budget: no new token; a due row's queue is still scored.
-      const int code = KVR_WGKV_SLOT_NOCUR | (due && queued > 0 ? KVR_WGKV_SLOT_DUE | (queued << KVR_WGKV_SLOT_QSHIFT) : 0);
-      asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub), "r"(code) : "memory");
+      publish_code(KVR_WGKV_SLOT_NOCUR | (due && queued > 0 ? KVR_WGKV_SLOT_DUE | (queued << KVR_WGKV_SLOT_QSHIFT) : 0));
     }
     // slot is the same in every lane.
     const uint32_t wslot = slot >= 0 && p.admit_words <= 32 ? __shfl_sync(0xffffffffu, word, slot >> 5) : 0u;
@@ -509,5 +516,47 @@ extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
     kvr::wg_move_rows<4>(p);
   else
     kvr::wg_move_rows<KVR_WGKV_GATE_MAX_IN / 64>(p);
+  if (gridDim.x > 1) kvr::pdl_launch_dependents();
+}
+
+namespace kvr {
+
+// kvr_wgkv_move's gate CTAs: wg_gate_cta out of line, with its shared memory.
+__device__ __noinline__ void wg_gate_entry(const kvr_wgkv_step_args& p) {
+  constexpr int kTile = KVR_WGKV_STEP_TILE;
+  constexpr int kWarps = KVR_WGKV_STEP_THREADS / 32;
+  __shared__ float xs[kTile][KVR_WGKV_GATE_MAX_IN];
+  __shared__ float zp[kWarps][kTile];
+  __shared__ int s_last, s_code[kTile], s_off[kTile + 1];
+  if (2 * p.d <= 256)
+    wg_gate_cta<8>(p, xs, zp, &s_last, s_code, s_off);
+  else
+    wg_gate_cta<KVR_WGKV_GATE_MAX_IN / 32>(p, xs, zp, &s_last, s_code, s_off);
+}
+
+// kvr_wgkv_move's mover CTAs for head dims over 128, out of line.
+__device__ __noinline__ void wg_move_rows_wide(const kvr_wgkv_step_args& p) {
+  wg_move_rows<KVR_WGKV_GATE_MAX_IN / 64>(p);
+}
+
+}  // namespace kvr
+
+// kvr_wgkv_step with compact code for the mover CTAs: the same work and grid, but the gate
+// CTAs' code (and the movers' for head dims over 128) is out of line, so the code a mover CTA
+// runs is the kernel's body alone. In a layer's decode step the step's instructions are
+// fetched cold (the 436 MiB of a layer's weights evict them from L2): with the gate inlined,
+// a mover warp of the given-scores path stalled ~3,000 cycles on instruction fetch.
+// Experimental: the library launches it only with KVR_WGKV_MOVE=1 until it is measured.
+extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
+    kvr_wgkv_move(const __grid_constant__ kvr_wgkv_step_args p) {
+  if (blockIdx.x > 0) {
+    kvr::wg_gate_entry(p);
+    return;
+  }
+  kvr::pdl_wait();
+  if (p.d <= 128)
+    kvr::wg_move_rows<4>(p);
+  else
+    kvr::wg_move_rows_wide(p);
   if (gridDim.x > 1) kvr::pdl_launch_dependents();
 }

@@ -150,6 +150,10 @@ for k in stream split cluster batch; do
   [ -x bin/gpu_kv ] && job "gpu_kv-$k" test "KVR_KV_DECODE=$k" bin/gpu_kv --test-threads=1 --nocapture
   [ -x bin/gpu_wgkv ] && job "gpu_wgkv-$k" test "KVR_KV_DECODE=$k" bin/gpu_wgkv --test-threads=1 --nocapture
 done
+# The write-gated step's experimental settings (opt-in until measured): the step kernel with
+# the gate CTAs' code out of line, and a code slot per gate CTA.
+[ -x bin/gpu_wgkv ] && job gpu_wgkv-move test "KVR_WGKV_MOVE=1 KVR_WGKV_SLOT_COPIES=1" \
+  bin/gpu_wgkv --test-threads=1 --nocapture
 [ -x bin/test_cuda_stream ] && job test_cuda_stream prog "" bin/test_cuda_stream
 # The soak: a KV and a GDN pool through random operations on CUDA (graph replays with
 # device-side accept counts included) against a CPU mirror, checkpoints every 1000; fewer

@@ -379,7 +379,7 @@ abi_structs! {
         pool_dtype: i32,
         queue_len: i32,
         mode: i32,
-        pad2: i32,
+        slot_copies: i32,
         pad3: i32,
         pad4: i32,
         tau: f32,

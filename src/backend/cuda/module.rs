@@ -135,6 +135,10 @@ pub(crate) enum Kernel {
     GdnWRec { state: DType, dk: usize },
     /// `kvr_wgkv_step` (kernels/wgkv.cu): one decode step of write-gated rows on the device.
     WgKvStep,
+    /// `kvr_wgkv_move` (kernels/wgkv.cu): the same step with the gate CTAs' code out of
+    /// line, so the mover CTAs' code is compact (fetched cold in a layer's step);
+    /// experimental, launched with `KVR_WGKV_MOVE=1`.
+    WgKvMove,
     /// `kvr_gdn_fdecode_<state>_v_d<dk>_r<16|32>` (kernels/gdn_wdecode.cu): the warp-streaming
     /// decode of replay pools in one launch (small batches); dk in [`GDN_DECODE_DKS`], rings
     /// of up to 16 or 32 entries.
@@ -285,7 +289,8 @@ const GDN_KDECODE_X_BASE: usize = 298;
 const GDN_KVERIFY_BASE: usize = 310;
 const GDN_KVDEC_BASE: usize = 342;
 const GDN_WVPREP_R16_W4: usize = 350;
-const KERNEL_COUNT: usize = 351;
+const WGKV_MOVE: usize = 351;
+const KERNEL_COUNT: usize = 352;
 
 /// Key dims the warp-streaming verify is compiled for.
 pub const GDN_WVERIFY_DKS: [usize; 2] = [64, 128];
@@ -543,6 +548,7 @@ impl Kernel {
             ring16: true,
             w4: true,
         });
+        v.push(Kernel::WgKvMove);
         debug_assert_eq!(v.len(), KERNEL_COUNT);
         v
     }
@@ -618,6 +624,7 @@ impl Kernel {
             }
             Kernel::WgKvScatter => WGKV_SCATTER,
             Kernel::WgKvStep => WGKV_STEP,
+            Kernel::WgKvMove => WGKV_MOVE,
             Kernel::GdnWVprep {
                 dk,
                 ring16: true,
@@ -787,6 +794,7 @@ impl Kernel {
             Kernel::WgKvScatter => "kvr_wgkv_scatter".into(),
             Kernel::GdnWRec { state, dk } => format!("kvr_gdn_wrec_{}_v_d{dk}", state.name()),
             Kernel::WgKvStep => "kvr_wgkv_step".into(),
+            Kernel::WgKvMove => "kvr_wgkv_move".into(),
             Kernel::GdnFDecode { state, dk, ring32 } => format!(
                 "kvr_gdn_fdecode_{}_v_d{dk}_r{}",
                 state.name(),

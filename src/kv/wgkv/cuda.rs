@@ -34,6 +34,10 @@ struct DeviceGate {
     hidden: usize,
     layers: Vec<[u64; 6]>,
     queue: Option<(DeviceBuffer, DeviceBuffer)>,
+    /// A copy of each row's code per gate CTA (`[KVR_WGKV_STEP_MAX_SEQS][kv_heads][gate
+    /// CTAs]`, pending between launches; see `KVR_WGKV_SLOT_PENDING`; experimental, with
+    /// `KVR_WGKV_SLOT_COPIES=1`), or `None`: the one `slots` and the finishing CTA's restore.
+    slot_copies: Option<DeviceBuffer>,
 }
 
 /// How a device step's gate runs.
@@ -193,7 +197,18 @@ impl WgCuda {
                 } else {
                     None
                 };
+                let copies = g.hidden.div_ceil(KVR_WGKV_GATE_CHUNK);
+                // Experimental, opt-in until measured on the device (KVR_WGKV_SLOT_COPIES=1).
+                let slot_copies = if std::env::var("KVR_WGKV_SLOT_COPIES").as_deref() == Ok("1") {
+                    let n = KVR_WGKV_STEP_MAX_SEQS * self.cfg.kv_heads * copies;
+                    let b = DeviceBuffer::new(&self.cuda, n * 4)?;
+                    b.upload(&vec![KVR_WGKV_SLOT_PENDING; n])?;
+                    Some(b)
+                } else {
+                    None
+                };
                 Some(DeviceGate {
+                    slot_copies,
                     layers: offs
                         .iter()
                         .map(|o| o.map(|x| base + 4 * x as u64))
@@ -292,12 +307,20 @@ impl WgCuda {
         let gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         // With given scores, gate CTAs only for rows that may queue tokens.
         let queued = self.deferred_used.load(Ordering::Relaxed);
-        let (gl, hidden, queue) = match (io.mode, &*gate) {
-            (GateMode::Given, Some(g)) if queued => {
-                (g.layers[io.layer], g.hidden, g.queue.as_ref())
-            }
-            (GateMode::Given, _) => ([0u64; 6], 0, None),
-            (_, Some(g)) => (g.layers[io.layer], g.hidden, g.queue.as_ref()),
+        let (gl, hidden, queue, copies) = match (io.mode, &*gate) {
+            (GateMode::Given, Some(g)) if queued => (
+                g.layers[io.layer],
+                g.hidden,
+                g.queue.as_ref(),
+                g.slot_copies.as_ref(),
+            ),
+            (GateMode::Given, _) => ([0u64; 6], 0, None, None),
+            (_, Some(g)) => (
+                g.layers[io.layer],
+                g.hidden,
+                g.queue.as_ref(),
+                g.slot_copies.as_ref(),
+            ),
             (GateMode::Flush, None) => return Ok(()),
             (_, None) => {
                 return Err(Error::Unsupported(
@@ -317,6 +340,10 @@ impl WgCuda {
         };
         // CTA 0 moves the rows; the others score gate chunks.
         let chunks = 1 + hidden.div_ceil(KVR_WGKV_GATE_CHUNK);
+        let (slots, slot_copies) = match copies {
+            Some(b) if chunks > 1 => (b.addr() as u64, (chunks - 1) as i32),
+            _ => (self.slots.addr() as u64, 0),
+        };
         let (queue, queue_codes) =
             queue.map_or((0, 0), |(q, c)| (q.addr() as u64, c.addr() as u64));
         let s3 = |t: Option<&TensorView>| {
@@ -357,7 +384,7 @@ impl WgCuda {
                 v_dst: self.layout.v as u64,
                 zacc: self.zacc.addr() as u64,
                 counters: self.counters.addr() as u64,
-                slots: self.slots.addr() as u64,
+                slots,
                 queue,
                 queue_codes,
                 kp_sb: kp[0],
@@ -392,7 +419,7 @@ impl WgCuda {
                 pool_dtype: dtype_code(self.dtype),
                 queue_len: self.queue_len as i32,
                 mode,
-                pad2: 0,
+                slot_copies,
                 pad3: 0,
                 pad4: 0,
                 tau: c.tau,
@@ -408,8 +435,19 @@ impl WgCuda {
                 chunk.len().div_ceil(KVR_WGKV_STEP_TILE) as u32,
             );
             let mut args = [&mut *p as *mut WgKvStepArgs as *mut c_void];
+            // Experimental, opt-in until measured on the device (KVR_WGKV_MOVE=1): the step
+            // with the gate CTAs' code out of line, for a layer's step that fetches its code
+            // cold (see kvr_wgkv_move).
+            static MOVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let compact =
+                *MOVE.get_or_init(|| std::env::var("KVR_WGKV_MOVE").as_deref() == Ok("1"));
+            let kernel = if compact {
+                Kernel::WgKvMove
+            } else {
+                Kernel::WgKvStep
+            };
             self.cuda.launch_ex(
-                Kernel::WgKvStep,
+                kernel,
                 grid,
                 (KVR_WGKV_STEP_THREADS, 1, 1),
                 0,
