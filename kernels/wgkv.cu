@@ -133,7 +133,8 @@ __device__ __forceinline__ int wg_entries(const kvr_wgkv_step_args& p, int code)
 // KVR_WGKV_GATE_CHUNK, ...), 16 entries at a time, and adds its part of each fc2 dot
 // product to zacc; the last of them (a counter) finishes the scores, sets the entries'
 // admission bits and restores the slots. KIN: inputs a lane (2 d <= 32 KIN).
-template <int KIN>
+// COPIES: the launch may use slot copies (p.slot_copies; kvr_wgkv_move only).
+template <int KIN, bool COPIES>
 __device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (*xs)[KVR_WGKV_GATE_MAX_IN],
                                             float (*zp)[KVR_WGKV_STEP_TILE], int* s_last, int* s_code,
                                             int* s_off) {
@@ -170,7 +171,7 @@ __device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (
   // Each token's code, once the mover has read its row (relaxed: no data rides on it
   // except what the previous launches wrote, visible since the wait).
   // With slot copies, this CTA's own copy, which it restores itself.
-  const int copies = p.slot_copies;
+  const int copies = COPIES ? p.slot_copies : 0;
   if (threadIdx.x < nt) {
     int32_t* at = p.slots + (static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h) * max(copies, 1) +
                   (copies > 0 ? static_cast<int>(blockIdx.x) - 1 : 0);
@@ -335,7 +336,8 @@ namespace kvr {
 
 // The mover CTA of kvr_wgkv_step (one warp per row of the tile); KPER: elements of a row
 // per lane (d <= 32 KPER).
-template <int kPer>
+// COPIES: as wg_gate_cta's.
+template <int kPer, bool COPIES>
 __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
   constexpr int kTile = KVR_WGKV_STEP_TILE;
   constexpr int kWarps = KVR_WGKV_STEP_THREADS / 32;
@@ -355,17 +357,28 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
     const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
     int32_t* st = p.rows + row * KVR_WGKV_ROW_INTS;
     // The row's code for the gate CTAs (warp-uniform): one slot, or one copy per gate CTA.
-    int32_t* pub = p.slots + (static_cast<int64_t>(t) * p.hkv + h) * max(p.slot_copies, 1);
+    const int copies = COPIES ? max(p.slot_copies, 1) : 1;
+    int32_t* pub = p.slots + (static_cast<int64_t>(t) * p.hkv + h) * copies;
     auto publish_code = [&](int code) {
-      for (int c = lane; c < max(p.slot_copies, 1); c += 32)
-        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub + c), "r"(code) : "memory");
+      if (!COPIES) {
+        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub), "r"(code) : "memory");
+      } else {
+        for (int c = lane; c < copies; c += 32)
+          asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(pub + c), "r"(code) : "memory");
+      }
     };
     if (flush) {
       // No new token: the row's queue is scored now.
       const int q = st[6];
-      __syncwarp();  // every lane has read the count
-      if (lane == 0) st[6] = 0;
-      publish_code(q > 0 ? KVR_WGKV_SLOT_DUE | KVR_WGKV_SLOT_NOCUR | (q << KVR_WGKV_SLOT_QSHIFT) : 0);
+      const int code = q > 0 ? KVR_WGKV_SLOT_DUE | KVR_WGKV_SLOT_NOCUR | (q << KVR_WGKV_SLOT_QSHIFT) : 0;
+      if (COPIES) {
+        __syncwarp();  // every lane has read the count (each publishes copies)
+        if (lane == 0) st[6] = 0;
+        publish_code(code);
+      } else if (lane == 0) {
+        st[6] = 0;
+        publish_code(code);
+      }
       continue;
     }
     uint32_t* bits = p.admit + row * p.admit_words;
@@ -408,7 +421,7 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
         if ((w >> (slot & 31)) & 1u) gpos = p.window + glob++;
       }
       const int sink = total < p.sinks ? KVR_WGKV_SLOT_SINK : 0;
-      if (publish) {
+      if (publish && (COPIES || lane == 0)) {
         // The finishing gate CTA sets this token's bit from here on (it waits for this
         // value): the slot and whether the token is a sink (this step's total is not yet
         // written). The value depends on the evicted slot's bit as read above (gpos), so it
@@ -446,7 +459,7 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
         wg_rows_store<kPer>(p.k_dst, kg, p.v_dst, vg, p.d, p.pool_dtype, ko, vo);
       }
       wg_rows_store<kPer>(p.k_dst, ks, p.v_dst, vs, p.d, p.pool_dtype, kn, vn);
-    } else if (publish) {
+    } else if (publish && (COPIES || lane == 0)) {
       // No budget: no new token; a due row's queue is still scored.
       publish_code(KVR_WGKV_SLOT_NOCUR | (due && queued > 0 ? KVR_WGKV_SLOT_DUE | (queued << KVR_WGKV_SLOT_QSHIFT) : 0));
     }
@@ -506,16 +519,16 @@ extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
   if (blockIdx.x > 0) {
     // CTA c > 0 scores gate chunk c - 1 (inputs 2 d <= 256: 8 a lane).
     if (in <= 256)
-      kvr::wg_gate_cta<8>(p, xs, zp, &s_last, s_code, s_off);
+      kvr::wg_gate_cta<8, false>(p, xs, zp, &s_last, s_code, s_off);
     else
-      kvr::wg_gate_cta<KVR_WGKV_GATE_MAX_IN / 32>(p, xs, zp, &s_last, s_code, s_off);
+      kvr::wg_gate_cta<KVR_WGKV_GATE_MAX_IN / 32, false>(p, xs, zp, &s_last, s_code, s_off);
     return;
   }
   kvr::pdl_wait();
   if (p.d <= 128)
-    kvr::wg_move_rows<4>(p);
+    kvr::wg_move_rows<4, false>(p);
   else
-    kvr::wg_move_rows<KVR_WGKV_GATE_MAX_IN / 64>(p);
+    kvr::wg_move_rows<KVR_WGKV_GATE_MAX_IN / 64, false>(p);
   if (gridDim.x > 1) kvr::pdl_launch_dependents();
 }
 
@@ -529,14 +542,14 @@ __device__ __noinline__ void wg_gate_entry(const kvr_wgkv_step_args& p) {
   __shared__ float zp[kWarps][kTile];
   __shared__ int s_last, s_code[kTile], s_off[kTile + 1];
   if (2 * p.d <= 256)
-    wg_gate_cta<8>(p, xs, zp, &s_last, s_code, s_off);
+    wg_gate_cta<8, true>(p, xs, zp, &s_last, s_code, s_off);
   else
-    wg_gate_cta<KVR_WGKV_GATE_MAX_IN / 32>(p, xs, zp, &s_last, s_code, s_off);
+    wg_gate_cta<KVR_WGKV_GATE_MAX_IN / 32, true>(p, xs, zp, &s_last, s_code, s_off);
 }
 
 // kvr_wgkv_move's mover CTAs for head dims over 128, out of line.
 __device__ __noinline__ void wg_move_rows_wide(const kvr_wgkv_step_args& p) {
-  wg_move_rows<KVR_WGKV_GATE_MAX_IN / 64>(p);
+  wg_move_rows<KVR_WGKV_GATE_MAX_IN / 64, true>(p);
 }
 
 }  // namespace kvr
@@ -555,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(KVR_WGKV_STEP_THREADS, 2)
   }
   kvr::pdl_wait();
   if (p.d <= 128)
-    kvr::wg_move_rows<4>(p);
+    kvr::wg_move_rows<4, true>(p);
   else
     kvr::wg_move_rows_wide(p);
   if (gridDim.x > 1) kvr::pdl_launch_dependents();

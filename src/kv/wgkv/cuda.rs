@@ -340,8 +340,14 @@ impl WgCuda {
         };
         // CTA 0 moves the rows; the others score gate chunks.
         let chunks = 1 + hidden.div_ceil(KVR_WGKV_GATE_CHUNK);
+        // Experimental, opt-in until measured on the device (KVR_WGKV_MOVE=1): the step
+        // with the gate CTAs' code out of line, for a layer's step that fetches its code
+        // cold (see kvr_wgkv_move).
+        static MOVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let compact = *MOVE.get_or_init(|| std::env::var("KVR_WGKV_MOVE").as_deref() == Ok("1"));
+        // Slot copies (experimental, KVR_WGKV_SLOT_COPIES=1) only in that kernel.
         let (slots, slot_copies) = match copies {
-            Some(b) if chunks > 1 => (b.addr() as u64, (chunks - 1) as i32),
+            Some(b) if chunks > 1 && compact => (b.addr() as u64, (chunks - 1) as i32),
             _ => (self.slots.addr() as u64, 0),
         };
         let (queue, queue_codes) =
@@ -435,12 +441,6 @@ impl WgCuda {
                 chunk.len().div_ceil(KVR_WGKV_STEP_TILE) as u32,
             );
             let mut args = [&mut *p as *mut WgKvStepArgs as *mut c_void];
-            // Experimental, opt-in until measured on the device (KVR_WGKV_MOVE=1): the step
-            // with the gate CTAs' code out of line, for a layer's step that fetches its code
-            // cold (see kvr_wgkv_move).
-            static MOVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let compact =
-                *MOVE.get_or_init(|| std::env::var("KVR_WGKV_MOVE").as_deref() == Ok("1"));
             let kernel = if compact {
                 Kernel::WgKvMove
             } else {
