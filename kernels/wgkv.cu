@@ -171,7 +171,8 @@ __device__ __forceinline__ void wg_gate_cta(const kvr_wgkv_step_args& p, float (
   // Each token's code, once the mover has read its row (relaxed: no data rides on it
   // except what the previous launches wrote, visible since the wait).
   // With slot copies, this CTA's own copy, which it restores itself.
-  const int copies = COPIES ? p.slot_copies : 0;
+  // (The count is the grid's: gate CTAs 1 .. gridDim.x - 1.)
+  const int copies = COPIES && p.slot_copies > 0 ? static_cast<int>(gridDim.x) - 1 : 0;
   if (threadIdx.x < nt) {
     int32_t* at = p.slots + (static_cast<int64_t>(t0 + threadIdx.x) * p.hkv + h) * max(copies, 1) +
                   (copies > 0 ? static_cast<int>(blockIdx.x) - 1 : 0);
@@ -357,7 +358,7 @@ __device__ __forceinline__ void wg_move_rows(const kvr_wgkv_step_args& p) {
     const int64_t row = static_cast<int64_t>(p.seq[t]) * p.rows_per_seq + p.row0 + h;
     int32_t* st = p.rows + row * KVR_WGKV_ROW_INTS;
     // The row's code for the gate CTAs (warp-uniform): one slot, or one copy per gate CTA.
-    const int copies = COPIES ? max(p.slot_copies, 1) : 1;
+    const int copies = COPIES && p.slot_copies > 0 ? max(static_cast<int>(gridDim.x) - 1, 1) : 1;
     int32_t* pub = p.slots + (static_cast<int64_t>(t) * p.hkv + h) * copies;
     auto publish_code = [&](int code) {
       if (!COPIES) {

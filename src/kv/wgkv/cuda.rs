@@ -40,6 +40,14 @@ struct DeviceGate {
     slot_copies: Option<DeviceBuffer>,
 }
 
+/// Whether the device step launches `kvr_wgkv_move` (experimental, opt-in until measured
+/// on the device: `KVR_WGKV_MOVE=1`), the step with the gate CTAs' code out of line for a
+/// layer's step that fetches its code cold; read once.
+fn compact_step() -> bool {
+    static MOVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MOVE.get_or_init(|| std::env::var("KVR_WGKV_MOVE").as_deref() == Ok("1"))
+}
+
 /// How a device step's gate runs.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum GateMode {
@@ -198,8 +206,11 @@ impl WgCuda {
                     None
                 };
                 let copies = g.hidden.div_ceil(KVR_WGKV_GATE_CHUNK);
-                // Experimental, opt-in until measured on the device (KVR_WGKV_SLOT_COPIES=1).
-                let slot_copies = if std::env::var("KVR_WGKV_SLOT_COPIES").as_deref() == Ok("1") {
+                // Experimental, opt-in until measured on the device (KVR_WGKV_SLOT_COPIES=1,
+                // used by the compact step kernel only).
+                let slot_copies = if compact_step()
+                    && std::env::var("KVR_WGKV_SLOT_COPIES").as_deref() == Ok("1")
+                {
                     let n = KVR_WGKV_STEP_MAX_SEQS * self.cfg.kv_heads * copies;
                     let b = DeviceBuffer::new(&self.cuda, n * 4)?;
                     b.upload(&vec![KVR_WGKV_SLOT_PENDING; n])?;
@@ -340,11 +351,7 @@ impl WgCuda {
         };
         // CTA 0 moves the rows; the others score gate chunks.
         let chunks = 1 + hidden.div_ceil(KVR_WGKV_GATE_CHUNK);
-        // Experimental, opt-in until measured on the device (KVR_WGKV_MOVE=1): the step
-        // with the gate CTAs' code out of line, for a layer's step that fetches its code
-        // cold (see kvr_wgkv_move).
-        static MOVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let compact = *MOVE.get_or_init(|| std::env::var("KVR_WGKV_MOVE").as_deref() == Ok("1"));
+        let compact = compact_step();
         // Slot copies (experimental, KVR_WGKV_SLOT_COPIES=1) only in that kernel.
         let (slots, slot_copies) = match copies {
             Some(b) if chunks > 1 && compact => (b.addr() as u64, (chunks - 1) as i32),
