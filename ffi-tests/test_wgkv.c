@@ -48,6 +48,8 @@ static kvr_status append(kvr_wgkv_pool *pool, int seq, int n, uint32_t flags) {
     return r;
 }
 
+static double naive_error(float q[HQ][D], float out[HQ][D], int l, int len);
+
 /* Max |error| of a decode of layer l (committed tokens only) against naive attention. */
 static double decode_error(kvr_wgkv_pool *pool, int32_t seq, int l) {
     float q[HQ][D], out[HQ][D];
@@ -57,6 +59,12 @@ static double decode_error(kvr_wgkv_pool *pool, int32_t seq, int l) {
     kvr_tensor tq = t32(q, 3, sq), to = t32(out, 3, sq), ti;
     CHECK(kvr_tensor_init(&ti, &seq, KVR_DTYPE_I32, KVR_DEVICE_HOST, 1, sid) == KVR_STATUS_OK);
     CHECK_STATUS(kvr_wgkv_pool_decode(pool, l, &ti, &tq, &to, NULL, NULL, NULL), KVR_STATUS_OK);
+    return naive_error(q, out, l, len);
+}
+
+/* Max |error| of out against naive attention of q over layer l's first n tokens (kept:
+ * the last W, and older ones scored > TAU). */
+static double naive_error(float q[HQ][D], float out[HQ][D], int l, int len) {
     double worst = 0;
     for (int qh = 0; qh < HQ; qh++) {
         int h = qh / (HQ / H);
@@ -182,6 +190,49 @@ int main(void) {
     len += 1;
     CHECK_STATUS(kvr_wgkv_pool_get_seq_rows(pool, seq, rows, L * H, &n), KVR_STATUS_OK);
     CHECK(rows[0].drafts == 0 && rows[0].total == len && rows[0].ring == W);
+    worst = 0;
+    for (int l = 0; l < L; l++) worst = fmax(worst, decode_error(pool, seq, l));
+    CHECK(worst < 1e-5);
+
+    /* Fused steps (kvr_wgkv_pool_step_decode: the step, then the decode with its token in)
+     * with given scores, past a ring wrap; a refused call changes nothing. */
+    CHECK_STATUS(kvr_wgkv_pool_reserve(pool, seq, W + 2, NULL), KVR_STATUS_OK);
+    for (int it = 0; it < W + 2; it++) {
+        for (int l = 0; l < L; l++) {
+            float k1[H][D], v1[H][D], s1[H], q[HQ][D], out[HQ][D], q2[2][HQ][D];
+            for (int h = 0; h < H; h++) {
+                for (int d = 0; d < D; d++) {
+                    k1[h][d] = K[l][len][h][d] = uni();
+                    v1[h][d] = V[l][len][h][d] = uni();
+                }
+                s1[h] = S[l][len][h] = (uni() + 1) / 2;
+            }
+            for (int h = 0; h < HQ; h++)
+                for (int d = 0; d < D; d++) q[h][d] = q2[0][h][d] = q2[1][h][d] = uni();
+            const int64_t sk[3] = {1, H, D}, ss[2] = {1, H}, sq[3] = {1, HQ, D}, sq2[4] = {1, 2, HQ, D},
+                          sid[1] = {1};
+            kvr_tensor tk = t32(k1, 3, sk), tv = t32(v1, 3, sk), ts = t32(s1, 2, ss), tq = t32(q, 3, sq),
+                       to = t32(out, 3, sq), tq2 = t32(q2, 4, sq2), ti;
+            CHECK(kvr_tensor_init(&ti, &seq, KVR_DTYPE_I32, KVR_DEVICE_HOST, 1, sid) == KVR_STATUS_OK);
+            if (it == 0 && l == 0) {
+                kvr_wgkv_row_stats r0[L * H], r1[L * H];
+                CHECK_STATUS(kvr_wgkv_pool_get_seq_rows(pool, seq, r0, L * H, &n), KVR_STATUS_OK);
+                CHECK_STATUS(kvr_wgkv_pool_step_decode(pool, l, &ti, &tk, &tv, NULL, &ts, NULL, &tq2, &tq2,
+                                                       NULL, NULL, NULL),
+                             KVR_STATUS_INVALID_ARG); /* two query tokens */
+                CHECK_STATUS(kvr_wgkv_pool_step_decode(pool, l, &ti, &tk, &tv, NULL, NULL, NULL, &tq, &to,
+                                                       NULL, NULL, NULL),
+                             KVR_STATUS_INVALID_ARG); /* neither scores nor k_pre */
+                CHECK_STATUS(kvr_wgkv_pool_get_seq_rows(pool, seq, r1, L * H, &n), KVR_STATUS_OK);
+                CHECK(memcmp(r0, r1, sizeof r0) == 0);
+            }
+            CHECK_STATUS(kvr_wgkv_pool_step_decode(pool, l, &ti, &tk, &tv, NULL, &ts, NULL, &tq, &to, NULL,
+                                                   NULL, NULL),
+                         KVR_STATUS_OK);
+            CHECK(naive_error(q, out, l, len + 1) < 1e-5);
+        }
+        len += 1;
+    }
     worst = 0;
     for (int l = 0; l < L; l++) worst = fmax(worst, decode_error(pool, seq, l));
     CHECK(worst < 1e-5);

@@ -3399,6 +3399,39 @@ kvr_status kvr_wgkv_pool_decode(struct kvr_wgkv_pool *pool,
                                 void *stream);
 
 /**
+ * `kvr_wgkv_pool_step` and then `kvr_wgkv_pool_decode` of the same sequences in one call:
+ * the step's committed token for each sequence of `seq_ids` (arguments as
+ * `kvr_wgkv_pool_step`), then attention of `q` over the rows with that token in them
+ * (`q`/`out` `[B, Hq, head_dim]` or `[B, 1, Hq, head_dim]`, `lse` optional, `params` as
+ * `kvr_wgkv_pool_decode`). Every argument of both is checked before anything is queued.
+ * On CUDA the call queues the step's kernel and then the decode's (graph-capturable, as
+ * both are).
+ *
+ * Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (as either
+ * call, or more than one query token per sequence); `KVR_STATUS_UNKNOWN_ID`;
+ * `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE`; `KVR_STATUS_UNSUPPORTED`;
+ * `KVR_STATUS_CUDA_ERROR`.
+ * Ownership: all tensors stay the caller's.
+ * Thread safety: thread-safe (the call holds the pool's lock throughout).
+ * On failure: nothing changes and `out` / `lse` are not written, except after
+ * `KVR_STATUS_CUDA_ERROR` from the decode's launch, which leaves the step queued.
+ */
+KVR_NODISCARD
+kvr_status kvr_wgkv_pool_step_decode(struct kvr_wgkv_pool *pool,
+                                     int32_t layer,
+                                     const struct kvr_tensor *seq_ids,
+                                     const struct kvr_tensor *k,
+                                     const struct kvr_tensor *v,
+                                     const struct kvr_tensor *k_pre,
+                                     const struct kvr_tensor *scores,
+                                     const struct kvr_tensor *scores_out,
+                                     const struct kvr_tensor *q,
+                                     const struct kvr_tensor *out,
+                                     const struct kvr_tensor *lse,
+                                     const struct kvr_kv_decode_params *params,
+                                     void *stream);
+
+/**
  * Fills `*out` with the pool's occupancy (memory used against a full cache). Set
  * `out->struct_size` first.
  *

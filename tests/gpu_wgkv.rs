@@ -353,6 +353,28 @@ impl Both {
         worst
     }
 
+    /// A random gate of `hid` hidden units on both pools and two sequences with `n[0]`
+    /// tokens appended from host memory and `n[1]` from device memory, and their models.
+    fn gated_pair(
+        &self,
+        rng: &mut Rng,
+        hid: usize,
+        n: [usize; 2],
+    ) -> (kvreplay::kv::wgkv::GateWeights, [(i32, SeqModel); 2]) {
+        let c = self.cfg;
+        let (_, gate) = random_gate(rng, c.layers, c.kv_heads, c.head_dim, hid);
+        self.cpu.set_gate(Some(gate.clone())).unwrap();
+        self.gpu.set_gate(Some(gate.clone())).unwrap();
+        let seqs = [0, 1].map(|i| {
+            let s = self.cpu.seq_add(S).unwrap();
+            assert_eq!(self.gpu.seq_add(S).unwrap(), s);
+            let mut m = SeqModel::new(c.layers * c.kv_heads);
+            self.append(&mut m, rng, s, n[i], false, i == 1);
+            (s, m)
+        });
+        (gate, seqs)
+    }
+
     fn same_rows(&self, seqs: &[i32]) {
         for &s in seqs {
             assert_eq!(self.cpu.seq_rows(s).unwrap(), self.gpu.seq_rows(s).unwrap());
@@ -375,16 +397,7 @@ fn gpu_steps_match_cpu_appends_and_replay_in_graphs() {
         let what = format!("{dtype} d{d} p{ps} w{w}");
         let tol = if dtype == DType::BF16 { 3e-2 } else { 6e-3 };
         let mut rng = Rng::new(5);
-        let (_, gate) = random_gate(&mut rng, cfg.layers, cfg.kv_heads, d, hid);
-        p.cpu.set_gate(Some(gate.clone())).unwrap();
-        p.gpu.set_gate(Some(gate.clone())).unwrap();
-        let a = p.cpu.seq_add(S).unwrap();
-        assert_eq!(p.gpu.seq_add(S).unwrap(), a);
-        let b = p.cpu.seq_add(S).unwrap();
-        assert_eq!(p.gpu.seq_add(S).unwrap(), b);
-        let (mut ma, mut mb) = (SeqModel::new(4), SeqModel::new(4));
-        p.append(&mut ma, &mut rng, a, 9, false, false);
-        p.append(&mut mb, &mut rng, b, 3 * w + 5, false, true);
+        let (gate, [(a, mut ma), (b, mut mb)]) = p.gated_pair(&mut rng, hid, [9, 3 * w + 5]);
         let mut gate_err = 0f64;
         for (round, steps) in [3usize, 2 * w + 1, 1, 17].into_iter().enumerate() {
             p.gpu.reserve(a, steps, S).unwrap();
@@ -853,6 +866,118 @@ fn gpu_deferred_gate_matches_immediate() {
         println!(
             "w{w}: deferred gate matches immediate ({} kept tokens)",
             sb.kept_tokens
+        );
+    }
+}
+
+/// The fused call (`step_decode`: the device step, then the decode of the same sequences,
+/// checked as one) on the GPU against the CPU pool appending the GPU's scores and then
+/// decoding the same queries: every output element, both against the fp64 reference over the
+/// kept tokens; gated (scores in the step) and given-score steps, across ring wraps.
+#[test]
+fn gpu_step_decode_matches_cpu_step_then_decode() {
+    for (dtype, d, ps, w, hid, g) in [
+        (DType::BF16, 128, 16, 16, 64, 4),
+        (DType::F16, 64, 4, 8, 40, 2),
+    ] {
+        let mut cfg = config(2, 2, d, ps, w, dtype, 20000);
+        cfg.sinks = 1;
+        let Some(p) = both("gpu_step_decode_matches_cpu_step_then_decode", cfg) else {
+            return;
+        };
+        let what = format!("{dtype} d{d} p{ps} w{w}");
+        let tol = if dtype == DType::BF16 { 3e-2 } else { 6e-3 };
+        let mut rng = Rng::new(41);
+        let (_, [(a, mut ma), (b, mut mb)]) = p.gated_pair(&mut rng, hid, [5, 2 * w + 3]);
+        let steps = 2 * w + 2;
+        p.gpu.reserve(a, steps, S).unwrap();
+        p.gpu.reserve(b, steps, S).unwrap();
+        let ids = [b, a];
+        let (n, h) = (ids.len(), cfg.kv_heads);
+        let hq = h * g;
+        let mut worst = (0f64, 0f64);
+        for it in 0..steps {
+            for layer in 0..cfg.layers {
+                let gated = it % 2 == 0;
+                let pre = rng.vec(n * h * d, -2.0, 2.0);
+                let k = rng.vec(n * h * d, -1.0, 1.0);
+                let v = rng.vec(n * h * d, -1.0, 1.0);
+                let given = rng.vec(n * h, 0.0, 1.0);
+                let q = rng.vec(n * hq * d, -1.0, 1.0);
+                let (pd, kd, vd, gd, qd) = (
+                    upload(&p.gctx, &pre),
+                    upload(&p.gctx, &k),
+                    upload(&p.gctx, &v),
+                    upload(&p.gctx, &given),
+                    upload(&p.gctx, &q),
+                );
+                let sd = alloc(&p.gctx, n * h * 4);
+                let od = alloc(&p.gctx, n * hq * d * 4);
+                od.fill_async(cuda(&p.gctx), 0xff, S).unwrap();
+                let (pv, kv, vv, gv, sv) = (
+                    dev_view(&pd, &[n, h, d]),
+                    dev_view(&kd, &[n, h, d]),
+                    dev_view(&vd, &[n, h, d]),
+                    dev_view(&gd, &[n, h]),
+                    dev_view(&sd, &[n, h]),
+                );
+                let step = kvreplay::kv::wgkv::WgStep {
+                    layer,
+                    seqs: &ids,
+                    k_pre: gated.then_some(&pv),
+                    k: &kv,
+                    v: &vv,
+                    scores: (!gated).then_some(&gv),
+                    scores_out: Some(&sv),
+                };
+                p.gpu
+                    .step_decode(
+                        &step,
+                        &dev_view(&qd, &[n, hq, d]),
+                        &dev_view(&od, &[n, hq, d]),
+                        None,
+                        &DecodeOptions::default(),
+                        S,
+                    )
+                    .unwrap();
+                p.gctx.synchronize(S).unwrap();
+                let (mut sc, mut gout) = (vec![0f32; n * h], vec![0f32; n * hq * d]);
+                sd.download(&mut sc).unwrap();
+                od.download(&mut gout).unwrap();
+                if !gated {
+                    assert_eq!(sc, given, "{what}: given scores");
+                }
+                for (i, m) in [&mut mb, &mut ma].into_iter().enumerate() {
+                    let r = i * h * d..(i + 1) * h * d;
+                    let s = &sc[i * h..(i + 1) * h];
+                    let shape = [1, h, d];
+                    p.cpu
+                        .append(
+                            ids[i],
+                            Some(layer),
+                            &view(&k[r.clone()], &shape),
+                            &view(&v[r.clone()], &shape),
+                            s,
+                            false,
+                            S,
+                        )
+                        .unwrap();
+                    record(m, &cfg, layer..layer + 1, 1, &k[r.clone()], &v[r], s, false);
+                }
+                let cpu_out = decode(&p.cpu, layer, &ids, &q, 1, hq).unwrap();
+                let models = [Some(&mb), Some(&ma)];
+                let want = reference(&models, &cfg, layer, &q, 1, hq, 1.0 / (d as f64).sqrt());
+                let c64: Vec<f64> = cpu_out.iter().map(|&x| x as f64).collect();
+                worst.0 = worst.0.max(max_err(&gout, &c64));
+                worst.1 = worst.1.max(max_err(&gout, &want));
+            }
+        }
+        assert!(worst.0 < tol && worst.1 < tol, "{what}: {worst:?}");
+        p.same_rows(&[a, b]);
+        println!(
+            "{what}: fused step + decode match (max relative error {:.2e} against the CPU, {:.2e} \
+             against fp64)",
+            worst.0, worst.1
         );
     }
 }

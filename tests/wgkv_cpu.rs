@@ -1078,3 +1078,175 @@ fn bad_steps_and_reservations_change_nothing() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+/// Two pools with the same history: one steps and then decodes, the other does both in one
+/// `step_decode`; outputs, scores, rows and page counts must be identical. Bad fused calls
+/// change nothing (the step is not applied when the decode's arguments are wrong).
+#[test]
+fn step_decode_equals_step_then_decode() {
+    let (l, h, d, hid, g) = (2, 2, 16, 24, 3);
+    let hq = h * g;
+    let mut rng = Rng::new(31);
+    let (_, gate) = random_gate(&mut rng, l, h, d, hid);
+    let mut cfg = config(l, h, d, 4, 8, DType::F32, 400);
+    cfg.sinks = 1;
+    let pools = [
+        WgKvPool::new(cpu_ctx(), cfg).unwrap(),
+        WgKvPool::new(cpu_ctx(), cfg).unwrap(),
+    ];
+    let mut ids = Vec::new();
+    for p in &pools {
+        p.set_gate(Some(gate.clone())).unwrap();
+        // The same prefill in both (same seed).
+        let mut r = Rng::new(37);
+        let (a, b) = (p.seq_add(S).unwrap(), p.seq_add(S).unwrap());
+        let (mut ma, mut mb) = (SeqModel::new(l * h), SeqModel::new(l * h));
+        append(p, &mut ma, &mut r, a, None, 6, false);
+        append(p, &mut mb, &mut r, b, None, 11, false);
+        p.reserve(a, 20, S).unwrap();
+        p.reserve(b, 20, S).unwrap();
+        ids = vec![b, a];
+    }
+    let bsz = ids.len();
+    let snap = |p: &WgKvPool| {
+        (
+            p.stats().unwrap(),
+            ids.iter()
+                .map(|&s| p.seq_rows(s).unwrap())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let opts = kvreplay::kv::DecodeOptions::default();
+    for it in 0..20 {
+        let layer = it % l;
+        let gated = it % 3 != 1;
+        let pre = rng.vec(bsz * h * d, -2.0, 2.0);
+        let k = rng.vec(bsz * h * d, -1.0, 1.0);
+        let v = rng.vec(bsz * h * d, -1.0, 1.0);
+        let given = rng.vec(bsz * h, 0.0, 1.0);
+        let q = rng.vec(bsz * hq * d, -1.0, 1.0);
+        let (pv, kv, vv, gv) = (
+            view(&pre, &[bsz, h, d]),
+            view(&k, &[bsz, h, d]),
+            view(&v, &[bsz, h, d]),
+            view(&given, &[bsz, h]),
+        );
+        let mut sc = [vec![f32::NAN; bsz * h], vec![f32::NAN; bsz * h]];
+        let mut out = [vec![f32::NAN; bsz * hq * d], vec![f32::NAN; bsz * hq * d]];
+        let mut lse = [vec![f32::NAN; bsz * hq], vec![f32::NAN; bsz * hq]];
+        // Pool 0: step, then decode.
+        {
+            let so = view_mut(&mut sc[0], &[bsz, h]);
+            pools[0]
+                .step(
+                    layer,
+                    &ids,
+                    gated.then_some(&pv),
+                    &kv,
+                    &vv,
+                    (!gated).then_some(&gv),
+                    Some(&so),
+                    S,
+                )
+                .unwrap();
+            let idv = view_i32(&ids);
+            let qv = view(&q, &[bsz, hq, d]);
+            let ov = view_mut(&mut out[0], &[bsz, hq, d]);
+            let lv = view_mut(&mut lse[0], &[bsz, hq]);
+            let io = kvreplay::kv::DecodeIo {
+                seq_ids: &idv,
+                q: &qv,
+                out: &ov,
+                lse: Some(&lv),
+            };
+            pools[0].decode(layer, &io, &opts, S).unwrap();
+        }
+        // Pool 1: both in one call; first a few bad calls that must change nothing.
+        {
+            let so = view_mut(&mut sc[1], &[bsz, h]);
+            let step = kvreplay::kv::wgkv::WgStep {
+                layer,
+                seqs: &ids,
+                k_pre: gated.then_some(&pv),
+                k: &kv,
+                v: &vv,
+                scores: (!gated).then_some(&gv),
+                scores_out: Some(&so),
+            };
+            let q4 = vec![0f32; bsz * 2 * hq * d];
+            let mut junk = vec![f32::NAN; bsz * 2 * hq * d];
+            let before = snap(&pools[1]);
+            let two = view(&q4, &[bsz, 2, hq, d]);
+            let two_out = view_mut(&mut junk, &[bsz, 2, hq, d]);
+            let qv = view(&q, &[bsz, hq, d]);
+            let short_q = view(&q[..hq * d], &[1, hq, d]);
+            let ov = view_mut(&mut out[1], &[bsz, hq, d]);
+            let lv = view_mut(&mut lse[1], &[bsz, hq]);
+            let bad_lse = view(&lse[0][..hq], &[1, hq]);
+            let mut windowed = opts;
+            windowed.window = 4;
+            let cases: Vec<(&str, kvreplay::Result<()>)> = vec![
+                (
+                    "two tokens",
+                    pools[1].step_decode(&step, &two, &two_out, None, &opts, S),
+                ),
+                (
+                    "q batch",
+                    pools[1].step_decode(&step, &short_q, &ov, None, &opts, S),
+                ),
+                (
+                    "out shape",
+                    pools[1].step_decode(&step, &qv, &short_q, None, &opts, S),
+                ),
+                (
+                    "lse shape",
+                    pools[1].step_decode(&step, &qv, &ov, Some(&bad_lse), &opts, S),
+                ),
+                (
+                    "window",
+                    pools[1].step_decode(&step, &qv, &ov, None, &windowed, S),
+                ),
+                (
+                    "layer",
+                    pools[1].step_decode(
+                        &kvreplay::kv::wgkv::WgStep { layer: l, ..step },
+                        &qv,
+                        &ov,
+                        None,
+                        &opts,
+                        S,
+                    ),
+                ),
+                (
+                    "twice",
+                    pools[1].step_decode(
+                        &kvreplay::kv::wgkv::WgStep {
+                            seqs: &[ids[0], ids[0]],
+                            ..step
+                        },
+                        &qv,
+                        &ov,
+                        None,
+                        &opts,
+                        S,
+                    ),
+                ),
+            ];
+            for (what, r) in cases {
+                assert!(r.is_err(), "{what} was accepted");
+            }
+            assert_eq!(snap(&pools[1]), before, "a refused call changed the pool");
+            assert!(
+                sc[1].iter().all(|x| x.is_nan()),
+                "a refused call wrote scores"
+            );
+            pools[1]
+                .step_decode(&step, &qv, &ov, Some(&lv), &opts, S)
+                .unwrap();
+        }
+        assert_eq!(sc[0], sc[1], "step {it}: scores");
+        assert_eq!(out[0], out[1], "step {it}: outputs");
+        assert_eq!(lse[0], lse[1], "step {it}: lse");
+        assert_eq!(snap(&pools[0]), snap(&pools[1]), "step {it}: rows");
+    }
+}

@@ -126,15 +126,16 @@ fn decode_check(
     }
 }
 
-#[test]
-fn append_decode_drafts_and_stats_through_the_c_api() {
-    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
-    let (pool, cfg) = new_pool(ctx, 2000);
-    let mut rng = Rng::new(1);
-    let mut seq = -1;
-    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut seq));
-    let mut m = SeqModel::new(L * H);
-    let n = 30;
+/// Appends `n` committed tokens with random K/V and scores to every layer of `seq` through
+/// the C API, and records them in `m`.
+fn append_committed(
+    pool: *mut kvr_wgkv_pool,
+    cfg: &WgKvConfig,
+    seq: i32,
+    m: &mut SeqModel,
+    rng: &mut Rng,
+    n: usize,
+) {
     let k = rng.vec(L * n * H * D, -1.0, 1.0);
     let v = rng.vec(L * n * H * D, -1.0, 1.0);
     let s = rng.vec(L * n * H, 0.0, 1.0);
@@ -150,7 +151,19 @@ fn append_decode_drafts_and_stats_through_the_c_api() {
         KVR_WGKV_COMMITTED,
         null_mut(),
     ));
-    record(&mut m, &cfg, 0..L, n, &k, &v, &s, false);
+    record(m, cfg, 0..L, n, &k, &v, &s, false);
+}
+
+#[test]
+fn append_decode_drafts_and_stats_through_the_c_api() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, cfg) = new_pool(ctx, 2000);
+    let mut rng = Rng::new(1);
+    let mut seq = -1;
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut seq));
+    let mut m = SeqModel::new(L * H);
+    let n = 30;
+    append_committed(pool, &cfg, seq, &mut m, &mut rng, n);
     decode_check(pool, &cfg, seq, &m, &mut rng, 1);
     // Per layer, drafts, decode over them, commit 2 of 3.
     for l in 0..L {
@@ -790,6 +803,109 @@ fn reserve_and_step_through_the_c_api() {
         format!("{:?}", rows(pool, b)),
     );
     assert_eq!(after, before);
+    kvr_wgkv_pool_free(pool);
+    kvr_context_free(ctx);
+}
+
+#[test]
+fn step_decode_through_the_c_api() {
+    let ctx = context(KVR_BACKEND_CPU, null_mut()).unwrap();
+    let (pool, cfg) = new_pool(ctx, 400);
+    let mut rng = Rng::new(5);
+    let mut a = -1;
+    ok(kvr_wgkv_pool_seq_add(pool, null_mut(), &mut a));
+    let mut m = SeqModel::new(L * H);
+    append_committed(pool, &cfg, a, &mut m, &mut rng, 7);
+    let ids = [a];
+    let idt = tensor(
+        ids.as_ptr() as *mut c_void,
+        KVR_DTYPE_I32,
+        KVR_DEVICE_HOST,
+        &[1],
+        &[1],
+    );
+    let hq = 2 * H;
+    let (sh, qsh) = ([1, H as i64, D as i64], [1, hq as i64, D as i64]);
+    let fused = |layer: i32, kv: &[f32], sc: &[f32], q: &[f32], out: &mut [f32]| {
+        kvr_wgkv_pool_step_decode(
+            pool,
+            layer,
+            &idt,
+            &t32(kv, &sh),
+            &t32(kv, &sh),
+            null(),
+            &t32(sc, &[1, H as i64]),
+            null(),
+            &t32(q, &qsh),
+            &t32(out, &qsh),
+            null(),
+            null(),
+            null_mut(),
+        )
+    };
+    let steps = 12; // past the ring of 8: evictions and promotions
+    ok(kvr_wgkv_pool_reserve(pool, a, steps, null_mut()));
+    for _ in 0..steps {
+        for layer in 0..L {
+            let kv = rng.vec(H * D, -1.0, 1.0);
+            let s = rng.vec(H, 0.0, 1.0);
+            let q = rng.vec(hq * D, -1.0, 1.0);
+            let mut out = vec![f32::NAN; hq * D];
+            ok(fused(layer as i32, &kv, &s, &q, &mut out));
+            record(&mut m, &cfg, layer..layer + 1, 1, &kv, &kv, &s, false);
+            let want = reference(&[Some(&m)], &cfg, layer, &q, 1, hq, 0.25);
+            let e = common::wgkv::max_err(&out, &want);
+            assert!(e < 1e-5, "layer {layer}: {e}");
+        }
+    }
+    // Bad calls: a status, nothing changes, out is not written.
+    ok(kvr_wgkv_pool_reserve(pool, a, 1, null_mut()));
+    let before = (format!("{:?}", stats(pool)), format!("{:?}", rows(pool, a)));
+    let kv = rng.vec(H * D, -1.0, 1.0);
+    let s = vec![0.5f32; H];
+    let q = rng.vec(2 * hq * D, -1.0, 1.0);
+    let out = vec![f32::NAN; 2 * hq * D];
+    let (kt, st) = (t32(&kv, &sh), t32(&s, &[1, H as i64]));
+    let (qt, ot) = (t32(&q[..hq * D], &qsh), t32(&out[..hq * D], &qsh));
+    let q2 = t32(&q, &[1, 2, hq as i64, D as i64]);
+    let o2 = t32(&out, &[1, 2, hq as i64, D as i64]);
+    let bad_out = t32(&out[..hq * D], &[1, H as i64, 2 * D as i64]);
+    let call = |pl: *mut kvr_wgkv_pool,
+                layer: i32,
+                q: *const kvr_tensor,
+                o: *const kvr_tensor,
+                sc: *const kvr_tensor| {
+        kvr_wgkv_pool_step_decode(
+            pl,
+            layer,
+            &idt,
+            &kt,
+            &kt,
+            null(),
+            sc,
+            null(),
+            q,
+            o,
+            null(),
+            null(),
+            null_mut(),
+        )
+    };
+    let cases: Vec<(kvr_status, kvr_status)> = vec![
+        (KVR_STATUS_NULL_ARG, call(pool, 0, null(), &ot, &st)),
+        (KVR_STATUS_NULL_ARG, call(pool, 0, &qt, null(), &st)),
+        (KVR_STATUS_INVALID_ARG, call(pool, 0, &qt, &ot, null())),
+        (KVR_STATUS_INVALID_ARG, call(pool, 0, &q2, &o2, &st)),
+        (KVR_STATUS_INVALID_ARG, call(pool, 0, &qt, &bad_out, &st)),
+        (KVR_STATUS_NULL_ARG, call(null_mut(), 0, &qt, &ot, &st)),
+        (KVR_STATUS_OUT_OF_RANGE, call(pool, L as i32, &qt, &ot, &st)),
+    ];
+    for (i, (want, got)) in cases.into_iter().enumerate() {
+        assert_eq!(got, want, "case {i}: {}", last_error());
+    }
+    assert!(out.iter().all(|x| x.is_nan()), "a refused call wrote out");
+    let after = (format!("{:?}", stats(pool)), format!("{:?}", rows(pool, a)));
+    assert_eq!(before, after, "a refused call changed the pool");
     kvr_wgkv_pool_free(pool);
     kvr_context_free(ctx);
 }

@@ -15,7 +15,7 @@ use super::tensor::{kvr_tensor, view_from_c};
 use crate::backend::Stream;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv::wgkv::{GateWeights, WgKvConfig, WgKvPool};
+use crate::kv::wgkv::{GateWeights, WgKvConfig, WgKvPool, WgStep};
 use crate::kv::{DecodeIo, KvStorage};
 use crate::tensor::{DType, MemoryKind, TensorView};
 
@@ -648,6 +648,50 @@ pub extern "C" fn kvr_wgkv_pool_reserve(
     })
 }
 
+/// A step's sequence ids (i32 `[B]` in host memory, read) and its optional tensors
+/// (`k_pre`, `scores`, `scores_out`; NULL: none).
+type StepInputs = (
+    Vec<i32>,
+    Option<TensorView>,
+    Option<TensorView>,
+    Option<TensorView>,
+);
+
+/// The checked descriptor behind `t`, or `None` for NULL.
+fn optional_view(t: *const kvr_tensor, name: &str) -> Result<Option<TensorView>> {
+    if t.is_null() {
+        Ok(None)
+    } else {
+        // SAFETY: non-NULL descriptor.
+        unsafe { view_from_c(t, name) }.map(Some)
+    }
+}
+
+/// Reads a step's ids and optional tensors ([`StepInputs`]).
+fn step_inputs(
+    seq_ids: *const kvr_tensor,
+    k_pre: *const kvr_tensor,
+    scores: *const kvr_tensor,
+    scores_out: *const kvr_tensor,
+) -> Result<StepInputs> {
+    // SAFETY: NULL-checked descriptor.
+    let ids = unsafe { view_from_c(seq_ids, "seq_ids")? };
+    if ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.memory() != MemoryKind::Host {
+        return Err(Error::InvalidArgument(format!(
+            "seq_ids must be an i32 [B] tensor in host memory, not {} {:?} in {:?} memory",
+            ids.dtype(),
+            ids.shape(),
+            ids.memory()
+        )));
+    }
+    Ok((
+        crate::pool::read_host_i32(&ids, ids.shape()[0]),
+        optional_view(k_pre, "k_pre")?,
+        optional_view(scores, "scores")?,
+        optional_view(scores_out, "scores_out")?,
+    ))
+}
+
 /// One decode step of layer `layer`: one committed token for each sequence of `seq_ids`
 /// (i32 `[B]`, host memory, unique, each with steps reserved by `kvr_wgkv_pool_reserve`).
 /// `k`, `v`: `[B, n_kv_heads, head_dim]` (the cached, post-RoPE key). Exactly one of
@@ -698,35 +742,8 @@ pub extern "C" fn kvr_wgkv_pool_step(
         let p = pool_from(pool)?;
         let layer = one_layer(layer)?;
         // SAFETY: NULL-checked descriptors.
-        let (ids, k, v) = unsafe {
-            (
-                view_from_c(seq_ids, "seq_ids")?,
-                view_from_c(k, "k")?,
-                view_from_c(v, "v")?,
-            )
-        };
-        if ids.dtype() != DType::I32 || ids.ndim() != 1 || ids.memory() != MemoryKind::Host {
-            return Err(Error::InvalidArgument(format!(
-                "seq_ids must be an i32 [B] tensor in host memory, not {} {:?} in {:?} memory",
-                ids.dtype(),
-                ids.shape(),
-                ids.memory()
-            )));
-        }
-        let ids = crate::pool::read_host_i32(&ids, ids.shape()[0]);
-        let opt = |t: *const kvr_tensor, name: &str| -> Result<Option<TensorView>> {
-            if t.is_null() {
-                Ok(None)
-            } else {
-                // SAFETY: non-NULL descriptor.
-                unsafe { view_from_c(t, name) }.map(Some)
-            }
-        };
-        let (kp, sc, so) = (
-            opt(k_pre, "k_pre")?,
-            opt(scores, "scores")?,
-            opt(scores_out, "scores_out")?,
-        );
+        let (k, v) = unsafe { (view_from_c(k, "k")?, view_from_c(v, "v")?) };
+        let (ids, kp, sc, so) = step_inputs(seq_ids, k_pre, scores, scores_out)?;
         p.step(
             layer,
             &ids,
@@ -833,12 +850,7 @@ pub extern "C" fn kvr_wgkv_pool_decode(
                 view_from_c(out, "out")?,
             )
         };
-        let lse = if lse.is_null() {
-            None
-        } else {
-            // SAFETY: non-NULL descriptor.
-            Some(unsafe { view_from_c(lse, "lse")? })
-        };
+        let lse = optional_view(lse, "lse")?;
         let io = DecodeIo {
             seq_ids: &ids,
             q: &q,
@@ -846,6 +858,68 @@ pub extern "C" fn kvr_wgkv_pool_decode(
             lse: lse.as_ref(),
         };
         p.decode(layer, &io, &opts, Stream(stream as usize))
+    })
+}
+
+/// `kvr_wgkv_pool_step` and then `kvr_wgkv_pool_decode` of the same sequences in one call:
+/// the step's committed token for each sequence of `seq_ids` (arguments as
+/// `kvr_wgkv_pool_step`), then attention of `q` over the rows with that token in them
+/// (`q`/`out` `[B, Hq, head_dim]` or `[B, 1, Hq, head_dim]`, `lse` optional, `params` as
+/// `kvr_wgkv_pool_decode`). Every argument of both is checked before anything is queued.
+/// On CUDA the call queues the step's kernel and then the decode's (graph-capturable, as
+/// both are).
+///
+/// Returns: `KVR_STATUS_OK`; `KVR_STATUS_NULL_ARG`; `KVR_STATUS_INVALID_ARG` (as either
+/// call, or more than one query token per sequence); `KVR_STATUS_UNKNOWN_ID`;
+/// `KVR_STATUS_DTYPE_MISMATCH`; `KVR_STATUS_OUT_OF_RANGE`; `KVR_STATUS_UNSUPPORTED`;
+/// `KVR_STATUS_CUDA_ERROR`.
+/// Ownership: all tensors stay the caller's.
+/// Thread safety: thread-safe (the call holds the pool's lock throughout).
+/// On failure: nothing changes and `out` / `lse` are not written, except after
+/// `KVR_STATUS_CUDA_ERROR` from the decode's launch, which leaves the step queued.
+#[no_mangle]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn kvr_wgkv_pool_step_decode(
+    pool: *mut kvr_wgkv_pool,
+    layer: i32,
+    seq_ids: *const kvr_tensor,
+    k: *const kvr_tensor,
+    v: *const kvr_tensor,
+    k_pre: *const kvr_tensor,
+    scores: *const kvr_tensor,
+    scores_out: *const kvr_tensor,
+    q: *const kvr_tensor,
+    out: *const kvr_tensor,
+    lse: *const kvr_tensor,
+    params: *const kvr_kv_decode_params,
+    stream: *mut c_void,
+) -> kvr_status {
+    guard("kvr_wgkv_pool_step_decode", || {
+        let p = pool_from(pool)?;
+        let layer = one_layer(layer)?;
+        let opts = super::kv_pool::decode_options_from(params)?;
+        // SAFETY: NULL-checked descriptors.
+        let (k, v, q, out) = unsafe {
+            (
+                view_from_c(k, "k")?,
+                view_from_c(v, "v")?,
+                view_from_c(q, "q")?,
+                view_from_c(out, "out")?,
+            )
+        };
+        let (ids, kp, sc, so) = step_inputs(seq_ids, k_pre, scores, scores_out)?;
+        let lse = optional_view(lse, "lse")?;
+        let io = WgStep {
+            layer,
+            seqs: &ids,
+            k_pre: kp.as_ref(),
+            k: &k,
+            v: &v,
+            scores: sc.as_ref(),
+            scores_out: so.as_ref(),
+        };
+        p.step_decode(&io, &q, &out, lse.as_ref(), &opts, Stream(stream as usize))
     })
 }
 

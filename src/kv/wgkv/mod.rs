@@ -293,6 +293,21 @@ pub struct WgKvStats {
     pub page_bytes: usize,
 }
 
+/// One device-side decode step's inputs ([`WgKvPool::step`], [`WgKvPool::step_decode`]):
+/// one committed token for each sequence of `seqs` in layer `layer`, K/V `[B, kv_heads,
+/// head_dim]`, and exactly one of `k_pre` (the pool's gate scores the token) and `scores`
+/// (f32 `[B, kv_heads]`); `scores_out` receives the scores used.
+#[derive(Clone, Copy)]
+pub struct WgStep<'a> {
+    pub layer: usize,
+    pub seqs: &'a [i32],
+    pub k_pre: Option<&'a TensorView>,
+    pub k: &'a TensorView,
+    pub v: &'a TensorView,
+    pub scores: Option<&'a TensorView>,
+    pub scores_out: Option<&'a TensorView>,
+}
+
 /// A paged KV pool in write-gated mode. Thread-safe (calls serialize on its lock); device
 /// work must be stream-ordered by the caller, as for [`KvPool`].
 pub struct WgKvPool {
@@ -1170,6 +1185,74 @@ impl WgKvPool {
         scores_out: Option<&TensorView>,
         stream: Stream,
     ) -> Result<()> {
+        let io = WgStep {
+            layer,
+            seqs,
+            k_pre,
+            k,
+            v,
+            scores,
+            scores_out,
+        };
+        let gate = self.step_check_io(&io)?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        self.step_check_rows(&rows, &io)?;
+        self.step_run(&mut rows, &mut st, &io, gate, stream)
+    }
+
+    /// [`Self::step`] and then [`Self::decode`] of the same sequences in one call (one
+    /// query token per sequence: q `[B, Hq, D]` or `[B, 1, Hq, D]`), checked as one: on an
+    /// error nothing is queued and nothing changes.
+    pub fn step_decode(
+        &self,
+        io: &WgStep<'_>,
+        q: &TensorView,
+        out: &TensorView,
+        lse: Option<&TensorView>,
+        opts: &DecodeOptions,
+        stream: Stream,
+    ) -> Result<()> {
+        let gate = self.step_check_io(io)?;
+        if q.ndim() == 4 && q.shape()[1] != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "q has {} query tokens per sequence; a step decodes one",
+                q.shape()[1]
+            )));
+        }
+        let ids_view = TensorView::contiguous(
+            io.seqs.as_ptr() as usize,
+            DType::I32,
+            MemoryKind::Host,
+            &[io.seqs.len()],
+        )?;
+        let dio = DecodeIo {
+            seq_ids: &ids_view,
+            q,
+            out,
+            lse,
+        };
+        let mut rows = self.lock_rows();
+        let mut st = self.inner.lock();
+        if !io.seqs.is_empty() {
+            self.step_check_rows(&rows, io)?;
+        }
+        let plans = self.decode_plans(&rows, &st, io.layer, &dio, opts)?;
+        if io.seqs.is_empty() {
+            return Ok(());
+        }
+        self.step_run(&mut rows, &mut st, io, gate, stream)?;
+        self.decode_run(&st, &plans, stream)
+    }
+
+    /// The checks of a step's layer and tensors, and the pool's gate when the step scores
+    /// (`k_pre`).
+    fn step_check_io(&self, io: &WgStep<'_>) -> Result<Option<Arc<GateWeights>>> {
+        let (k, v, k_pre, scores, scores_out) = (io.k, io.v, io.k_pre, io.scores, io.scores_out);
+        let (layer, seqs) = (io.layer, io.seqs);
         crate::pool::check_layer(layer, self.cfg.layers)?;
         let (b, h) = (seqs.len(), self.cfg.kv_heads);
         let mut ts: Vec<(&str, &TensorView)> = vec![("k", k), ("v", v)];
@@ -1189,7 +1272,7 @@ impl WgKvPool {
             )));
         }
         if b == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let on_cuda = self.cuda.is_some();
         let want_mem = if on_cuda {
@@ -1244,8 +1327,14 @@ impl WgKvPool {
             ),
             None => None,
         };
-        let mut rows = self.lock_rows();
-        let mut st = self.inner.lock();
+        Ok(gate)
+    }
+
+    /// The checks of a step against the rows: sequences listed once, each with a
+    /// reservation, and a device gate where the step scores on CUDA.
+    fn step_check_rows(&self, rows: &SlotTable<Vec<Row>>, io: &WgStep<'_>) -> Result<()> {
+        let (layer, seqs, h) = (io.layer, io.seqs, self.cfg.kv_heads);
+        let on_cuda = self.cuda.is_some();
         for (i, &id) in seqs.iter().enumerate() {
             if seqs[..i].contains(&id) {
                 return Err(Error::InvalidArgument(format!(
@@ -1264,7 +1353,7 @@ impl WgKvPool {
             }
         }
         if let Some(c) = &self.cuda {
-            if k_pre.is_some() && !c.has_gate() {
+            if io.k_pre.is_some() && !c.has_gate() {
                 return Err(Error::Unsupported(format!(
                     "the gate's input (2 x head_dim = {}) exceeds the device gate's {}; pass \
                      scores",
@@ -1272,6 +1361,30 @@ impl WgKvPool {
                     crate::abi::KVR_WGKV_GATE_MAX_IN
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// A checked, non-empty step ([`Self::step_check_io`], [`Self::step_check_rows`]).
+    fn step_run(
+        &self,
+        rows: &mut SlotTable<Vec<Row>>,
+        st: &mut PoolState,
+        io: &WgStep<'_>,
+        gate: Option<Arc<GateWeights>>,
+        stream: Stream,
+    ) -> Result<()> {
+        let WgStep {
+            layer,
+            seqs,
+            k_pre,
+            k,
+            v,
+            scores,
+            scores_out,
+        } = *io;
+        let (b, h) = (seqs.len(), self.cfg.kv_heads);
+        if let Some(c) = &self.cuda {
             // A gate whose scores nobody reads now is deferred: a token's bit is needed only
             // when it leaves the ring.
             let mode = match (scores, scores_out) {
@@ -1304,8 +1417,8 @@ impl WgKvPool {
             let (ki, vi) = (token_slice(k, i)?, token_slice(v, i)?);
             let s = &sc[i * h..(i + 1) * h];
             self.append_rows(
-                &mut rows,
-                &mut st,
+                rows,
+                st,
                 id,
                 layer..layer + 1,
                 1,
@@ -1530,6 +1643,19 @@ impl WgKvPool {
     ) -> Result<()> {
         let rows = self.lock_rows();
         let st = self.inner.lock();
+        let plans = self.decode_plans(&rows, &st, layer, io, opts)?;
+        self.decode_run(&st, &plans, stream)
+    }
+
+    /// The checked inner decodes of [`Self::decode`] (all checks, nothing queued).
+    fn decode_plans(
+        &self,
+        rows: &SlotTable<Vec<Row>>,
+        st: &PoolState,
+        layer: usize,
+        io: &DecodeIo<'_>,
+        opts: &DecodeOptions,
+    ) -> Result<Vec<decode::DecodePlan>> {
         crate::pool::check_layer(layer, self.cfg.layers)?;
         if opts.window != 0 {
             return Err(Error::InvalidArgument(
@@ -1698,15 +1824,25 @@ impl WgKvPool {
             checked.push(decode::check(
                 self.inner.config(),
                 backend,
-                &st,
+                st,
                 0,
                 &dio,
                 opts,
             )?);
         }
+        Ok(checked)
+    }
+
+    /// Queues checked inner decodes ([`Self::decode_plans`]).
+    fn decode_run(
+        &self,
+        st: &PoolState,
+        plans: &[decode::DecodePlan],
+        stream: Stream,
+    ) -> Result<()> {
         let lay = *self.inner.layer_layout(0).expect("one layer");
-        for plan in &checked {
-            self.inner.exec.decode(&lay, &st, plan, stream)?;
+        for plan in plans {
+            self.inner.exec.decode(&lay, st, plan, stream)?;
         }
         Ok(())
     }
